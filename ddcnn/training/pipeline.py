@@ -1,0 +1,68 @@
+"""``train(cfg)``: run the configured stages of one CNN-DNN run in order (the CLI's entry point)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig
+
+from ddcnn.training.stages import build_context, run_coarse, run_evaluate, run_global, run_local
+
+log = logging.getLogger(__name__)
+
+__all__ = ["train", "STAGES"]
+
+STAGES = ("local", "coarse", "global", "evaluate")
+
+
+def _subdomains(cfg: DictConfig, num_subdomains: int) -> list[int]:
+    sel = cfg.get("subdomain")
+    if sel is None:
+        return list(range(num_subdomains))
+    values = list(sel) if isinstance(sel, ListConfig | list | tuple) else [sel]
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"subdomain must be an integer index or a list of them, got {sel!r}.")
+        out.append(int(v))
+    return out
+
+
+def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
+    """Run ``cfg.stage`` (``all`` or one of :data:`STAGES`) in ``run_dir`` (default ``cfg.paths.run_dir``).
+
+    Returns:
+        The results of the evaluate stage when it ran, else a dict with the metadata of the stages that ran.
+    """
+    stage = str(cfg.get("stage", "all"))
+    if stage not in ("all", *STAGES):
+        raise ValueError(f"unknown stage {stage!r}; choose one of: all, {', '.join(STAGES)}.")
+    ctx = build_context(cfg, run_dir)
+    log.info("run directory %s: %s", ctx.run.root, ctx.decomposition.describe())
+    device = cfg.get("device")
+    out: dict = {}
+    start = time.perf_counter()
+    if stage in ("all", "local"):
+        indices = _subdomains(cfg, ctx.decomposition.num_subdomains)
+        workers = int(cfg.get("parallel", {}).get("workers", 1) or 1)
+        if workers > 1:
+            from ddcnn.parallel.workers import run_local_parallel
+
+            out["local"] = run_local_parallel(cfg, ctx.run.root, indices, workers)
+        else:
+            out["local"] = [run_local(ctx, i, device) for i in indices]
+    if stage in ("all", "coarse"):
+        out["coarse"] = run_coarse(ctx, device)
+    if stage in ("all", "global"):
+        out["global"] = run_global(ctx, device)
+    if stage in ("all", "evaluate"):
+        results = run_evaluate(ctx)
+        from ddcnn.report.results import results_markdown
+
+        print(results_markdown(results))
+        log.info("stages %s finished in %.1f s", stage, time.perf_counter() - start)
+        return results
+    log.info("stage %s finished in %.1f s", stage, time.perf_counter() - start)
+    return out

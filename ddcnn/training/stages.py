@@ -1,0 +1,365 @@
+"""The stages of a CNN-DNN run: ``local``, ``coarse``, ``global``, ``evaluate``.
+
+Every stage is a function ``stage(cfg, run_dir, ...) -> dict`` that reads only finished artifacts of
+earlier stages from the run directory and writes its own atomically (see :mod:`ddcnn.training.rundir`).
+A stage whose ``done`` marker exists is skipped unless ``force=true``; one that was interrupted resumes
+from its ``last.ckpt``. The CLI, the parallel workers, SLURM jobs, notebooks and tests call them alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from ddcnn.data.datamodule import SPLITS, Prepared, TensorDataModule, prepare
+from ddcnn.decomposition import Decomposition
+from ddcnn.training.classifier import Classifier
+from ddcnn.training.rundir import RunDir, atomic_torch_save
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Context",
+    "build_context",
+    "run_local",
+    "run_coarse",
+    "run_global",
+    "run_evaluate",
+    "subdomain_seed",
+    "build_local_net",
+    "build_global_net",
+    "build_coarse_net",
+    "predict_logits",
+]
+
+PROB_FILES = tuple(f"probs_{s}.pt" for s in SPLITS)
+
+
+@dataclass
+class Context:
+    """What every stage of one run shares: the configuration, the data and the decomposition."""
+
+    cfg: DictConfig
+    run: RunDir
+    data: Prepared
+    decomposition: Decomposition
+
+
+def load_data(cfg: DictConfig) -> Prepared:
+    """Instantiate the configured source and prepare its splits (same result in every stage and process)."""
+    d = cfg.data
+    splits = hydra.utils.instantiate(d.source)
+    return prepare(
+        splits,
+        num_classes=int(d.num_classes),
+        in_channels=int(d.in_channels),
+        spatial_dims=int(d.spatial_dims),
+        image_size=d.get("image_size"),
+        val_fraction=float(d.get("val_fraction", 0.1)),
+        split_seed=int(d.get("split_seed", 0)),
+        train_subset=d.get("train_subset"),
+        test_subset=d.get("test_subset"),
+        normalize=bool(d.get("normalize", True)),
+    )
+
+
+def build_context(cfg: DictConfig, run_dir: str | Path | None = None) -> Context:
+    """Check the run directory against the configuration, load the data and build the decomposition."""
+    run = RunDir(run_dir if run_dir is not None else cfg.paths.run_dir)
+    run.check_fingerprint(cfg)
+    data = load_data(cfg)
+    dec = Decomposition(tuple(cfg.decomposition.grid), data.image_shape, tuple_or_int(cfg.decomposition.overlap))
+    return Context(cfg, run, data, dec)
+
+
+def tuple_or_int(value) -> int | tuple[int, ...]:
+    return int(value) if isinstance(value, int | float) else tuple(int(v) for v in value)
+
+
+def subdomain_seed(seed: int, subdomain: int) -> int:
+    """Seed of local net ``subdomain``: fixed by the run seed and the index, whatever the worker or order."""
+    return (int(seed) * 1_000_003 + 7919 * (int(subdomain) + 1)) % (2**31 - 1)
+
+
+# --- networks ------------------------------------------------------------------------------------
+def _build(model_cfg: DictConfig, data: Prepared) -> nn.Module:
+    spec = OmegaConf.to_container(model_cfg, resolve=True)
+    spec.pop("name", None)  # a label for run directories and reports, not a constructor argument
+    return hydra.utils.instantiate(
+        spec, spatial_dims=data.spatial_dims, in_channels=data.in_channels, num_classes=data.num_classes
+    )
+
+
+def build_local_net(cfg: DictConfig, data: Prepared) -> nn.Module:
+    return _build(cfg.model, data)
+
+
+def build_global_net(cfg: DictConfig, data: Prepared) -> nn.Module:
+    return _build(cfg.get("global_model") or cfg.model, data)
+
+
+def build_coarse_net(cfg: DictConfig, num_subdomains: int, num_classes: int) -> nn.Module:
+    return hydra.utils.instantiate(cfg.coarse.net, num_subdomains=num_subdomains, num_classes=num_classes)
+
+
+def count_parameters(net: nn.Module) -> int:
+    return sum(p.numel() for p in net.parameters())
+
+
+# --- training ------------------------------------------------------------------------------------
+def _device_kwargs(device: str | torch.device | None) -> dict:
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        return {"accelerator": "gpu", "devices": [device.index or 0]}
+    return {"accelerator": "cpu", "devices": 1}
+
+
+def _trainer(cfg: DictConfig, folder: Path, device, max_epochs: int | None = None) -> tuple[L.Trainer, ModelCheckpoint]:
+    tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    monitor = tcfg.pop("monitor", "val_acc")
+    mode = tcfg.pop("monitor_mode", "max")
+    tcfg.update(_device_kwargs(device))
+    if max_epochs is not None:
+        tcfg["max_epochs"] = int(max_epochs)
+    ckpt = ModelCheckpoint(
+        dirpath=folder,
+        filename="best",
+        monitor=monitor,
+        mode=mode,
+        save_top_k=1,
+        save_last=True,
+        enable_version_counter=False,
+    )
+    logger = CSVLogger(save_dir=str(folder), name="logs", version="")
+    trainer = L.Trainer(
+        default_root_dir=str(folder),
+        callbacks=[ckpt],
+        logger=logger,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **tcfg,
+    )
+    return trainer, ckpt
+
+
+def _fit(
+    cfg: DictConfig,
+    net: nn.Module,
+    dm: TensorDataModule,
+    folder: Path,
+    device,
+    seed: int,
+    max_epochs: int | None = None,
+    optimizer_cfg: DictConfig | None = None,
+) -> nn.Module:
+    """Train ``net`` with Lightning, resuming from ``folder/last.ckpt``; return it with the best weights."""
+    L.seed_everything(seed, workers=True, verbose=False)
+    opt_cfg = optimizer_cfg if optimizer_cfg is not None else cfg.optimizer
+    optimizer = hydra.utils.instantiate(opt_cfg)
+    scheduler = hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    module = Classifier(net, num_classes=int(cfg.data.num_classes), optimizer=optimizer, scheduler=scheduler)
+    trainer, ckpt = _trainer(cfg, folder, device, max_epochs)
+    last = folder / "last.ckpt"
+    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.is_file() else None)
+    best = Path(ckpt.best_model_path) if ckpt.best_model_path else folder / "best.ckpt"
+    if best.is_file():
+        state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
+        module.load_state_dict(state)
+    return module.net
+
+
+@torch.inference_mode()
+def predict_logits(net: nn.Module, loader, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and labels of every batch of ``loader`` (in order)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    net = net.to(device).eval()
+    outs, labels = [], []
+    for x, y in loader:
+        outs.append(net(x.to(device)).float().cpu())
+        labels.append(y)
+    return torch.cat(outs), torch.cat(labels)
+
+
+def _save_predictions(net: nn.Module, dm: TensorDataModule, folder: Path, device) -> dict[str, float]:
+    accuracy = {}
+    for split in SPLITS:
+        logits, labels = predict_logits(net, dm.loader(split), device)
+        atomic_torch_save(
+            {"logits": logits, "probs": logits.softmax(-1), "labels": labels}, folder / f"probs_{split}.pt"
+        )
+        accuracy[split] = float((logits.argmax(-1) == labels).float().mean())
+    return accuracy
+
+
+def _save_net(net: nn.Module, folder: Path) -> None:
+    atomic_torch_save(net.cpu().state_dict(), folder / "net.pt")
+
+
+def _skip(ctx: Context, stage: str, subdomain: int | None = None) -> dict | None:
+    if ctx.run.is_done(stage, subdomain) and not ctx.cfg.get("force", False):
+        name = stage if subdomain is None else f"local {subdomain}"
+        log.info("%s: finished earlier, skipped (force=true recomputes)", name)
+        return ctx.run.meta(stage, subdomain)
+    if ctx.cfg.get("force", False):
+        ctx.run.clear(stage, subdomain)
+    return None
+
+
+def _batch_size(cfg: DictConfig) -> int:
+    return int(cfg.data.batch_size)
+
+
+def run_local(ctx: Context, subdomain: int, device=None) -> dict:
+    """Train local net ``subdomain`` on its sub-images only, then save its class probabilities."""
+    if not 0 <= subdomain < ctx.decomposition.num_subdomains:
+        raise ValueError(
+            f"subdomain={subdomain} does not exist: the {ctx.decomposition.describe()} has sub-domains "
+            f"0..{ctx.decomposition.num_subdomains - 1}."
+        )
+    if (done := _skip(ctx, "local", subdomain)) is not None:
+        return done
+    folder = ctx.run.stage_dir("local", subdomain)
+    folder.mkdir(parents=True, exist_ok=True)
+    seed = subdomain_seed(ctx.cfg.seed, subdomain)
+    dec = ctx.decomposition
+    box = (slice(None), slice(None), *dec.box(subdomain))
+    dm = TensorDataModule(ctx.data.x, ctx.data.y, _batch_size(ctx.cfg), seed=seed, view=lambda x: x[box])
+    start = time.perf_counter()
+    L.seed_everything(seed, workers=True, verbose=False)
+    net = build_local_net(ctx.cfg, ctx.data)
+    net = _fit(ctx.cfg, net, dm, folder, device, seed)
+    fit_time = time.perf_counter() - start
+    accuracy = _save_predictions(net, dm, folder, device)
+    _save_net(net, folder)
+    meta = {
+        "stage": "local",
+        "subdomain": subdomain,
+        "position": list(dec.position(subdomain)),
+        "box": [[s.start, s.stop] for s in dec.box(subdomain)],
+        "seed": seed,
+        "time_s": time.perf_counter() - start,
+        "fit_time_s": fit_time,
+        "accuracy": accuracy,
+        "params": count_parameters(net),
+        "n_train": len(ctx.data.y["train"]),
+        "device": str(device or "cpu"),
+    }
+    ctx.run.mark_done("local", subdomain, meta, required=(*PROB_FILES, "net.pt"))
+    log.info("local %d: test acc %.4f in %.1f s", subdomain, accuracy["test"], meta["time_s"])
+    return meta
+
+
+def local_features(run: RunDir, num_subdomains: int, split: str, kind: str = "probs") -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenated local outputs ``(n, N, K)`` of one split and their labels, checked for consistency."""
+    if kind not in ("probs", "logits"):
+        raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
+    missing = run.missing_local(num_subdomains)
+    if missing:
+        raise FileNotFoundError(
+            f"local nets {missing} have not finished in {run.root}; run the local stage for them first "
+            f"(stage=local, or stage=all which skips the finished ones)."
+        )
+    feats, labels = [], None
+    for i in range(num_subdomains):
+        saved = run.load_probs("local", split, i)
+        if labels is None:
+            labels = saved["labels"]
+        elif saved["labels"].shape != labels.shape or not torch.equal(saved["labels"], labels):
+            raise ValueError(
+                f"saved {split} predictions of local net {i} in {run.stage_dir('local', i)} are for other samples than "
+                f"those of local net 0 (labels differ); the local stage ran with other data settings. Rerun it with "
+                f"force=true."
+            )
+        if feats and saved[kind].shape != feats[0].shape:
+            raise ValueError(
+                f"saved {split} predictions of local net {i} have shape {tuple(saved[kind].shape)}, local net 0 "
+                f"{tuple(feats[0].shape)}; rerun the local stage with force=true."
+            )
+        feats.append(saved[kind])
+    return torch.stack(feats, dim=1), labels
+
+
+def run_coarse(ctx: Context, device=None) -> dict:
+    """Train the coarse DNN on the saved local probabilities (train split), selecting on val."""
+    if (done := _skip(ctx, "coarse")) is not None:
+        return done
+    folder = ctx.run.stage_dir("coarse")
+    folder.mkdir(parents=True, exist_ok=True)
+    n = ctx.decomposition.num_subdomains
+    kind = str(ctx.cfg.coarse.get("input", "probs"))
+    x, y = {}, {}
+    for split in SPLITS:
+        x[split], y[split] = local_features(ctx.run, n, split, kind)
+        if not torch.equal(y[split], ctx.data.y[split]):
+            raise ValueError(
+                f"saved local {split} predictions do not belong to the current data (labels differ); rerun the local "
+                f"stage with force=true."
+            )
+    seed = subdomain_seed(ctx.cfg.seed, -1)
+    dm = TensorDataModule(x, y, int(ctx.cfg.coarse.batch_size), seed=seed)
+    start = time.perf_counter()
+    L.seed_everything(seed, workers=True, verbose=False)
+    net = build_coarse_net(ctx.cfg, n, ctx.data.num_classes)
+    net = _fit(ctx.cfg, net, dm, folder, device, seed, int(ctx.cfg.coarse.max_epochs), ctx.cfg.coarse.optimizer)
+    fit_time = time.perf_counter() - start
+    accuracy = _save_predictions(net, dm, folder, device)
+    _save_net(net, folder)
+    meta = {
+        "stage": "coarse",
+        "input": kind,
+        "seed": seed,
+        "time_s": time.perf_counter() - start,
+        "fit_time_s": fit_time,
+        "accuracy": accuracy,
+        "params": count_parameters(net),
+    }
+    ctx.run.mark_done("coarse", None, meta, required=(*PROB_FILES, "net.pt"))
+    log.info("coarse: test acc %.4f in %.1f s", accuracy["test"], meta["time_s"])
+    return meta
+
+
+def run_global(ctx: Context, device=None) -> dict:
+    """Train the baseline: the same network family on full images."""
+    if (done := _skip(ctx, "global")) is not None:
+        return done
+    folder = ctx.run.stage_dir("global")
+    folder.mkdir(parents=True, exist_ok=True)
+    seed = subdomain_seed(ctx.cfg.seed, -2)
+    dm = TensorDataModule(ctx.data.x, ctx.data.y, _batch_size(ctx.cfg), seed=seed)
+    start = time.perf_counter()
+    L.seed_everything(seed, workers=True, verbose=False)
+    net = build_global_net(ctx.cfg, ctx.data)
+    net = _fit(ctx.cfg, net, dm, folder, device, seed)
+    fit_time = time.perf_counter() - start
+    accuracy = _save_predictions(net, dm, folder, device)
+    _save_net(net, folder)
+    meta = {
+        "stage": "global",
+        "seed": seed,
+        "time_s": time.perf_counter() - start,
+        "fit_time_s": fit_time,
+        "accuracy": accuracy,
+        "params": count_parameters(net),
+        "device": str(device or "cpu"),
+    }
+    ctx.run.mark_done("global", None, meta, required=(*PROB_FILES, "net.pt"))
+    log.info("global: test acc %.4f in %.1f s", accuracy["test"], meta["time_s"])
+    return meta
+
+
+def run_evaluate(ctx: Context) -> dict:
+    """Accuracy of every local net, the combiners, the CNN-DNN and the global CNN; times and speedup."""
+    from ddcnn.report.results import evaluate_run
+
+    return evaluate_run(ctx.run, ctx.decomposition, ctx.data, ctx.cfg)
+
