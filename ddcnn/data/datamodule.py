@@ -77,8 +77,13 @@ def _subset(y: np.ndarray, n: int, seed: int) -> np.ndarray:
     """A class-stratified subset of ``n`` indices, fixed by ``seed`` (for fast benchmarks)."""
     if n >= len(y):
         return np.arange(len(y))
-    _, held = stratified_split(y, n / len(y), seed)
-    return held
+    from sklearn.model_selection import train_test_split
+
+    try:
+        held, _ = train_test_split(np.arange(len(y)), train_size=n, stratify=y, random_state=seed)
+    except ValueError:  # a class too small to stratify: fall back to a plain seeded sample
+        held = np.random.default_rng(seed).permutation(len(y))[:n]
+    return np.sort(held)
 
 
 def prepare(

@@ -174,6 +174,8 @@ def torchvision_dataset(name: str, root: str | Path) -> Splits:
     if key not in _TORCHVISION:
         raise ValueError(f"unknown torchvision dataset {name!r}; supported: {sorted(_TORCHVISION)}.")
     root = Path(root).expanduser()
+    if key == "cifar10":
+        return _cifar10(root)
     cls = getattr(torchvision.datasets, _TORCHVISION[key])
     try:
         train = cls(str(root), train=True, download=False)
@@ -192,6 +194,39 @@ def torchvision_dataset(name: str, root: str | Path) -> Splits:
     x_train, y_train = arrays(train)
     x_test, y_test = arrays(test)
     return Splits(x_train, y_train, x_test, y_test, class_names=list(train.classes), name=key)
+
+
+def _cifar10(root: Path) -> Splits:
+    """CIFAR-10's python format, read directly (torchvision insists on the official md5 sums, so it
+    refuses re-packed or subset files; the layout and content are the same)."""
+    import pickle
+
+    folder = root / "cifar-10-batches-py"
+    names = [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta"]
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"CIFAR-10 not found under {root}: {folder} lacks {missing}. ddcnn never downloads: place the files as "
+            f"{_TORCHVISION_LAYOUT['cifar10']} (torchvision's layout) or set data.root to their folder."
+        )
+
+    def read(name: str) -> dict:
+        try:
+            with open(folder / name, "rb") as fh:
+                return pickle.load(fh, encoding="latin1")
+        except Exception as err:
+            raise ValueError(f"CIFAR-10 file {folder / name} cannot be read ({err}); the file is corrupt.") from err
+
+    def arrays(batches: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        parts = [read(n) for n in batches]
+        x = np.concatenate([np.asarray(p["data"], dtype=np.uint8) for p in parts]).reshape(-1, 3, 32, 32)
+        y = np.concatenate([np.asarray(p.get("labels", p.get("fine_labels")), dtype=np.int64) for p in parts])
+        return x, y
+
+    x_train, y_train = arrays(names[:5])
+    x_test, y_test = arrays(["test_batch"])
+    class_names = list(read("batches.meta")["label_names"])
+    return Splits(x_train, y_train, x_test, y_test, class_names=class_names, name="cifar10")
 
 
 def image_folder(
