@@ -17,7 +17,6 @@ from pathlib import Path
 import hydra
 import torch
 import torch.nn.functional as F
-
 from _common import SHARED_DATA, config, quiet
 from omegaconf import open_dict
 
@@ -49,7 +48,10 @@ def bare_loop(ctx, subdomain: int, epochs: int) -> float:
             opt.step()
         net.eval()
         with torch.inference_mode():
-            correct = sum(int((net(xb).argmax(-1) == yb).sum()) for xb, yb in zip(x_val.split(4 * bs), y_val.split(4 * bs)))
+            correct = sum(
+                int((net(xb).argmax(-1) == yb).sum())
+                for xb, yb in zip(x_val.split(4 * bs), y_val.split(4 * bs), strict=True)
+            )
         _ = correct / len(y_val)
     return time.perf_counter() - start
 
@@ -90,8 +92,10 @@ def main() -> None:
             ctx.run = RunDir(Path(tmp) / f"staged{rep}")
             staged = min(staged, run_local(ctx, 0)["fit_time_s"])
     ratio = (n_images / staged) / (n_images / bare)
-    print(f"data: {cfg.data.name}, {len(ctx.data.y['train'])} train images, sub-domain {ctx.decomposition.sub_shape}, "
-          f"{args.model}, {args.epochs} epochs, batch {cfg.data.batch_size}, threads {torch.get_num_threads()}")
+    print(
+        f"data: {cfg.data.name}, {len(ctx.data.y['train'])} train images, sub-domain {ctx.decomposition.sub_shape}, "
+        f"{args.model}, {args.epochs} epochs, batch {cfg.data.batch_size}, threads {torch.get_num_threads()}"
+    )
     print(f"bare PyTorch loop: {n_images / bare:8.1f} images/s ({bare:.1f} s)")
     print(f"ddcnn local stage: {n_images / staged:8.1f} images/s ({staged:.1f} s, Lightning fit incl. checkpoints)")
     print(f"overhead ratio (ddcnn / bare images/s): {ratio:.3f}")

@@ -10,7 +10,6 @@ from omegaconf import DictConfig
 
 from ddcnn.training.pipeline import train
 
-
 # conf/ lives at the repository top level beside ddcnn/ (the package is installed editable: pip install -e .).
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -19,7 +18,7 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 def _train_main(cfg: DictConfig) -> float | None:
     try:
         results = train(cfg)
-    except (ValueError, FileNotFoundError) as err:  # ours carry a sentence that says what is wrong and what to do
+    except (ValueError, OSError) as err:  # ours carry a sentence that says what is wrong and what to do
         print(f"ddcnn-train: error: {err}", file=sys.stderr)
         sys.exit(2)
     # The returned value is what Hydra sweepers optimise.

@@ -162,9 +162,7 @@ class Decomposition:
     def box(self, index: int) -> tuple[slice, ...]:
         """Slices of sub-domain ``index`` into the spatial axes of the full image."""
         pos = self.position(index)
-        return tuple(
-            slice(self.starts[a][p], self.starts[a][p] + self.sub_shape[a]) for a, p in enumerate(pos)
-        )
+        return tuple(slice(self.starts[a][p], self.starts[a][p] + self.sub_shape[a]) for a, p in enumerate(pos))
 
     def boxes(self) -> list[tuple[slice, ...]]:
         return [self.box(i) for i in range(self.num_subdomains)]

@@ -28,7 +28,7 @@ def _check_properties(dec: Decomposition) -> None:
     # Equal shapes for every sub-domain, inside the image.
     for box in dec.boxes():
         assert tuple(s.stop - s.start for s in box) == dec.sub_shape
-        assert all(0 <= s.start and s.stop <= n for s, n in zip(box, dec.image_shape, strict=True))
+        assert all(s.start >= 0 and s.stop <= n for s, n in zip(box, dec.image_shape, strict=True))
     # Exact cover: every pixel in at least one sub-domain.
     assert int(dec.coverage().min()) >= 1
     # Neighbours share at least the requested overlap.

@@ -19,7 +19,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
 
 from ddcnn.data.sources import Splits, stratified_split
 
@@ -184,9 +184,30 @@ class _BatchTensorDataset(Dataset):
     def __len__(self) -> int:
         return len(self.x)
 
-    def __getitem__(self, index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.as_tensor(index, dtype=torch.long)
         return self.x[idx], self.y[idx]
+
+
+class _EpochBatchSampler:
+    """Shuffled batches whose order depends only on ``(seed, epoch)``.
+
+    Lightning calls :meth:`set_epoch` before every epoch, so a run resumed from a checkpoint sees exactly
+    the batches an uninterrupted run would have seen.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+        self.n, self.batch_size, self.seed, self.epoch = n, batch_size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        yield from torch.randperm(self.n, generator=gen).split(self.batch_size)
+
+    def __len__(self) -> int:
+        return -(-self.n // self.batch_size)
 
 
 class _ViewCollate:
@@ -240,8 +261,7 @@ class TensorDataModule(L.LightningDataModule):
     def loader(self, split: str, shuffle: bool = False) -> DataLoader:
         ds = self.data[split]
         if shuffle:
-            gen = torch.Generator().manual_seed(self.seed)
-            sampler = BatchSampler(RandomSampler(ds, generator=gen), self.batch_size, drop_last=False)
+            sampler = _EpochBatchSampler(len(ds), self.batch_size, self.seed)
         else:
             sampler = BatchSampler(SequentialSampler(ds), self.eval_batch_size, drop_last=False)
         augment = self.augment if shuffle else None

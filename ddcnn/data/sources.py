@@ -144,7 +144,9 @@ def npz(path: str | Path, spatial_dims: int = 2, name: str | None = None) -> Spl
         try:
             return archive[key]
         except Exception as err:
-            raise ValueError(f"dataset archive {path}: array {key!r} cannot be read ({err}); the file is corrupt.") from err
+            raise ValueError(
+                f"dataset archive {path}: array {key!r} cannot be read ({err}); the file is corrupt."
+            ) from err
 
     x_train = _with_channel_axis(arr("x_train"), spatial_dims, src)
     x_test = _with_channel_axis(arr("x_test"), spatial_dims, src)
@@ -245,7 +247,9 @@ def image_folder(
 
     root = Path(root).expanduser()
     if not root.is_dir():
-        raise FileNotFoundError(f"image folder {root} does not exist; set data.root to a folder with one sub-folder per class.")
+        raise FileNotFoundError(
+            f"image folder {root} does not exist; set data.root to a folder with one sub-folder per class."
+        )
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if len(classes) < 2:
         raise ValueError(f"image folder {root} has {len(classes)} class sub-folders; a classifier needs at least 2.")
@@ -255,7 +259,9 @@ def image_folder(
     for label, cls in enumerate(classes):
         files = sorted(p for p in (root / cls).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
         if not files:
-            raise ValueError(f"class folder {root / cls} holds no images ({', '.join(IMAGE_SUFFIXES)}); add some or remove it.")
+            raise ValueError(
+                f"class folder {root / cls} holds no images ({', '.join(IMAGE_SUFFIXES)}); add some or remove it."
+            )
         for f in files:
             try:
                 with Image.open(f) as im:

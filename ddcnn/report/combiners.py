@@ -13,7 +13,9 @@ __all__ = ["mean_probability", "majority_vote", "combine"]
 
 def _check(probs: torch.Tensor) -> None:
     if probs.dim() != 3:
-        raise ValueError(f"expected local probabilities of shape (samples, subdomains, classes), got {tuple(probs.shape)}.")
+        raise ValueError(
+            f"expected local probabilities of shape (samples, subdomains, classes), got {tuple(probs.shape)}."
+        )
 
 
 def mean_probability(probs: torch.Tensor) -> torch.Tensor:

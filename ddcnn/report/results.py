@@ -17,7 +17,9 @@ log = logging.getLogger(__name__)
 __all__ = ["classification_metrics", "evaluate_run", "results_markdown"]
 
 
-def classification_metrics(pred: torch.Tensor, labels: torch.Tensor, scores: torch.Tensor | None, num_classes: int) -> dict:
+def classification_metrics(
+    pred: torch.Tensor, labels: torch.Tensor, scores: torch.Tensor | None, num_classes: int
+) -> dict:
     """Accuracy, balanced accuracy and (when scores are given and both classes occur) ROC AUC.
 
     For two classes the AUC uses the score of class 1; for more it is the one-vs-rest macro average.
@@ -84,9 +86,10 @@ def results_markdown(results: dict) -> str:
         f"- Projected time on N={results['decomposition']['num_subdomains']} devices (slowest local net + coarse "
         f"DNN): {_fmt(results['projected_time_s'], 1)} s; global CNN on one device: {_fmt(t.get('global'), 1)} s; "
         f"projected speedup: {_fmt(results['projected_speedup'], 2)}x.",
-        f"- Sequential CNN-DNN time (all local nets one after another + coarse): {_fmt(t.get('cnn_dnn_sequential'), 1)} s.",
-        f"- Data: {results['data']['n_train']} train / {results['data']['n_val']} val / {results['data']['n_test']} test "
-        f"samples of shape {results['data']['image_shape']}.",
+        "- Sequential CNN-DNN time (all local nets one after another + coarse): "
+        f"{_fmt(t.get('cnn_dnn_sequential'), 1)} s.",
+        f"- Data: {results['data']['n_train']} train / {results['data']['n_val']} val / "
+        f"{results['data']['n_test']} test samples of shape {results['data']['image_shape']}.",
         "",
     ]
     return "\n".join(lines)
@@ -103,7 +106,9 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
     n, k = decomposition.num_subdomains, data.num_classes
     probs, labels = local_features(run, n, "test", "probs")
     if not torch.equal(labels, data.y["test"]):
-        raise ValueError(f"saved local test predictions in {run.root} do not match the current test data; rerun with force=true.")
+        raise ValueError(
+            f"saved local test predictions in {run.root} do not match the current test data; rerun with force=true."
+        )
     metrics: dict[str, Any] = {
         "local": [classification_metrics(probs[:, i].argmax(-1), labels, probs[:, i], k) for i in range(n)],
         "mean_prob": classification_metrics(mean_probability(probs), labels, probs.mean(1), k),
@@ -134,7 +139,10 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         time_s["cnn_dnn_sequential"] = None
         projected = time_s["local_max"]
     speedup = time_s["global"] / projected if time_s["global"] else None
-    accuracy = {key: (metrics[key]["accuracy"] if metrics[key] else None) for key in ("global", "cnn_dnn", "mean_prob", "majority_vote")}
+    accuracy = {
+        key: (metrics[key]["accuracy"] if metrics[key] else None)
+        for key in ("global", "cnn_dnn", "mean_prob", "majority_vote")
+    }
     accuracy["local"] = [m["accuracy"] for m in metrics["local"]]
     results = {
         "accuracy": accuracy,

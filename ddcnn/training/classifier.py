@@ -69,4 +69,7 @@ class Classifier(L.LightningModule):
         optimizer = self.optimizer_factory(self.parameters())
         if self.scheduler_factory is None:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "epoch"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "epoch"},
+        }

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig
 
-from ddcnn.training.stages import build_context, run_coarse, run_evaluate, run_global, run_local
+from ddcnn.training.stages import build_context, run_coarse, run_evaluate, run_global
 
 log = logging.getLogger(__name__)
 
@@ -39,20 +39,27 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     stage = str(cfg.get("stage", "all"))
     if stage not in ("all", *STAGES):
         raise ValueError(f"unknown stage {stage!r}; choose one of: all, {', '.join(STAGES)}.")
-    ctx = build_context(cfg, run_dir)
+    ctx = build_context(cfg, run_dir, claim=False)
+    indices = _subdomains(cfg, ctx.decomposition.num_subdomains) if stage in ("all", "local") else []
+    bad = [i for i in indices if not 0 <= i < ctx.decomposition.num_subdomains]
+    if bad:
+        raise ValueError(
+            f"subdomain {bad} does not exist: the {ctx.decomposition.describe()} has sub-domains "
+            f"0..{ctx.decomposition.num_subdomains - 1} (row-major, last axis fastest)."
+        )
+    ctx.run.check_fingerprint(cfg)
     log.info("run directory %s: %s", ctx.run.root, ctx.decomposition.describe())
     device = cfg.get("device")
     out: dict = {}
     start = time.perf_counter()
     if stage in ("all", "local"):
-        indices = _subdomains(cfg, ctx.decomposition.num_subdomains)
-        workers = int(cfg.get("parallel", {}).get("workers", 1) or 1)
-        if workers > 1:
-            from ddcnn.parallel.workers import run_local_parallel
+        # In this process, in parallel.workers processes, or this srun task's share: ddcnn.parallel decides.
+        from ddcnn.parallel.workers import run_local_stage, stops_after_local
 
-            out["local"] = run_local_parallel(cfg, ctx.run.root, indices, workers)
-        else:
-            out["local"] = [run_local(ctx, i, device) for i in indices]
+        out["local"] = run_local_stage(ctx, indices)
+        if stage == "all" and stops_after_local(cfg):
+            log.info("srun task: local share finished; rank 0 runs the remaining stages")
+            return out
     if stage in ("all", "coarse"):
         out["coarse"] = run_coarse(ctx, device)
     if stage in ("all", "global"):

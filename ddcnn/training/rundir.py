@@ -18,6 +18,7 @@ and ``done`` is written last, so a reader never mistakes a half-written stage fo
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import tempfile
@@ -36,6 +37,8 @@ __all__ = [
     "atomic_torch_save",
     "fingerprint",
     "FingerprintMismatch",
+    "ArtifactWriteError",
+    "make_dir",
 ]
 
 # Settings that do not change results: where and how a run executes, and what it prints.
@@ -54,18 +57,38 @@ NON_RESULT_KEYS = (
 )
 
 
+class ArtifactWriteError(OSError):
+    """An artifact could not be written (disk full, read-only or forbidden location)."""
+
+
+def _write_error(path: Path, err: OSError) -> ArtifactWriteError:
+    return ArtifactWriteError(
+        err.errno,
+        f"cannot write {path}: {err.strerror or err}. Nothing half-written was left behind; free disk space or "
+        f"choose a writable run directory (hydra.run.dir=...), then run the same command again to continue.",
+    )
+
+
 def _atomic_write(path: Path, write) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, ArtifactWriteError):
+            raise
+        raise _write_error(path, err) from err
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 
@@ -83,7 +106,21 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
-    _atomic_write(Path(path), lambda fh: torch.save(obj, fh))
+    # Serialise in memory first: torch's zip writer reports a full disk as an obscure RuntimeError, a plain
+    # file write as OSError(ENOSPC).
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write_bytes(path, buffer.getbuffer())
+
+
+def make_dir(path: str | Path) -> Path:
+    """``mkdir -p`` that reports an unwritable location as :class:`ArtifactWriteError`."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _write_error(path, err) from err
+    return path
 
 
 def _drop(container: dict, dotted: str) -> None:
@@ -140,6 +177,9 @@ class RunDir:
             return self.root / "local" / f"{subdomain:02d}"
         return self.root / stage
 
+    def make_stage_dir(self, stage: str, subdomain: int | None = None) -> Path:
+        return make_dir(self.stage_dir(stage, subdomain))
+
     def is_done(self, stage: str, subdomain: int | None = None) -> bool:
         return (self.stage_dir(stage, subdomain) / "done").is_file()
 
@@ -166,7 +206,7 @@ class RunDir:
         """Forget that a stage finished (for ``force=true``): its marker goes first, then its outputs."""
         folder = self.stage_dir(stage, subdomain)
         (folder / "done").unlink(missing_ok=True)
-        for name in ("last.ckpt", "best.ckpt"):
+        for name in ("last.ckpt", "best.ckpt", "resumed_from_epoch"):
             (folder / name).unlink(missing_ok=True)
 
     def load_probs(self, stage: str, split: str, subdomain: int | None = None) -> dict[str, torch.Tensor]:
@@ -200,7 +240,7 @@ class RunDir:
                     f"Use a new run directory (hydra.run.dir=...), or restore those settings to resume this run."
                 )
             return fp
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_dir(self.root)
         atomic_write_json(path, {"fingerprint": fp, "settings": settings})
         if isinstance(cfg, DictConfig):
             atomic_write_text(self.root / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))

@@ -23,8 +23,10 @@ from torch import nn
 
 from ddcnn.data.datamodule import SPLITS, Prepared, TensorDataModule, prepare
 from ddcnn.decomposition import Decomposition
+from ddcnn.parallel.slurm import slurm_info, slurm_plugins
+from ddcnn.training.checkpoint_io import AtomicCheckpointIO
 from ddcnn.training.classifier import Classifier
-from ddcnn.training.rundir import RunDir, atomic_torch_save
+from ddcnn.training.rundir import ArtifactWriteError, RunDir, atomic_torch_save
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ class Context:
 def load_data(cfg: DictConfig) -> Prepared:
     """Instantiate the configured source and prepare its splits (same result in every stage and process)."""
     d = cfg.data
-    splits = hydra.utils.instantiate(d.source)
+    splits = instantiate(d.source)
     return prepare(
         splits,
         num_classes=int(d.num_classes),
@@ -73,17 +75,92 @@ def load_data(cfg: DictConfig) -> Prepared:
     )
 
 
-def build_context(cfg: DictConfig, run_dir: str | Path | None = None) -> Context:
-    """Check the run directory against the configuration, load the data and build the decomposition."""
+def build_context(cfg: DictConfig, run_dir: str | Path | None = None, claim: bool = True) -> Context:
+    """Load the data, build the decomposition, check the networks and (``claim``) the run directory.
+
+    With ``claim=False`` the caller checks further settings first and then calls
+    ``ctx.run.check_fingerprint(cfg)`` itself.
+    """
     run = RunDir(run_dir if run_dir is not None else cfg.paths.run_dir)
-    run.check_fingerprint(cfg)
+    check_settings(cfg)
     data = load_data(cfg)
     dec = Decomposition(tuple(cfg.decomposition.grid), data.image_shape, tuple_or_int(cfg.decomposition.overlap))
-    return Context(cfg, run, data, dec)
+    ctx = Context(cfg, run, data, dec)
+    check_networks(ctx)
+    if claim:  # only a configuration that can run claims the run directory
+        run.check_fingerprint(cfg)
+    return ctx
 
 
-def tuple_or_int(value) -> int | tuple[int, ...]:
-    return int(value) if isinstance(value, int | float) else tuple(int(v) for v in value)
+def _positive_int(cfg: DictConfig, key: str) -> None:
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be a positive whole number, got {value!r}; set {key}=<n> with n >= 1.")
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Settings that would only fail deep inside a stage, checked before anything is read or written."""
+    for key in ("data.batch_size", "coarse.batch_size", "trainer.max_epochs", "coarse.max_epochs"):
+        _positive_int(cfg, key)
+    kind = cfg.coarse.get("input", "probs")
+    if kind not in ("probs", "logits"):
+        raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
+    frac = cfg.data.get("val_fraction", 0.1)
+    if not isinstance(frac, int | float) or not 0 < frac < 1:
+        raise ValueError(f"data.val_fraction must lie strictly between 0 and 1, got {frac!r}.")
+    for key in ("data.num_classes", "data.in_channels"):
+        _positive_int(cfg, key)
+    if cfg.data.spatial_dims not in (2, 3):
+        raise ValueError(f"data.spatial_dims must be 2 (images) or 3 (volumes), got {cfg.data.spatial_dims!r}.")
+
+
+def check_networks(ctx: Context) -> None:
+    """Build the local, global and coarse networks once and run two samples through them.
+
+    Catches a wrong model name, argument or an input too small for the network before any stage writes
+    anything, with a message that names the setting.
+    """
+    cfg, data, dec = ctx.cfg, ctx.data, ctx.decomposition
+    checks = [
+        ("model", lambda: build_local_net(cfg, data), (2, data.in_channels, *dec.sub_shape)),
+        (
+            "global_model" if cfg.get("global_model") else "model",
+            lambda: build_global_net(cfg, data),
+            (2, data.in_channels, *data.image_shape),
+        ),
+        (
+            "coarse.net",
+            lambda: build_coarse_net(cfg, dec.num_subdomains, data.num_classes),
+            (2, dec.num_subdomains, data.num_classes),
+        ),
+    ]
+    for key, build, shape in checks:
+        try:
+            net = build()
+        except Exception as err:
+            target = OmegaConf.select(cfg, f"{key}._target_", default="?")
+            raise ValueError(
+                f"cannot build the network of {key} (_target_={target}): {' '.join(str(err).split())}. Check the "
+                f"name and arguments under {key} in the configuration (conf/{key.split('.')[0]}/ lists the available "
+                "ones)."
+            ) from err
+        try:
+            with torch.no_grad():
+                out = net.eval()(torch.zeros(shape))
+        except Exception as err:
+            raise ValueError(
+                f"the network of {key} fails on inputs of shape {tuple(shape[1:])}: {err}. Use larger sub-domains "
+                f"(fewer sub-domains, more overlap or a larger data.image_size) or another model/norm."
+            ) from err
+        if tuple(out.shape) != (2, data.num_classes):
+            raise ValueError(
+                f"the network of {key} returns shape {tuple(out.shape)}, expected (2, {data.num_classes})."
+            )
+
+
+def tuple_or_int(value) -> int | float | tuple:
+    """A config scalar or list as the Decomposition takes it (it validates the values itself)."""
+    return value if isinstance(value, int | float) else tuple(value)
 
 
 def subdomain_seed(seed: int, subdomain: int) -> int:
@@ -91,13 +168,24 @@ def subdomain_seed(seed: int, subdomain: int) -> int:
     return (int(seed) * 1_000_003 + 7919 * (int(subdomain) + 1)) % (2**31 - 1)
 
 
+def instantiate(node, **kwargs):
+    """``hydra.utils.instantiate`` that lets our own errors through unwrapped (they already say what to do)."""
+    from hydra.errors import InstantiationException
+
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ValueError | OSError):
+            raise cause from None
+        raise ValueError(" ".join(str(err).split())) from err
+
+
 # --- networks ------------------------------------------------------------------------------------
 def _build(model_cfg: DictConfig, data: Prepared) -> nn.Module:
     spec = OmegaConf.to_container(model_cfg, resolve=True)
     spec.pop("name", None)  # a label for run directories and reports, not a constructor argument
-    return hydra.utils.instantiate(
-        spec, spatial_dims=data.spatial_dims, in_channels=data.in_channels, num_classes=data.num_classes
-    )
+    return instantiate(spec, spatial_dims=data.spatial_dims, in_channels=data.in_channels, num_classes=data.num_classes)
 
 
 def build_local_net(cfg: DictConfig, data: Prepared) -> nn.Module:
@@ -109,7 +197,7 @@ def build_global_net(cfg: DictConfig, data: Prepared) -> nn.Module:
 
 
 def build_coarse_net(cfg: DictConfig, num_subdomains: int, num_classes: int) -> nn.Module:
-    return hydra.utils.instantiate(cfg.coarse.net, num_subdomains=num_subdomains, num_classes=num_classes)
+    return instantiate(cfg.coarse.net, num_subdomains=num_subdomains, num_classes=num_classes)
 
 
 def count_parameters(net: nn.Module) -> int:
@@ -145,6 +233,7 @@ def _trainer(cfg: DictConfig, folder: Path, device, max_epochs: int | None = Non
         default_root_dir=str(folder),
         callbacks=[ckpt],
         logger=logger,
+        plugins=[AtomicCheckpointIO(), *slurm_plugins()],
         enable_model_summary=False,
         num_sanity_val_steps=0,
         **tcfg,
@@ -170,12 +259,31 @@ def _fit(
     module = Classifier(net, num_classes=int(cfg.data.num_classes), optimizer=optimizer, scheduler=scheduler)
     trainer, ckpt = _trainer(cfg, folder, device, max_epochs)
     last = folder / "last.ckpt"
-    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.is_file() else None)
+    if last.is_file():
+        resumed = torch.load(last, map_location="cpu", weights_only=False).get("epoch")
+        log.info("%s: resuming from %s (after epoch %s)", folder, last, resumed)
+        (folder / "resumed_from_epoch").write_text(f"{resumed}\n")
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.is_file() else None)
+    except OSError as err:
+        if isinstance(err, ArtifactWriteError):
+            raise
+        raise ArtifactWriteError(
+            err.errno,
+            f"training in {folder} stopped: {err}. Free disk space or choose a writable run directory, then "
+            f"run the same command again: it resumes from the last checkpoint.",
+        ) from err
     best = Path(ckpt.best_model_path) if ckpt.best_model_path else folder / "best.ckpt"
     if best.is_file():
         state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
         module.load_state_dict(state)
     return module.net
+
+
+def _resumed_from(folder: Path) -> int | None:
+    """The epoch a stage resumed after, if any process had to resume it (recorded by :func:`_fit`)."""
+    marker = folder / "resumed_from_epoch"
+    return int(marker.read_text()) if marker.is_file() else None
 
 
 @torch.inference_mode()
@@ -228,8 +336,7 @@ def run_local(ctx: Context, subdomain: int, device=None) -> dict:
         )
     if (done := _skip(ctx, "local", subdomain)) is not None:
         return done
-    folder = ctx.run.stage_dir("local", subdomain)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = ctx.run.make_stage_dir("local", subdomain)
     seed = subdomain_seed(ctx.cfg.seed, subdomain)
     dec = ctx.decomposition
     box = (slice(None), slice(None), *dec.box(subdomain))
@@ -254,14 +361,18 @@ def run_local(ctx: Context, subdomain: int, device=None) -> dict:
         "accuracy": accuracy,
         "params": count_parameters(net),
         "n_train": len(ctx.data.y["train"]),
+        "resumed_from_epoch": _resumed_from(folder),
         "device": str(device or "cpu"),
+        "slurm": slurm_info(),
     }
     ctx.run.mark_done("local", subdomain, meta, required=(*PROB_FILES, "net.pt"))
     log.info("local %d: test acc %.4f in %.1f s", subdomain, accuracy["test"], meta["time_s"])
     return meta
 
 
-def local_features(run: RunDir, num_subdomains: int, split: str, kind: str = "probs") -> tuple[torch.Tensor, torch.Tensor]:
+def local_features(
+    run: RunDir, num_subdomains: int, split: str, kind: str = "probs"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenated local outputs ``(n, N, K)`` of one split and their labels, checked for consistency."""
     if kind not in ("probs", "logits"):
         raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
@@ -295,8 +406,7 @@ def run_coarse(ctx: Context, device=None) -> dict:
     """Train the coarse DNN on the saved local probabilities (train split), selecting on val."""
     if (done := _skip(ctx, "coarse")) is not None:
         return done
-    folder = ctx.run.stage_dir("coarse")
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = ctx.run.make_stage_dir("coarse")
     n = ctx.decomposition.num_subdomains
     kind = str(ctx.cfg.coarse.get("input", "probs"))
     x, y = {}, {}
@@ -334,8 +444,7 @@ def run_global(ctx: Context, device=None) -> dict:
     """Train the baseline: the same network family on full images."""
     if (done := _skip(ctx, "global")) is not None:
         return done
-    folder = ctx.run.stage_dir("global")
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = ctx.run.make_stage_dir("global")
     seed = subdomain_seed(ctx.cfg.seed, -2)
     dm = TensorDataModule(ctx.data.x, ctx.data.y, _batch_size(ctx.cfg), seed=seed)
     start = time.perf_counter()
@@ -364,4 +473,3 @@ def run_evaluate(ctx: Context) -> dict:
     from ddcnn.report.results import evaluate_run
 
     return evaluate_run(ctx.run, ctx.decomposition, ctx.data, ctx.cfg)
-

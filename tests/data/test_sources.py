@@ -108,7 +108,8 @@ def test_torchvision_cifar10_layout(tmp_path):
     assert splits.x_train.shape == (20, 3, 32, 32) and splits.x_test.shape == (3, 3, 32, 32)
     assert splits.class_names[0] == "c0"
     # The pixel layout is torchvision's: row-major 1024 red, then green, then blue values per image.
-    first = pickle.load(open(folder / "data_batch_1", "rb"))["data"][0]
+    with open(folder / "data_batch_1", "rb") as fh:
+        first = pickle.load(fh)["data"][0]
     assert np.array_equal(splits.x_train[0, 1].ravel(), first[1024:2048])
     (folder / "test_batch").unlink()
     with pytest.raises(FileNotFoundError, match="lacks \\['test_batch'\\]"):
