@@ -23,6 +23,7 @@ from torch import nn
 
 from ddcnn.data.datamodule import SPLITS, Prepared, TensorDataModule, prepare
 from ddcnn.decomposition import Decomposition
+from ddcnn.models.cnn_dnn import CNNDNN
 from ddcnn.parallel.slurm import slurm_info, slurm_plugins
 from ddcnn.training.checkpoint_io import AtomicCheckpointIO
 from ddcnn.training.classifier import Classifier
@@ -42,6 +43,7 @@ __all__ = [
     "build_global_net",
     "build_coarse_net",
     "predict_logits",
+    "assemble_cnn_dnn",
 ]
 
 PROB_FILES = tuple(f"probs_{s}.pt" for s in SPLITS)
@@ -466,6 +468,23 @@ def run_global(ctx: Context, device=None) -> dict:
     ctx.run.mark_done("global", None, meta, required=(*PROB_FILES, "net.pt"))
     log.info("global: test acc %.4f in %.1f s", accuracy["test"], meta["time_s"])
     return meta
+
+
+def assemble_cnn_dnn(ctx: Context) -> CNNDNN:
+    """The CNN-DNN of a finished run as one module, from the saved local nets and coarse DNN."""
+    n = ctx.decomposition.num_subdomains
+    missing = ctx.run.missing_local(n) + ([] if ctx.run.is_done("coarse") else ["coarse"])
+    if missing:
+        raise FileNotFoundError(f"cannot assemble the CNN-DNN of {ctx.run.root}: stages {missing} have not finished.")
+    nets = []
+    for i in range(n):
+        net = build_local_net(ctx.cfg, ctx.data)
+        net.load_state_dict(torch.load(ctx.run.stage_dir("local", i) / "net.pt", weights_only=True))
+        nets.append(net)
+    coarse = build_coarse_net(ctx.cfg, n, ctx.data.num_classes)
+    coarse.load_state_dict(torch.load(ctx.run.stage_dir("coarse") / "net.pt", weights_only=True))
+    model = CNNDNN(ctx.decomposition, nets, coarse, str(ctx.cfg.coarse.get("input", "probs")))
+    return model.eval()
 
 
 def run_evaluate(ctx: Context) -> dict:
