@@ -184,9 +184,12 @@ class _BatchTensorDataset(Dataset):
     def __len__(self) -> int:
         return len(self.x)
 
-    def __getitem__(self, index: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: list[int] | torch.Tensor | tuple[int, torch.Tensor]):
+        epoch = 0
+        if isinstance(index, tuple):  # (epoch, indices) from the training sampler
+            epoch, index = index
         idx = torch.as_tensor(index, dtype=torch.long)
-        return self.x[idx], self.y[idx]
+        return self.x[idx], self.y[idx], idx, epoch
 
 
 class _EpochBatchSampler:
@@ -204,7 +207,8 @@ class _EpochBatchSampler:
 
     def __iter__(self):
         gen = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        yield from torch.randperm(self.n, generator=gen).split(self.batch_size)
+        for idx in torch.randperm(self.n, generator=gen).split(self.batch_size):
+            yield self.epoch, idx
 
     def __len__(self) -> int:
         return -(-self.n // self.batch_size)
@@ -216,10 +220,10 @@ class _ViewCollate:
     def __init__(self, view: Callable | None, augment: Callable | None) -> None:
         self.view, self.augment = view, augment
 
-    def __call__(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = batch
+    def __call__(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y, idx, epoch = batch
         if self.augment is not None:
-            x = self.augment(x)
+            x = self.augment(x, idx, epoch)
         if self.view is not None:
             x = self.view(x)
         return x.contiguous(), y
@@ -234,8 +238,9 @@ class TensorDataModule(L.LightningDataModule):
         eval_batch_size: Batch size for validation and prediction (defaults to ``4 * batch_size``).
         seed: Seed of the shuffling generator, so that runs repeat exactly.
         view: Maps a batch of stored inputs to network inputs (e.g. cuts sub-domain ``i``).
-        augment: Applied to training batches of full inputs before ``view`` (so every local net sees
-            a consistent view of the same augmented image).
+        augment: ``(x, sample_indices, epoch) -> x`` applied to training batches of full inputs before
+            ``view`` (e.g. :class:`ddcnn.data.augment.Augment`, whose draws depend only on the sample and the
+            epoch, so every local net sees a consistent view of the same augmented image).
     """
 
     def __init__(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Splits", "digits", "npz", "torchvision_dataset", "image_folder", "stratified_split"]
+__all__ = ["Splits", "digits", "npz", "torchvision_dataset", "image_folder", "nifti", "stratified_split"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".pgm", ".tif", ".tiff", ".gif")
 
@@ -279,3 +279,56 @@ def image_folder(
     y = np.asarray(labels, dtype=np.int64)
     train, test = stratified_split(y, test_fraction, seed)
     return Splits(x[train], y[train], x[test], y[test], class_names=classes, name=root.name)
+
+
+def nifti(
+    root: str | Path,
+    target_shape: Sequence[int] | None = None,
+    spacing: Sequence[float] | float | None = None,
+    window: Sequence[float] | None = None,
+    normalize: str = "none",
+    channel_axis: int | None = None,
+    cache_dir: str | Path | None = None,
+    class_names: Sequence[str] | None = None,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    progress: bool = True,
+) -> Splits:
+    """NIfTI volumes from a class-per-folder root or a CSV manifest (see :mod:`ddcnn.data.nifti`).
+
+    A manifest's ``split`` column gives train/val/test; without one, the test split is stratified with a fixed
+    seed. Preprocessed volumes are cached under ``cache_dir`` (default ``<root>/.ddcnn_cache``), keyed by the
+    preprocessing settings. Values are returned as float32 after windowing/normalisation, so the datamodule
+    does not rescale them.
+    """
+    from ddcnn.data.nifti import NiftiPreprocess, load_arrays, scan_nifti
+
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(
+            f"NIfTI dataset {root} does not exist; set data.root to a folder with one sub-folder per class or to a "
+            f"manifest.csv (see data/README.md)."
+        )
+    index = scan_nifti(root, class_names)
+    prep = NiftiPreprocess(
+        target_shape=tuple(target_shape) if target_shape is not None else None,
+        spacing=spacing if spacing is None or isinstance(spacing, int | float) else tuple(spacing),
+        window=tuple(window) if window is not None else None,
+        normalize=normalize,
+        channel_axis=channel_axis,
+    )
+    if cache_dir is None:
+        cache_dir = (root if root.is_dir() else root.parent) / ".ddcnn_cache"
+    x, y = load_arrays(index, prep, cache_dir=cache_dir, progress=progress)
+    names = list(index.class_names)
+    if index.splits is not None and "train" in index.splits and "test" in index.splits:
+        split = np.asarray(index.splits)
+        parts = {s: np.flatnonzero(split == s) for s in ("train", "val", "test")}
+        has_val = len(parts["val"]) > 0
+        return Splits(
+            x[parts["train"]], y[parts["train"]], x[parts["test"]], y[parts["test"]],
+            x[parts["val"]] if has_val else None, y[parts["val"]] if has_val else None,
+            class_names=names, name=root.stem,
+        )
+    train, test = stratified_split(y, test_fraction, seed)
+    return Splits(x[train], y[train], x[test], y[test], class_names=names, name=root.stem)

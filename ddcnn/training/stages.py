@@ -8,6 +8,7 @@ from its ``last.ckpt``. The CLI, the parallel workers, SLURM jobs, notebooks and
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from ddcnn.data.augment import Augment
 from ddcnn.data.datamodule import SPLITS, Prepared, TensorDataModule, prepare
 from ddcnn.decomposition import Decomposition
 from ddcnn.models.cnn_dnn import CNNDNN
@@ -165,6 +167,15 @@ def tuple_or_int(value) -> int | float | tuple:
     return value if isinstance(value, int | float) else tuple(value)
 
 
+def build_augment(cfg: DictConfig) -> Augment | None:
+    """The configured augmentation of whole images (``data.augment``), or ``None``."""
+    spec = cfg.data.get("augment")
+    if not spec:
+        return None
+    aug = Augment(spec.get("flip_axes", ()) or (), float(spec.get("rotate_deg", 0.0) or 0.0), seed=int(cfg.seed))
+    return aug if aug.active else None
+
+
 def subdomain_seed(seed: int, subdomain: int) -> int:
     """Seed of local net ``subdomain``: fixed by the run seed and the index, whatever the worker or order."""
     return (int(seed) * 1_000_003 + 7919 * (int(subdomain) + 1)) % (2**31 - 1)
@@ -230,7 +241,12 @@ def _trainer(cfg: DictConfig, folder: Path, device, max_epochs: int | None = Non
         save_last=True,
         enable_version_counter=False,
     )
-    logger = CSVLogger(save_dir=str(folder), name="logs", version="")
+    # CSV always (logs/metrics.csv feeds the training-curve plots); TensorBoard (tb/) when it is installed.
+    logger = [CSVLogger(save_dir=str(folder), name="logs", version="")]
+    if importlib.util.find_spec("tensorboard") is not None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        logger.append(TensorBoardLogger(save_dir=str(folder), name="tb", version="", default_hp_metric=False))
     trainer = L.Trainer(
         default_root_dir=str(folder),
         callbacks=[ckpt],
@@ -342,9 +358,14 @@ def run_local(ctx: Context, subdomain: int, device=None) -> dict:
     seed = subdomain_seed(ctx.cfg.seed, subdomain)
     dec = ctx.decomposition
     box = (slice(None), slice(None), *dec.box(subdomain))
-    # Cut the sub-images once: every epoch then reads contiguous memory, as a hand-written loop would.
-    x_sub = {split: x[box].contiguous() for split, x in ctx.data.x.items()}
-    dm = TensorDataModule(x_sub, ctx.data.y, _batch_size(ctx.cfg), seed=seed)
+    augment = build_augment(ctx.cfg)
+    if augment is None:
+        # Cut the sub-images once: every epoch then reads contiguous memory, as a hand-written loop would.
+        x_sub = {split: x[box].contiguous() for split, x in ctx.data.x.items()}
+        dm = TensorDataModule(x_sub, ctx.data.y, _batch_size(ctx.cfg), seed=seed)
+    else:  # augment the whole image, then cut: every local net sees the same augmented image
+        dm = TensorDataModule(ctx.data.x, ctx.data.y, _batch_size(ctx.cfg), seed=seed, view=lambda x: x[box],
+                              augment=augment)
     start = time.perf_counter()
     L.seed_everything(seed, workers=True, verbose=False)
     net = build_local_net(ctx.cfg, ctx.data)
@@ -404,13 +425,17 @@ def local_features(
     return torch.stack(feats, dim=1), labels
 
 
-def run_coarse(ctx: Context, device=None) -> dict:
-    """Train the coarse DNN on the saved local probabilities (train split), selecting on val."""
-    if (done := _skip(ctx, "coarse")) is not None:
+def run_coarse(ctx: Context, device=None, stage: str = "coarse", kind: str | None = None) -> dict:
+    """Train the coarse DNN on the saved local probabilities (train split), selecting on val.
+
+    ``stage`` and ``kind`` (default ``coarse.input``) let a second coarse DNN train on the other input into its own
+    stage folder (``coarse_alt``, :mod:`ddcnn.training.transfer`) by exactly the same procedure and seed.
+    """
+    if (done := _skip(ctx, stage)) is not None:
         return done
-    folder = ctx.run.make_stage_dir("coarse")
+    folder = ctx.run.make_stage_dir(stage)
     n = ctx.decomposition.num_subdomains
-    kind = str(ctx.cfg.coarse.get("input", "probs"))
+    kind = str(kind or ctx.cfg.coarse.get("input", "probs"))
     x, y = {}, {}
     for split in SPLITS:
         x[split], y[split] = local_features(ctx.run, n, split, kind)
@@ -429,7 +454,7 @@ def run_coarse(ctx: Context, device=None) -> dict:
     accuracy = _save_predictions(net, dm, folder, device)
     _save_net(net, folder)
     meta = {
-        "stage": "coarse",
+        "stage": stage,
         "input": kind,
         "seed": seed,
         "time_s": time.perf_counter() - start,
@@ -437,8 +462,8 @@ def run_coarse(ctx: Context, device=None) -> dict:
         "accuracy": accuracy,
         "params": count_parameters(net),
     }
-    ctx.run.mark_done("coarse", None, meta, required=(*PROB_FILES, "net.pt"))
-    log.info("coarse: test acc %.4f in %.1f s", accuracy["test"], meta["time_s"])
+    ctx.run.mark_done(stage, None, meta, required=(*PROB_FILES, "net.pt"))
+    log.info("%s (on %s): test acc %.4f in %.1f s", stage, kind, accuracy["test"], meta["time_s"])
     return meta
 
 
@@ -448,7 +473,7 @@ def run_global(ctx: Context, device=None) -> dict:
         return done
     folder = ctx.run.make_stage_dir("global")
     seed = subdomain_seed(ctx.cfg.seed, -2)
-    dm = TensorDataModule(ctx.data.x, ctx.data.y, _batch_size(ctx.cfg), seed=seed)
+    dm = TensorDataModule(ctx.data.x, ctx.data.y, _batch_size(ctx.cfg), seed=seed, augment=build_augment(ctx.cfg))
     start = time.perf_counter()
     L.seed_everything(seed, workers=True, verbose=False)
     net = build_global_net(ctx.cfg, ctx.data)
@@ -491,4 +516,21 @@ def run_evaluate(ctx: Context) -> dict:
     """Accuracy of every local net, the combiners, the CNN-DNN and the global CNN; times and speedup."""
     from ddcnn.report.results import evaluate_run
 
-    return evaluate_run(ctx.run, ctx.decomposition, ctx.data, ctx.cfg)
+    start = time.perf_counter()
+    results = evaluate_run(ctx.run, ctx.decomposition, ctx.data, ctx.cfg)
+    report = ctx.cfg.get("report") or {}
+    if report.get("plots", True):
+        from ddcnn.report.plots import save_run_plots
+
+        save_run_plots(ctx.run, ctx.decomposition, ctx.data, results)
+    if report.get("export", True) and ctx.run.is_done("coarse"):
+        from ddcnn.export import export_context
+
+        export_context(ctx)
+    acc = results["accuracy"]
+    log.info(
+        "evaluate: CNN-DNN test acc %s, global CNN %s, projected speedup %s, in %.1f s",
+        *(f"{v:.4f}" if v is not None else "-" for v in (acc["cnn_dnn"], acc["global"], results["projected_speedup"])),
+        time.perf_counter() - start,
+    )
+    return results
