@@ -326,9 +326,14 @@ def nifti(
         parts = {s: np.flatnonzero(split == s) for s in ("train", "val", "test")}
         has_val = len(parts["val"]) > 0
         return Splits(
-            x[parts["train"]], y[parts["train"]], x[parts["test"]], y[parts["test"]],
-            x[parts["val"]] if has_val else None, y[parts["val"]] if has_val else None,
-            class_names=names, name=root.stem,
+            x[parts["train"]],
+            y[parts["train"]],
+            x[parts["test"]],
+            y[parts["test"]],
+            x[parts["val"]] if has_val else None,
+            y[parts["val"]] if has_val else None,
+            class_names=names,
+            name=root.stem,
         )
     train, test = stratified_split(y, test_fraction, seed)
     return Splits(x[train], y[train], x[test], y[test], class_names=names, name=root.stem)
