@@ -32,7 +32,7 @@ def _rss_kib(field: str) -> int:
 
 def measure(which: str, model: str, batch_size: int, overlap: int, steps: int) -> dict:
     from ddcnn.decomposition import Decomposition
-    from ddcnn.models import vgg, resnet
+    from ddcnn.models import resnet, vgg
 
     builder = getattr(vgg, model, None) or getattr(resnet, model)
     torch.manual_seed(0)

@@ -1,0 +1,122 @@
+"""On a real SLURM cluster: Hydra's submitit launcher, a requeued job, and the multi-task ``srun`` mode.
+
+CI starts a single-node cluster first (``../shared/tools/slurm/start-slurm.sh``); elsewhere these tests skip
+when ``sbatch`` is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddcnn.training.rundir import RunDir
+from tests.conftest import TINY_OVERRIDES
+
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("sbatch") is None, reason="no SLURM cluster here (sbatch is not on PATH)"),
+]
+
+BIN = Path(sys.executable).parent
+TRAIN = str(BIN / "ddcnn-train")
+
+
+def _tiny(**replace: str) -> list[str]:
+    keep = [o for o in TINY_OVERRIDES if o.split("=", 1)[0] not in replace]
+    return keep + [f"{k}={v}" for k, v in replace.items()]
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+    )
+    return proc
+
+
+def _scontrol(*args: str) -> str:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60).stdout
+
+
+def test_tiny_2x2_run_through_the_submitit_launcher_records_job_ids(tmp_path):
+    run_dir = tmp_path / "run"
+    _run([str(BIN / "ddcnn-slurm"), str(run_dir), "--launcher", "local_slurm", *_tiny()], cwd=tmp_path)
+    run = RunDir(run_dir)
+    metas = [run.meta("local", i) for i in range(4)]
+    jobs = [m["slurm"] for m in metas]
+    assert all(j is not None for j in jobs), "local nets did not run under SLURM"
+    # One array, task i trained sub-domain i, each task its own SLURM job id; all in the one run directory.
+    assert len({j["array_job_id"] for j in jobs}) == 1 and isinstance(jobs[0]["array_job_id"], int)
+    assert [j["array_task_id"] for j in jobs] == [0, 1, 2, 3]
+    assert len({j["job_id"] for j in jobs}) == 4
+    assert all(j["restart_count"] == 0 for j in jobs)
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["accuracy"]["cnn_dnn"] is not None and results["accuracy"]["global"] is not None
+    # Each job keeps its own Hydra record below the run directory.
+    assert sorted(p.name for p in (run_dir / "hydra").iterdir()) == ["final", *(f"local_{i}" for i in range(4))]
+    assert f"paths.run_dir={run_dir}" in (run_dir / "hydra" / "local_2" / ".hydra" / "overrides.yaml").read_text()
+
+
+def _wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def test_a_local_job_requeued_mid_training_resumes_and_completes(tmp_path):
+    run_dir = tmp_path / "run"
+    # Long enough (60 short epochs) to be caught mid-training; last.ckpt is written after every epoch.
+    cmd = [
+        TRAIN, "-m", "hydra/launcher=local_slurm", "stage=local", "subdomain=0,1", f"hydra.sweep.dir={run_dir}",
+        *_tiny(**{"trainer.max_epochs": "60", "trainer.limit_train_batches": "2"}),
+    ]  # fmt: skip
+    sweep = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        folder = RunDir(run_dir).stage_dir("local", 1)
+        _wait_for(lambda: (folder / "last.ckpt").is_file(), 300, "local net 1 to write its first checkpoint")
+        assert not (folder / "done").exists(), "local net 1 finished before it could be requeued"
+        task = _wait_for(lambda: [p.name for p in (run_dir / ".submitit").glob("*_1")], 10, "the array task")[0]
+        subprocess.run(["scontrol", "requeue", task], check=True, timeout=60)
+        # A requeued job waits for a begin time (~1-2 min) before it may start again: release it now.
+        _wait_for(lambda: "JobState=PENDING" in _scontrol("show", "job", task), 120, "the requeued task to be pending")
+        subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], check=True, timeout=60)
+        out, _ = sweep.communicate(timeout=400)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 0, out[-4000:]
+    run = RunDir(run_dir)
+    assert [i for i in range(4) if run.is_done("local", i)] == [0, 1]
+    requeued, other = run.meta("local", 1), run.meta("local", 0)
+    assert requeued["slurm"]["restart_count"] >= 1 and other["slurm"]["restart_count"] == 0
+    assert requeued["resumed_from_epoch"] is not None  # resumed from local/01/last.ckpt, not from scratch
+    # Lightning did not requeue or checkpoint on its own (submitit/SLURM own requeueing).
+    assert not list(folder.rglob("hpc_ckpt_*.ckpt"))
+
+
+def test_srun_tasks_share_the_subdomains_and_rank_zero_finishes_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [
+        "srun", "-n", "2", "--kill-on-bad-exit=1", "--time=10", TRAIN, "stage=all", f"paths.run_dir={run_dir}",
+        f"hydra.run.dir={run_dir}/hydra/rank${{oc.env:SLURM_PROCID}}", *_tiny(),
+    ]  # fmt: skip
+    _run(cmd, cwd=tmp_path)
+    run = RunDir(run_dir)
+    metas = [run.meta("local", i) for i in range(4)]
+    assert [m["slurm"]["procid"] for m in metas] == [0, 1, 0, 1]  # i % ntasks == rank
+    assert {m["slurm"]["ntasks"] for m in metas} == {2}
+    assert len({m["slurm"]["job_id"] for m in metas}) == 1  # one allocation
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["accuracy"]["cnn_dnn"] is not None
+    assert sorted(p.name for p in (run_dir / "hydra").iterdir()) == ["rank0", "rank1"]

@@ -1,0 +1,119 @@
+"""Reading the SLURM environment: job ids, srun ranks and shares, requeue ownership (no cluster needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddcnn.parallel.slurm import SrunTask, shard, slurm_info, slurm_plugins, srun_task
+
+SLURM_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_RESTART_COUNT",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_JOB_NAME",
+)
+
+
+@pytest.fixture
+def no_slurm(monkeypatch):
+    for var in SLURM_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_outside_slurm_nothing_is_recorded_or_sharded(no_slurm):
+    assert slurm_info() is None
+    assert srun_task() is None
+    assert slurm_plugins() == []
+    with pytest.raises(ValueError, match="srun -n G"):
+        srun_task("srun")
+
+
+def test_array_task_ids_and_restarts_are_recorded(no_slurm):
+    no_slurm.setenv("SLURM_JOB_ID", "17")
+    no_slurm.setenv("SLURM_ARRAY_JOB_ID", "15")
+    no_slurm.setenv("SLURM_ARRAY_TASK_ID", "2")
+    no_slurm.setenv("SLURM_RESTART_COUNT", "1")
+    info = slurm_info()
+    assert (info["job_id"], info["array_job_id"], info["array_task_id"], info["restart_count"]) == (17, 15, 2, 1)
+
+
+def test_a_batch_script_with_several_tasks_is_not_an_srun_rank(no_slurm):
+    # sbatch -n 4 runs its script once with SLURM_NTASKS=4: that process must train everything asked of it.
+    no_slurm.setenv("SLURM_JOB_ID", "3")
+    no_slurm.setenv("SLURM_NTASKS", "4")
+    no_slurm.setenv("SLURM_PROCID", "0")
+    assert srun_task() is None
+
+
+def test_srun_ranks_shard_the_subdomains(no_slurm):
+    no_slurm.setenv("SLURM_JOB_ID", "3")
+    no_slurm.setenv("SLURM_STEP_NUM_TASKS", "3")
+    no_slurm.setenv("SLURM_NTASKS", "3")
+    no_slurm.setenv("SLURM_PROCID", "1")
+    no_slurm.setenv("SLURM_LOCALID", "1")
+    task = srun_task()
+    assert task == SrunTask(rank=1, ntasks=3, local_rank=1)
+    assert srun_task("single") is None
+    assert shard(list(range(8)), task) == [1, 4, 7]
+    shares = [shard(list(range(8)), SrunTask(r, 3)) for r in range(3)]
+    assert sorted(i for s in shares for i in s) == list(range(8))
+
+
+def test_lightning_never_owns_requeueing(no_slurm):
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+
+    no_slurm.setenv("SLURM_JOB_ID", "3")
+    no_slurm.setenv("SLURM_NTASKS", "1")
+    no_slurm.setenv("SLURM_PROCID", "0")
+    no_slurm.setenv("SLURM_LOCALID", "0")
+    no_slurm.setenv("SLURM_NODEID", "0")
+    no_slurm.setenv("SLURM_JOB_NAME", "ddcnn")
+    (env,) = slurm_plugins()
+    assert isinstance(env, SLURMEnvironment) and env.auto_requeue is False
+    # A task of a multi-task srun step, or a training over several devices, is not a SLURM rank of Lightning's.
+    (env,) = slurm_plugins(num_devices=2)
+    assert isinstance(env, LightningEnvironment)
+    no_slurm.setenv("SLURM_STEP_NUM_TASKS", "2")
+    (env,) = slurm_plugins()
+    assert isinstance(env, LightningEnvironment)
+
+
+def test_ddcnn_slurm_plans_one_array_task_per_subdomain_then_the_rest(tmp_path, capsys):
+    from ddcnn.parallel.cli import slurm_main
+
+    slurm_main([str(tmp_path / "run"), "--print", "decomposition=4x4", "--launcher", "local_slurm"])
+    local, final = [line for line in capsys.readouterr().out.splitlines() if line.startswith("+ ")]
+    run_dir = str((tmp_path / "run").resolve())
+    assert "hydra/launcher=local_slurm" in local and f"paths.run_dir={run_dir}" in local
+    assert f"subdomain={','.join(map(str, range(16)))}" in local and "stage=local" in local
+    assert "stage=all" in final and f"hydra.sweep.dir={run_dir}" in final and "decomposition=4x4" in final
+    assert not (tmp_path / "run").exists()  # --print submits nothing
+
+
+@pytest.mark.parametrize(
+    ("overrides", "shared"),
+    [
+        (["stage=local", "subdomain=0,1,2,3"], True),
+        (["stage=local", "subdomain=range(4)", "decomposition=4x4"], True),
+        (["stage=all", "seed=0,1"], False),  # separate runs: each its own directory
+        (["subdomain=0,1", "paths.run_dir=/elsewhere"], False),  # the user's choice wins
+    ],
+)
+def test_a_slurm_sweep_over_subdomains_shares_one_run_directory(tmp_path, overrides, shared):
+    from omegaconf import OmegaConf
+
+    from ddcnn.parallel.hydra_callbacks import SharedRunDir
+
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}, "overrides": {"task": overrides}}})
+    OmegaConf.set_readonly(config.hydra, True)
+    SharedRunDir().on_multirun_start(config)
+    added = [o for o in config.hydra.overrides.task if o.startswith("paths.run_dir=")]
+    expected = [f"paths.run_dir={tmp_path / 'sweep'}"] if shared else [o for o in overrides if o.startswith("paths.")]
+    assert added == expected

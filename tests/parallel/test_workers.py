@@ -1,0 +1,124 @@
+"""P worker processes on one machine (CPU, P=2): placement, failures, reruns; the parent's bookkeeping."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+
+import pytest
+
+from ddcnn.parallel.devices import WorkerDevice
+from ddcnn.parallel.workers import LocalStageFailed, _Session, record_failure, wait_for_local
+from ddcnn.training.pipeline import train
+from ddcnn.training.rundir import RunDir
+
+
+@pytest.mark.slow
+def test_two_workers_train_all_report_a_failure_and_a_rerun_trains_only_it(make_cfg):
+    cfg = make_cfg("stage=local", "parallel.workers=2", "parallel.threads_per_worker=1")
+    run = RunDir(cfg.paths.run_dir)
+    # Sub-domain 1 cannot save its predictions (a directory sits where the file goes): it must fail, alone.
+    blocker = run.stage_dir("local", 1) / "probs_train.pt"
+    blocker.mkdir(parents=True)
+    with pytest.raises(LocalStageFailed, match=r"sub-domain 1 \(worker [01] \(cpu, 1 thread\)\)") as info:
+        train(cfg)
+    assert "local/01/error.log" in str(info.value) and "run the same command again" in str(info.value)
+    assert run.missing_local(4) == [1]
+    assert "Traceback" in (run.stage_dir("local", 1) / "error.log").read_text()
+
+    report = json.loads((run.root / "parallel.json").read_text())
+    workers = report["workers"]
+    assert [(w["device"], w["threads"]) for w in workers] == [("cpu", 1), ("cpu", 1)]
+    assert sorted(i for w in workers for i in w["subdomains"]) == [0, 1, 2, 3]
+    assert sorted(i for w in workers for i in w["finished"]) == [0, 2, 3]
+    for w in workers:
+        assert w["images_per_s"] > 0 and w["predicted_s"] > 0 and w["actual_s"] > 0 and w["startup_s"] > 0
+    assert [f["subdomain"] for f in report["failures"]] == [1]
+    metas = {i: run.meta("local", i) for i in (0, 2, 3)}
+    assert {m["subdomain"] for m in metas.values()} == {0, 2, 3}
+
+    # Fixed: the same command (here in this process) trains sub-domain 1 only.
+    blocker.rmdir()
+    stamps = {i: (run.stage_dir("local", i) / "done").stat().st_mtime_ns for i in (0, 2, 3)}
+    out = train(make_cfg("stage=local"))
+    assert [m["subdomain"] for m in out["local"]] == [0, 1, 2, 3]
+    assert run.missing_local(4) == []
+    assert stamps == {i: (run.stage_dir("local", i) / "done").stat().st_mtime_ns for i in (0, 2, 3)}
+    assert not (run.stage_dir("local", 1) / "error.log").exists()
+    # The results do not depend on where a net trained: same seed per sub-domain in every process.
+    assert out["local"][0]["seed"] == metas[0]["seed"]
+
+
+class _FakePool:
+    def __init__(self, n: int) -> None:
+        self.started = time.perf_counter()
+        self.task_qs = [queue.Queue() for _ in range(n)]
+
+
+def _ready(images_per_s: float, kind: str = "cpu") -> dict:
+    costs = {i: 81.0 * 1000 for i in range(6)}
+    return {"kind": kind, "images_per_s": images_per_s, "pixels_per_image": 81, "costs": costs}
+
+
+def test_identical_workers_split_evenly_whatever_the_calibration_noise(tmp_path):
+    devices = [WorkerDevice(0, "cpu", 1), WorkerDevice(1, "cpu", 1)]
+    session, pool = _Session(devices, list(range(6)), RunDir(tmp_path)), _FakePool(2)
+    session.handle("ready", 0, _ready(1000.0), pool)
+    session.handle("ready", 1, _ready(1400.0), pool)
+    assert len(pool.task_qs[0].get_nowait()) == len(pool.task_qs[1].get_nowait()) == 3
+
+
+def test_placement_follows_calibrated_speed_and_a_dead_worker_is_reported(tmp_path):
+    devices = [WorkerDevice(0, "cuda:0", 4), WorkerDevice(1, "cuda:1", 4)]
+    session, pool = _Session(devices, list(range(6)), RunDir(tmp_path)), _FakePool(2)
+    session.handle("ready", 0, _ready(1000.0, "an older GPU"), pool)
+    assert session.placed is None  # waits for every worker before placing
+    session.handle("ready", 1, _ready(3000.0, "a newer GPU"), pool)
+    fast, slow = pool.task_qs[1].get_nowait(), pool.task_qs[0].get_nowait()
+    assert len(fast) > len(slow) and sorted(fast + slow) == list(range(6))
+
+    first = slow[0]
+    session.handle("start", 0, first, pool)
+    session.handle("died", 0, -9, pool)
+    lost = {f["subdomain"]: f for f in session.failures}
+    assert set(lost) == set(slow)
+    assert "exited with code -9" in lost[first]["error"] and lost[first]["log"]
+    assert "while training" in (tmp_path / "local" / f"{first:02d}" / "error.log").read_text()
+    assert all(lost[i]["error"].startswith("not started") for i in slow[1:])
+    report = session.report(1.0, {"steps": 5})
+    assert report["workers"][1]["subdomains"] == fast and report["workers"][1]["predicted_s"] > 0
+
+
+def test_a_worker_that_cannot_start_leaves_the_work_to_the_others(tmp_path):
+    devices = [WorkerDevice(0, "cpu", 1), WorkerDevice(1, "cpu", 1)]
+    session, pool = _Session(devices, list(range(6)), RunDir(tmp_path)), _FakePool(2)
+    session.handle("crashed", 0, "Traceback ...", pool)
+    session.handle("ready", 1, _ready(1000.0), pool)
+    assert sorted(pool.task_qs[1].get_nowait()) == list(range(6))
+    assert pool.task_qs[0].empty() and session.failures == []
+
+
+def test_no_worker_at_all_fails_every_subdomain(tmp_path):
+    session, pool = _Session([WorkerDevice(0, "cpu", 1)], [3, 5], RunDir(tmp_path)), _FakePool(1)
+    session.handle("died", 0, 1, pool)
+    assert [f["subdomain"] for f in session.failures] == [3, 5]
+    message = str(LocalStageFailed(session.failures, tmp_path))
+    assert "2 local net(s) failed" in message and "sub-domain 3 (no worker)" in message
+
+
+def test_rank_zero_waits_for_the_other_srun_tasks_and_stops_at_their_failure(tmp_path):
+    run = RunDir(tmp_path)
+    for i in (0, 2):
+        run.stage_dir("local", i).mkdir(parents=True)
+        run.mark_done("local", i, {"subdomain": i})
+    wait_for_local(run, [0, 2], poll_s=0.01)  # all there: returns at once
+    with pytest.raises(TimeoutError, match=r"local nets \[1, 3\] did not finish"):
+        wait_for_local(run, [0, 1, 2, 3], poll_s=0.01, timeout_s=0.05)
+    since = time.time() - 1
+    record_failure(run, 3, "srun task 1/2 (cpu)\nTraceback ...\nRuntimeError: out of memory")
+    with pytest.raises(LocalStageFailed, match=r"sub-domain 3 \(another srun task\): RuntimeError: out of memory"):
+        wait_for_local(run, [0, 1, 2, 3], since=since, poll_s=0.01, timeout_s=5)
+    # A failure log older than this wait belongs to an earlier attempt that is being retried.
+    with pytest.raises(TimeoutError):
+        wait_for_local(run, [0, 1, 2, 3], since=time.time() + 10, poll_s=0.01, timeout_s=0.05)
