@@ -205,13 +205,28 @@ class _EpochBatchSampler:
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    @staticmethod
+    def _rank_world() -> tuple[int, int]:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return 0, 1
+
     def __iter__(self):
         gen = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        for idx in torch.randperm(self.n, generator=gen).split(self.batch_size):
+        order = torch.randperm(self.n, generator=gen)
+        rank, world = self._rank_world()
+        if world > 1:
+            # DDP: every rank takes every world-th sample of the same permutation, padded by wrapping around so
+            # that all ranks run the same number of steps (as torch's DistributedSampler does).
+            total = -(-self.n // world) * world
+            order = torch.cat([order, order[: total - self.n]])[rank::world]
+        for idx in order.split(self.batch_size):
             yield self.epoch, idx
 
     def __len__(self) -> int:
-        return -(-self.n // self.batch_size)
+        _, world = self._rank_world()
+        per_rank = -(-self.n // world)
+        return -(-per_rank // self.batch_size)
 
 
 class _ViewCollate:

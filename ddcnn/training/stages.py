@@ -167,6 +167,16 @@ def tuple_or_int(value) -> int | float | tuple:
     return value if isinstance(value, int | float) else tuple(value)
 
 
+class Crop:
+    """Cuts one box out of a batch (a picklable function, so data modules survive ``ddp_spawn``)."""
+
+    def __init__(self, box: tuple[slice, ...]) -> None:
+        self.box = box
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.box]
+
+
 def build_augment(cfg: DictConfig) -> Augment | None:
     """The configured augmentation of whole images (``data.augment``), or ``None``."""
     spec = cfg.data.get("augment")
@@ -218,18 +228,32 @@ def count_parameters(net: nn.Module) -> int:
 
 
 # --- training ------------------------------------------------------------------------------------
-def _device_kwargs(device: str | torch.device | None) -> dict:
+def _device_kwargs(device: str | torch.device | None, num_devices: int = 1) -> dict:
+    """Trainer arguments for one training on ``device``, or on ``num_devices`` devices from it with DDP.
+
+    Several devices use ``ddp_spawn``: Lightning's plain ``ddp`` launcher re-runs the command line, which
+    hangs under Hydra multirun. On CPU the processes talk over gloo.
+    """
     device = torch.device(device) if device is not None else torch.device("cpu")
+    if num_devices < 1:
+        raise ValueError(f"trainer.num_devices must be >= 1, got {num_devices}.")
     if device.type == "cuda":
-        return {"accelerator": "gpu", "devices": [device.index or 0]}
-    return {"accelerator": "cpu", "devices": 1}
+        first = device.index or 0
+        kwargs = {"accelerator": "gpu", "devices": list(range(first, first + num_devices))}
+    else:
+        kwargs = {"accelerator": "cpu", "devices": num_devices}
+    if num_devices > 1:
+        # Our batch sampler shards itself by rank (see TensorDataModule), so Lightning must not replace it.
+        kwargs.update(strategy="ddp_spawn", use_distributed_sampler=False)
+    return kwargs
 
 
 def _trainer(cfg: DictConfig, folder: Path, device, max_epochs: int | None = None) -> tuple[L.Trainer, ModelCheckpoint]:
     tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     monitor = tcfg.pop("monitor", "val_acc")
     mode = tcfg.pop("monitor_mode", "max")
-    tcfg.update(_device_kwargs(device))
+    num_devices = int(tcfg.pop("num_devices", 1) or 1)
+    tcfg.update(_device_kwargs(device, num_devices))
     if max_epochs is not None:
         tcfg["max_epochs"] = int(max_epochs)
     ckpt = ModelCheckpoint(
@@ -251,7 +275,7 @@ def _trainer(cfg: DictConfig, folder: Path, device, max_epochs: int | None = Non
         default_root_dir=str(folder),
         callbacks=[ckpt],
         logger=logger,
-        plugins=[AtomicCheckpointIO(), *slurm_plugins()],
+        plugins=[AtomicCheckpointIO(), *slurm_plugins(num_devices)],
         enable_model_summary=False,
         num_sanity_val_steps=0,
         **tcfg,
@@ -364,8 +388,7 @@ def run_local(ctx: Context, subdomain: int, device=None) -> dict:
         x_sub = {split: x[box].contiguous() for split, x in ctx.data.x.items()}
         dm = TensorDataModule(x_sub, ctx.data.y, _batch_size(ctx.cfg), seed=seed)
     else:  # augment the whole image, then cut: every local net sees the same augmented image
-        dm = TensorDataModule(ctx.data.x, ctx.data.y, _batch_size(ctx.cfg), seed=seed, view=lambda x: x[box],
-                              augment=augment)
+        dm = TensorDataModule(ctx.data.x, ctx.data.y, _batch_size(ctx.cfg), seed=seed, view=Crop(box), augment=augment)
     start = time.perf_counter()
     L.seed_everything(seed, workers=True, verbose=False)
     net = build_local_net(ctx.cfg, ctx.data)
