@@ -1,0 +1,133 @@
+"""The figures of ddcnn.report.plots: real, non-empty PNGs of plausible size, and clear errors on bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ddcnn.decomposition import Decomposition
+from ddcnn.report.plots import (
+    plot_confusion_matrices,
+    plot_decomposition,
+    plot_grid_comparison,
+    plot_heatmap,
+    plot_series,
+    plot_subdomain_accuracy,
+    plot_training_curves,
+    read_metrics_csv,
+)
+
+
+def assert_real_png(path: Path, min_side: int = 200, max_side: int = 4000) -> None:
+    """``path`` is a decodable PNG of plausible size that shows something (not one flat colour)."""
+    assert path.is_file(), f"{path} missing"
+    assert path.stat().st_size > 2_000, f"{path} is suspiciously small ({path.stat().st_size} bytes)"
+    with Image.open(path) as im:
+        assert im.format == "PNG", path
+        im.load()  # decodes every byte: a truncated file fails here
+        width, height = im.size
+        pixels = np.asarray(im.convert("L"), dtype=np.float64)
+    assert min_side <= width <= max_side and min_side <= height <= max_side, f"{path}: {width}x{height}"
+    assert pixels.std() > 5, f"{path} is (nearly) blank"
+    assert (pixels < 128).mean() > 0.005, f"{path} holds almost no dark pixels (no text, lines or axes)"
+
+
+# Lightning's CSVLogger writes training and validation values of an epoch on separate rows.
+METRICS_CSV = """epoch,step,train_acc,train_loss,val_acc,val_loss
+0,4,,,0.40,1.60
+0,4,0.30,1.90,,
+1,9,,,0.60,1.20
+1,9,0.55,1.40,,
+2,14,,,0.70,0.90
+2,14,0.68,1.00,,
+"""
+
+
+@pytest.mark.parametrize("spatial_dims", [2, 3])
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_decomposition_overlay(tmp_path, spatial_dims, overlap):
+    shape = (16, 12) if spatial_dims == 2 else (10, 12, 8)
+    dec = Decomposition((2,) * spatial_dims, shape, overlap)
+    image = np.random.default_rng(0).random((1, *shape))
+    out = plot_decomposition(image, dec, tmp_path / "dec.png")
+    assert out == tmp_path / "dec.png"
+    assert_real_png(out)
+    rgb = np.random.default_rng(1).random((3, *shape))  # colour images are shown in colour
+    assert_real_png(plot_decomposition(rgb, dec, tmp_path / "rgb.png", title="colour"))
+
+
+def test_decomposition_overlay_refuses_an_image_of_another_shape(tmp_path):
+    dec = Decomposition((2, 2), (16, 16), 2)
+    with pytest.raises(ValueError, match=r"image of shape \(1, 8, 8\) does not fit the decomposition of \(16, 16\)"):
+        plot_decomposition(np.zeros((1, 8, 8)), dec, tmp_path / "x.png")
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (4, 4), (2, 2, 2), (1, 3)])
+def test_subdomain_accuracy_map_is_laid_out_like_the_grid(tmp_path, grid):
+    n = int(np.prod(grid))
+    accuracy = np.linspace(0.6, 0.95, n)
+    assert_real_png(plot_subdomain_accuracy(accuracy, grid, tmp_path / "acc.png", reference={"CNN-DNN": 0.9}))
+    with pytest.raises(ValueError, match=f"{n + 1} values for a grid"):
+        plot_subdomain_accuracy(np.ones(n + 1), grid, tmp_path / "bad.png")
+
+
+def test_heatmap_across_runs_with_missing_cells(tmp_path):
+    values = np.array([[0.9, 0.85, np.nan], [0.92, 0.88, 0.8]])
+    out = plot_heatmap(
+        values,
+        tmp_path / "heat.png",
+        "CNN-DNN accuracy",
+        xlabel="grid",
+        ylabel="overlap",
+        xticklabels=["2x2", "4x4", "8x8"],
+        yticklabels=["0", "2"],
+        colorbar_label="test accuracy",
+    )
+    assert_real_png(out)
+    with pytest.raises(ValueError, match="must be 2D"):
+        plot_heatmap(np.zeros(3), tmp_path / "bad.png", "t", "x", "y")
+
+
+@pytest.mark.parametrize("num_classes", [5, 10, 40])
+def test_confusion_matrices_side_by_side(tmp_path, num_classes):
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, num_classes, 300)
+    noisy = np.where(rng.random(300) < 0.7, labels, rng.integers(0, num_classes, 300))
+    out = plot_confusion_matrices(
+        {"global CNN": (labels, labels), "CNN-DNN": (labels, noisy)},
+        [f"class {k}" for k in range(num_classes)],
+        tmp_path / "cm.png",
+    )
+    assert_real_png(out)
+
+
+def test_training_curves_from_lightning_csv(tmp_path):
+    csv = tmp_path / "metrics.csv"
+    csv.write_text(METRICS_CSV)
+    metrics = read_metrics_csv(csv)
+    np.testing.assert_array_equal(metrics["epoch"], [0, 1, 2])
+    np.testing.assert_allclose(metrics["val_acc"], [0.4, 0.6, 0.7])
+    np.testing.assert_allclose(metrics["train_loss"], [1.9, 1.4, 1.0])
+    curves = {f"local {i}": csv for i in range(16)} | {"global": csv, "missing": tmp_path / "none.csv"}
+    assert_real_png(plot_training_curves(curves, tmp_path / "many.png"))  # 17 trainings: no legend per line
+    assert_real_png(plot_training_curves({"coarse": metrics}, tmp_path / "one.png"))
+
+
+def test_accuracy_and_time_against_grid_size(tmp_path):
+    def result(grid, acc, seconds):
+        return {
+            "decomposition": {"grid": grid},
+            "accuracy": {"global": 0.95, "cnn_dnn": acc, "mean_prob": acc - 0.02, "majority_vote": None},
+            "time_s": {"global": 10.0, "cnn_dnn_sequential": seconds},
+            "projected_time_s": seconds / np.prod(grid),
+        }
+
+    runs = [result([2, 2], 0.93, 12.0), result([2, 2], 0.91, 13.0), result([4, 4], 0.9, 20.0)]
+    assert_real_png(plot_grid_comparison(runs, tmp_path / "grid.png"))
+    out = plot_series(
+        [4, 16], {"CNN-DNN": [0.9, None]}, tmp_path / "s.png", "accuracy", "N", "accuracy", ["2x2", "4x4"]
+    )
+    assert_real_png(out)
