@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,7 +249,21 @@ def _device_kwargs(device: str | torch.device | None, num_devices: int = 1) -> d
     return kwargs
 
 
+def _quiet_lightning() -> None:
+    """Keep the console for what users read: progress bars, our one-line stage summaries, the results table."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Our logs/ folder shares the stage folder with the checkpoints on purpose.
+    warnings.filterwarnings("ignore", message=r".*Checkpoint directory .* exists and is not empty.*")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")  # in-memory tensors need none
+    warnings.filterwarnings("ignore", message=r".*smaller than the logging interval.*")
+    # SLURM runs go through submitit or srun (ddcnn.parallel.slurm); an installed srun alone means nothing.
+    warnings.filterwarnings("ignore", message=r".*The `srun` command is available on your system.*")
+
+
 def _trainer(cfg: DictConfig, folder: Path, device, max_epochs: int | None = None) -> tuple[L.Trainer, ModelCheckpoint]:
+    _quiet_lightning()
     tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     monitor = tcfg.pop("monitor", "val_acc")
     mode = tcfg.pop("monitor_mode", "max")
