@@ -50,6 +50,7 @@ NON_RESULT_KEYS = (
     "parallel",
     "hydra",
     "report",
+    "methods.enabled",
     "trainer.enable_progress_bar",
     "trainer.log_every_n_steps",
     "trainer.accelerator",
