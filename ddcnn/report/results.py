@@ -1,4 +1,10 @@
-"""The ``evaluate`` stage: one table of every method of a run, as ``results.json`` and ``results.md``."""
+"""The ``evaluate`` stage: one table of every method of a run, as ``results.json`` and ``results.md``.
+
+Besides the per-key dictionaries (``accuracy``, ``metrics``, ``time_s``, ``params``), ``results.json`` holds
+``methods``: one row per finished method (:func:`method_rows`) with its test accuracy, sequential training time,
+projected time on the devices it can use, speedup against the global CNN and parameter count. The comparison
+report across runs (:mod:`ddcnn.report.compare`) reads those rows.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,22 @@ from ddcnn.report.combiners import majority_vote, mean_probability
 
 log = logging.getLogger(__name__)
 
-__all__ = ["classification_metrics", "evaluate_run", "results_markdown"]
+__all__ = ["METHODS", "classification_metrics", "evaluate_run", "method_rows", "results_markdown"]
+
+# Every method a run can report, in table order: key -> display name. The optional stages are those of
+# ddcnn.training.transfer; the CNN-DNN appears once per coarse-DNN input that was trained.
+METHODS: dict[str, str] = {
+    "global": "global CNN",
+    "mean_prob": "mean probability",
+    "majority_vote": "majority vote",
+    "cnn_dnn_probs": "CNN-DNN (coarse DNN on probs)",
+    "cnn_dnn_logits": "CNN-DNN (coarse DNN on logits)",
+    "e2e": "CNN-DNN end to end",
+    "transfer": "CNN-DNN transfer (local nets + coarse DNN, trained further)",
+    "global_transfer": "global CNN transfer (init. from local nets)",
+}
+# Optional stages whose test predictions the evaluate stage reads (coarse_alt is reported per input kind).
+_OPTIONAL = ("coarse_alt", "e2e", "transfer", "global_transfer")
 
 
 def classification_metrics(
@@ -69,6 +90,13 @@ def results_markdown(results: dict) -> str:
         ("mean probability", "mean_prob", t.get("local_total"), results["params"].get("local_total")),
         ("majority vote", "majority_vote", t.get("local_total"), results["params"].get("local_total")),
     ]
+    # The optional methods (ddcnn.training.transfer), each with its sequential time (see method_rows).
+    main_key = f"cnn_dnn_{results.get('coarse_input', {}).get('coarse', 'probs')}"
+    for row in results.get("methods", []):
+        if row["key"] in ("cnn_dnn_probs", "cnn_dnn_logits", "e2e", "transfer", "global_transfer") and (
+            row["key"] != main_key
+        ):
+            rows.append((row["name"], row["key"], row["sequential_time_s"], row["params"]))
     for name, key, seconds, params in rows:
         if key in m and m[key] is not None:
             r = m[key]
@@ -131,6 +159,25 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         else:
             metrics[key] = None
             time_s[stage] = None
+    # The coarse DNN's input decides which CNN-DNN row the main coarse stage fills; coarse_alt fills the other.
+    coarse_input = {"coarse": run.meta("coarse").get("input", "probs")} if run.is_done("coarse") else {}
+    if "coarse" in coarse_input:
+        metrics[f"cnn_dnn_{coarse_input['coarse']}"] = metrics["cnn_dnn"]
+    for stage in _OPTIONAL:
+        if not run.is_done(stage):
+            continue
+        saved, meta = run.load_probs(stage, "test"), run.meta(stage)
+        if not torch.equal(saved["labels"], labels):
+            raise ValueError(
+                f"saved {stage} test predictions in {run.root} are for other data; rerun stage={stage} with force=true."
+            )
+        key = stage
+        if stage == "coarse_alt":
+            coarse_input["coarse_alt"] = meta["input"]
+            key = f"cnn_dnn_{meta['input']}"
+        metrics[key] = classification_metrics(saved["probs"].argmax(-1), saved["labels"], saved["probs"], k)
+        time_s[stage] = meta["time_s"]
+        params[stage] = meta["params"]
     if time_s["coarse"] is not None:
         params["cnn_dnn"] = params["local_total"] + params["coarse"]
         time_s["cnn_dnn_sequential"] = time_s["local_total"] + time_s["coarse"]
@@ -144,8 +191,12 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         for key in ("global", "cnn_dnn", "mean_prob", "majority_vote")
     }
     accuracy["local"] = [m["accuracy"] for m in metrics["local"]]
+    for key in METHODS:
+        if key not in accuracy:
+            accuracy[key] = metrics[key]["accuracy"] if metrics.get(key) else None
     results = {
         "accuracy": accuracy,
+        "coarse_input": coarse_input,
         "metrics": metrics,
         "time_s": time_s,
         "projected_time_s": projected,
@@ -163,7 +214,87 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
     }
     if cfg is not None:
         results["model"] = str(cfg.model.get("_target_", ""))
+        results["model_name"] = str(cfg.model.get("name", results["model"]))
         results["seed"] = int(cfg.seed)
+    results["methods"] = method_rows(results)
     atomic_write_json(run.root / "results.json", results)
     atomic_write_text(run.root / "results.md", results_markdown(results))
     return results
+
+
+def method_rows(results: dict) -> list[dict]:
+    """One row per finished method of a run's results: accuracy, times, speedup and parameters.
+
+    Times are training times measured on this run's device, in seconds:
+
+    - ``sequential_time_s``: everything the method needs, one stage after another on one device;
+    - ``projected_time_s``: on the ``devices`` it can use, i.e. ``N`` for the decomposed methods (the local nets
+      in parallel: the slowest local net, then the coarse DNN and any further training), 1 for the global CNN and
+      the end-to-end CNN-DNN (trained as one model);
+    - ``speedup``: global CNN time over ``projected_time_s``.
+
+    Works on ``results.json`` files written before the optional methods existed (their CNN-DNN row is the coarse
+    DNN on ``coarse_input`` or, unknown, on probabilities).
+    """
+    m, t, p = results["metrics"], results["time_s"], results["params"]
+    n = int(results["decomposition"]["num_subdomains"])
+    inputs = results.get("coarse_input") or {}
+    local_total, local_max, t_global = t.get("local_total"), t.get("local_max"), t.get("global")
+    coarse_s = {inputs.get("coarse", "probs"): ("coarse", t.get("coarse"), p.get("coarse"))}
+    if "coarse_alt" in inputs:
+        coarse_s[inputs["coarse_alt"]] = ("coarse_alt", t.get("coarse_alt"), p.get("coarse_alt"))
+    main = coarse_s[inputs.get("coarse", "probs")]
+
+    def add(*values):
+        return None if any(v is None for v in values) else sum(values)
+
+    timing: dict[str, tuple] = {
+        "global": (t_global, t_global, 1, p.get("global")),
+        "mean_prob": (local_total, local_max, n, p.get("local_total")),
+        "majority_vote": (local_total, local_max, n, p.get("local_total")),
+        "e2e": (t.get("e2e"), t.get("e2e"), 1, p.get("e2e")),
+        "transfer": (
+            add(local_total, main[1], t.get("transfer")),
+            add(local_max, main[1], t.get("transfer")),
+            n,
+            p.get("transfer"),
+        ),
+        "global_transfer": (
+            add(local_total, t.get("global_transfer")),
+            add(local_max, t.get("global_transfer")),
+            n,
+            p.get("global_transfer"),
+        ),
+    }
+    for kind, (_, seconds, coarse_params) in coarse_s.items():
+        timing[f"cnn_dnn_{kind}"] = (
+            add(local_total, seconds),
+            add(local_max, seconds),
+            n,
+            add(p.get("local_total"), coarse_params),
+        )
+    metrics = dict(m)
+    main_key = f"cnn_dnn_{inputs.get('coarse', 'probs')}"
+    if metrics.get(main_key) is None and metrics.get("cnn_dnn") is not None:
+        metrics[main_key] = metrics["cnn_dnn"]
+    rows = []
+    for key, name in METHODS.items():
+        if metrics.get(key) is None or key not in timing:
+            continue
+        sequential, projected, devices, params = timing[key]
+        r = metrics[key]
+        rows.append(
+            {
+                "key": key,
+                "name": name,
+                "accuracy": r["accuracy"],
+                "balanced_accuracy": r.get("balanced_accuracy"),
+                "auc": r.get("auc"),
+                "sequential_time_s": sequential,
+                "projected_time_s": projected,
+                "devices": devices,
+                "speedup": (t_global / projected) if t_global and projected else None,
+                "params": params,
+            }
+        )
+    return rows

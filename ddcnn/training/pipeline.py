@@ -9,12 +9,14 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig
 
 from ddcnn.training.stages import build_context, run_coarse, run_evaluate, run_global
+from ddcnn.training.transfer import OPTIONAL_STAGES, enabled_stages
 
 log = logging.getLogger(__name__)
 
 __all__ = ["train", "STAGES"]
 
-STAGES = ("local", "coarse", "global", "evaluate")
+# The optional method stages (coarse_alt, e2e, transfer, global_transfer) run after global, before evaluate.
+STAGES = ("local", "coarse", "global", *OPTIONAL_STAGES, "evaluate")
 
 
 def _subdomains(cfg: DictConfig, num_subdomains: int) -> list[int]:
@@ -39,6 +41,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     stage = str(cfg.get("stage", "all"))
     if stage not in ("all", *STAGES):
         raise ValueError(f"unknown stage {stage!r}; choose one of: all, {', '.join(STAGES)}.")
+    optional = enabled_stages(cfg) if stage == "all" else [stage] if stage in OPTIONAL_STAGES else []
     ctx = build_context(cfg, run_dir, claim=False)
     indices = _subdomains(cfg, ctx.decomposition.num_subdomains) if stage in ("all", "local") else []
     bad = [i for i in indices if not 0 <= i < ctx.decomposition.num_subdomains]
@@ -64,6 +67,8 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
         out["coarse"] = run_coarse(ctx, device)
     if stage in ("all", "global"):
         out["global"] = run_global(ctx, device)
+    for name in optional:
+        out[name] = OPTIONAL_STAGES[name](ctx, device)
     if stage in ("all", "evaluate"):
         results = run_evaluate(ctx)
         from ddcnn.report.results import results_markdown

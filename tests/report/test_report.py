@@ -1,0 +1,165 @@
+"""``ddcnn-report`` on a tiny sweep: every row and column, mean ± std over seeds, CSV, plots, baseline rows."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from ddcnn.report.cli import report_main
+from ddcnn.report.compare import (
+    CSV_COLUMNS,
+    comparison_rows,
+    find_runs,
+    load_baseline_rows,
+    load_run,
+    table_markdown,
+    write_report,
+)
+from ddcnn.report.results import METHODS
+from ddcnn.training.pipeline import train
+from ddcnn.training.rundir import RunDir
+from tests.conftest import compose_config
+
+DEFAULT_METHODS = ("global", "mean_prob", "majority_vote", "cnn_dnn_probs", "cnn_dnn_logits")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A sweep folder as ``ddcnn-train -m`` leaves it: a 1x2 grid with two seeds (one with every method), 2x2 with
+    one (small grids keep the test fast; the report does not care about the size)."""
+    root = tmp_path_factory.mktemp("multirun")
+    jobs = {
+        "0_1x2_s0": ["seed=0", "methods=all", "decomposition.grid=[1,2]"],
+        "1_1x2_s1": ["seed=1", "decomposition.grid=[1,2]"],
+        "2_2x2_s0": ["seed=0"],
+    }
+    for name, overrides in jobs.items():
+        # The per-run figures and the export are another stage's business; the report needs results.json only.
+        train(compose_config([*overrides, "++report.plots=false", "++report.export=false"], root / name))
+    # A job that started (config.yaml and fingerprint.json written) but never got to evaluate.
+    RunDir(root / "3_1x2_s2").check_fingerprint(compose_config(["seed=2"], root / "3_1x2_s2"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def report(sweep, tmp_path_factory):
+    baselines = tmp_path_factory.mktemp("baselines")
+    (baselines / "simple.json").write_text(json.dumps([{"name": "BPT-CNN (async)", "accuracy": 0.5, "time_s": 3.0}]))
+    (baselines / "bench.json").write_text(
+        json.dumps({"rows": [{"method": "filter-parallel", "accuracy": 0.4, "wall_time_s": 2.0, "processes": 2}]})
+    )
+    out = sweep / "report"
+    files = [arg for name in ("simple.json", "bench.json") for arg in ("--baselines", str(baselines / name))]
+    report_main(["--sweep", str(sweep), *files])
+    return out
+
+
+def test_sweep_finds_finished_runs_and_names_unfinished_ones(sweep):
+    finished, unfinished = find_runs(sweep)
+    assert [p.name for p in finished] == ["0_1x2_s0", "1_1x2_s1", "2_2x2_s0"]
+    assert [p.name for p in unfinished] == ["3_1x2_s2"]
+
+
+def test_table_has_every_row_and_column(report):
+    with open(report / "digits.csv", newline="") as fh:
+        reader = csv.DictReader(fh)
+        assert tuple(reader.fieldnames) == CSV_COLUMNS
+        rows = list(reader)
+    by_grid = {g: [r["method_key"] for r in rows if r["grid"] == g] for g in ("1x2", "2x2")}
+    assert by_grid["1x2"] == list(METHODS)  # every method, in table order
+    assert by_grid["2x2"] == list(DEFAULT_METHODS)
+    for r in rows:
+        assert r["backbone"] == "vgg_tiny" and r["overlap"] == "2" and r["dataset"] == "digits"
+        for column in ("accuracy_mean", "sequential_time_s", "projected_time_s", "speedup", "params"):
+            assert float(r[column]) >= 0, (r["method_key"], column)
+    md = (report / "digits.md").read_text()
+    header = md.splitlines()[2]
+    for column in ("method", "seeds", "test accuracy (%)", "sequential time (s)", "projected time (s)"):
+        assert f"| {column} |" in header
+    assert "| speedup vs global | parameters |" in header
+    for name in METHODS.values():
+        assert f"| {name} |" in md
+    report_md = (report / "report.md").read_text()
+    assert "## digits" in report_md and "## External baselines" in report_md
+
+
+def test_two_seeds_are_averaged_with_their_standard_deviation(sweep, report):
+    runs = [load_run(sweep / name) for name in ("0_1x2_s0", "1_1x2_s1")]
+    row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_probs")
+    acc = [r.results["accuracy"]["cnn_dnn"] for r in runs]
+    assert row["seeds"] == 2
+    assert row["accuracy_mean"] == pytest.approx(np.mean(acc))
+    assert row["accuracy_std"] == pytest.approx(np.std(acc, ddof=1))
+    assert "±" in next(line for line in (report / "digits.md").read_text().splitlines() if "| majority vote |" in line)
+    e2e = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "e2e")
+    assert e2e["seeds"] == 1 and e2e["accuracy_std"] is None
+
+
+def test_plots_exist_and_are_not_empty(report):
+    names = [
+        "digits_accuracy_vs_grid.png",
+        "digits_time_vs_grid.png",
+        "digits_vgg_tiny_1x2_o2_subdomains.png",
+        "digits_vgg_tiny_2x2_o2_subdomains.png",
+    ]
+    for name in names:
+        data = (report / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+
+
+def test_baseline_rows_from_either_format(report):
+    with open(report / "baselines.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["name"], float(r["accuracy"]), float(r["time_s"])) for r in rows] == [
+        ("BPT-CNN (async)", 0.5, 3.0),
+        ("filter-parallel", 0.4, 2.0),
+    ]
+    assert rows[1]["processes"] == "2"
+
+
+def test_bad_baseline_rows_are_named(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"name": "x", "accuracy": 0.1}]))
+    with pytest.raises(ValueError, match="row 0 needs name, accuracy and time_s"):
+        load_baseline_rows(path)
+
+
+def test_three_dimensional_grid_gets_one_panel_per_layer(sweep, tmp_path):
+    """A 2x2x2 run's local accuracies are drawn as two 2x2 layers (results.json edited to a 3D grid)."""
+    run_dir = tmp_path / "run3d"
+    shutil.copytree(sweep / "1_1x2_s1", run_dir, ignore=shutil.ignore_patterns("local", "coarse*", "global"))
+    results = json.loads((run_dir / "results.json").read_text())
+    results["decomposition"]["grid"] = [2, 2, 2]
+    results["accuracy"]["local"] = [0.1 * i for i in range(8)]
+    (run_dir / "results.json").write_text(json.dumps(results))
+    written = write_report([load_run(run_dir)], tmp_path / "out")
+    maps = [p for p in written["plots"] if p.name.endswith("_subdomains.png")]
+    assert [p.name for p in maps] == ["digits_vgg_tiny_2x2x2_o2_subdomains.png"]
+    assert maps[0].stat().st_size > 5000
+
+
+def test_runs_without_results_are_refused_by_name(sweep, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        report_main([str(sweep / "3_1x2_s2"), "--out", str(sweep / "bad")])
+    assert exit_info.value.code == 2
+    assert "['results.json'] missing" in capsys.readouterr().err
+
+
+def test_runs_with_other_settings_are_not_averaged_together(sweep, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(sweep / "1_1x2_s1", other, ignore=shutil.ignore_patterns("local", "coarse*", "global", "plots"))
+    cfg = OmegaConf.load(other / "config.yaml")
+    cfg.trainer.max_epochs = 5
+    OmegaConf.save(cfg, other / "config.yaml")
+    runs = [load_run(sweep / "0_1x2_s0"), load_run(other)]
+    split = [r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_probs"]
+    assert sorted(r["settings"] for r in split) == ["trainer.max_epochs=1", "trainer.max_epochs=5"]
+    assert "| settings |" in table_markdown(split)
+    merged = comparison_rows(runs, ignore=["trainer.max_epochs"])["digits"]
+    merged = [r for r in merged if r["method_key"] == "cnn_dnn_probs"]
+    assert len(merged) == 1 and merged[0]["seeds"] == 2 and merged[0]["settings"] == ""

@@ -1,0 +1,153 @@
+"""The optional method stages: second coarse DNN, end-to-end CNN-DNN, transfer learning (ddcnn/training/transfer.py).
+
+One tiny run with every method enabled (two sub-domains, to stay fast) is shared by the module; ``_fit`` is wrapped to
+record the weights each stage starts training from.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import lightning as L
+import pytest
+import torch
+
+import ddcnn.training.transfer as transfer
+from ddcnn.report.results import METHODS
+from ddcnn.training.pipeline import train
+from ddcnn.training.rundir import RunDir
+from ddcnn.training.stages import build_context, build_local_net, subdomain_seed
+from tests.conftest import compose_config
+
+OPTIONAL = ("coarse_alt", "e2e", "transfer", "global_transfer")
+N = 2  # sub-domains of the shared run
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A tiny run with every method, and the state each stage of transfer.py handed to ``_fit``."""
+    run_dir = tmp_path_factory.mktemp("all_methods")
+    overrides = ["methods=all", "decomposition.grid=[1,2]", "++report.plots=false", "++report.export=false"]
+    cfg = compose_config(overrides, run_dir)
+    started: dict[str, dict[str, torch.Tensor]] = {}
+    fit = transfer._fit
+
+    def recording_fit(cfg, net, dm, folder, *args, **kwargs):
+        started[folder.name] = copy.deepcopy(net.state_dict())
+        return fit(cfg, net, dm, folder, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transfer, "_fit", recording_fit)
+        results = train(cfg)
+    return cfg, RunDir(run_dir), results, started
+
+
+def _saved(run: RunDir, stage: str, subdomain: int | None = None) -> dict[str, torch.Tensor]:
+    return torch.load(run.stage_dir(stage, subdomain) / "net.pt", weights_only=True)
+
+
+def _prefixed(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_transfer_starts_from_the_finished_local_nets_and_coarse_dnn(finished):
+    _, run, _, started = finished
+    init = started["transfer"]
+    for i in range(N):
+        _assert_same(_prefixed(init, f"local_nets.{i}."), _saved(run, "local", i))
+    _assert_same(_prefixed(init, "coarse."), _saved(run, "coarse"))
+    # ... and training then moved them.
+    trained = _saved(run, "transfer")
+    assert any(not torch.equal(trained[k], init[k]) for k in init if trained[k].is_floating_point())
+    # The recorded starting accuracy is that of the assembled CNN-DNN on the validation split.
+    start = run.meta("transfer")["start_accuracy"]["val"]
+    assert start == pytest.approx(run.meta("coarse")["accuracy"]["val"], abs=1e-6)
+
+
+def test_global_transfer_starts_from_the_best_local_net(finished):
+    _, run, _, started = finished
+    meta = run.meta("global_transfer")
+    val = [run.meta("local", i)["accuracy"]["val"] for i in range(N)]
+    assert meta["init"] == "best" and meta["sources"] == [val.index(max(val))]
+    assert meta["skipped_tensors"] == []  # same builder: every tensor fits
+    _assert_same(started["global_transfer"], _saved(run, "local", meta["sources"][0]))
+
+
+def test_global_transfer_mean_init_averages_the_local_nets(finished):
+    cfg, run, _, _ = finished
+    cfg = copy.deepcopy(cfg)
+    cfg.methods.global_transfer.init = "mean"
+    net, record = transfer.init_global_transfer(build_context(cfg, run.root, claim=False))
+    assert record["sources"] == list(range(N))
+    locals_ = [_saved(run, "local", i) for i in range(N)]
+    for key, value in net.state_dict().items():
+        if value.is_floating_point():
+            assert torch.allclose(value, torch.stack([s[key] for s in locals_]).mean(0)), key
+    cfg.methods.global_transfer.init = 7
+    with pytest.raises(ValueError, match="'best', 'mean' or a local net index 0..1"):
+        transfer.init_global_transfer(build_context(cfg, run.root, claim=False))
+
+
+def test_e2e_starts_from_the_local_nets_random_initialisation(finished):
+    cfg, run, _, started = finished
+    ctx = build_context(cfg, run.root, claim=False)
+    for i in range(N):
+        L.seed_everything(subdomain_seed(cfg.seed, i), verbose=False)
+        fresh = build_local_net(cfg, ctx.data).state_dict()
+        _assert_same(_prefixed(started["e2e"], f"local_nets.{i}."), fresh)
+
+
+def test_every_optional_stage_writes_its_artifacts_and_results_rows(finished):
+    _, run, results, _ = finished
+    for stage in OPTIONAL:
+        folder = run.stage_dir(stage)
+        for name in ("best.ckpt", "last.ckpt", "probs_train.pt", "probs_val.pt", "probs_test.pt", "net.pt", "done"):
+            assert (folder / name).is_file(), f"{folder / name} missing"
+        assert run.meta(stage)["time_s"] > 0
+    assert run.meta("coarse_alt")["input"] == "logits"
+    saved = json.loads((run.root / "results.json").read_text())
+    assert saved["accuracy"] == results["accuracy"]
+    for key in ("global", "cnn_dnn", "mean_prob", "majority_vote", *METHODS):
+        assert 0.0 <= saved["accuracy"][key] <= 1.0, key
+    assert [row["key"] for row in saved["methods"]] == list(METHODS)
+    assert saved["accuracy"]["cnn_dnn_probs"] == saved["accuracy"]["cnn_dnn"]  # coarse.input=probs: the main one
+    rows = {row["key"]: row for row in saved["methods"]}
+    t = saved["time_s"]
+    assert rows["transfer"]["sequential_time_s"] == pytest.approx(t["local_total"] + t["coarse"] + t["transfer"])
+    assert rows["transfer"]["projected_time_s"] == pytest.approx(t["local_max"] + t["coarse"] + t["transfer"])
+    assert rows["e2e"]["devices"] == 1 and rows["cnn_dnn_logits"]["devices"] == N
+    assert rows["global"]["speedup"] == pytest.approx(1.0)
+    md = (run.root / "results.md").read_text()
+    for name in ("CNN-DNN (coarse DNN)", *(METHODS[k] for k in ("cnn_dnn_logits", "e2e", "transfer"))):
+        assert f"| {name} |" in md
+
+
+def test_finished_optional_stage_is_skipped(finished):
+    cfg, run, _, _ = finished
+    stamp = (run.stage_dir("transfer") / "done").stat().st_mtime_ns
+    cfg = copy.deepcopy(cfg)
+    cfg.stage = "transfer"
+    meta = train(cfg)["transfer"]
+    assert (run.stage_dir("transfer") / "done").stat().st_mtime_ns == stamp
+    assert meta == run.meta("transfer")
+
+
+def test_default_run_enables_only_the_cheap_second_coarse_dnn():
+    assert transfer.enabled_stages(compose_config()) == ["coarse_alt"]
+    assert transfer.enabled_stages(compose_config(["methods=all"])) == list(OPTIONAL)
+
+
+def test_transfer_before_the_local_stage_names_what_is_missing(make_cfg):
+    cfg = make_cfg("stage=transfer")
+    with pytest.raises(FileNotFoundError, match=r"stages \[0, 1, 2, 3, 'coarse'\] have not finished"):
+        train(cfg)
+    assert not RunDir(cfg.paths.run_dir).stage_dir("transfer").exists()
+    with pytest.raises(FileNotFoundError, match=r"local nets \[0, 1, 2, 3\] have not finished"):
+        train(make_cfg("stage=global_transfer"))
