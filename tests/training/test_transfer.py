@@ -151,3 +151,17 @@ def test_transfer_before_the_local_stage_names_what_is_missing(make_cfg):
     assert not RunDir(cfg.paths.run_dir).stage_dir("transfer").exists()
     with pytest.raises(FileNotFoundError, match=r"local nets \[0, 1, 2, 3\] have not finished"):
         train(make_cfg("stage=global_transfer"))
+
+
+def test_methods_switched_on_later_train_only_the_new_stages(make_cfg):
+    base = ("decomposition.grid=[1,2]", "methods.enabled.coarse_alt=false")
+    train(make_cfg(*base))
+    run = RunDir(make_cfg().paths.run_dir)
+    assert not run.is_done("coarse_alt") and not run.is_done("transfer")
+    markers = [run.stage_dir("local", 0) / "done", run.stage_dir("coarse") / "done"]
+    stamps = [m.stat().st_mtime_ns for m in markers]
+    # methods.enabled does not change what any stage computes, so the same run directory accepts it.
+    results = train(make_cfg("decomposition.grid=[1,2]", "methods=all"))
+    assert [m.stat().st_mtime_ns for m in markers] == stamps  # nothing retrained
+    assert all(run.is_done(stage) for stage in OPTIONAL)
+    assert all(results["accuracy"][key] is not None for key in METHODS)
