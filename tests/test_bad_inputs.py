@@ -99,6 +99,18 @@ CASES = [
         "subdomain \\[7\\] does not exist",
     ),
     ("subdomain_not_an_index", lambda t: ["stage=local", "subdomain=abc"], ValueError, "integer index"),
+    (
+        "global_ddp_devices_do_not_divide_the_batch",
+        lambda t: ["methods.enabled.global_ddp=true", "methods.global_ddp.num_devices=3"],
+        ValueError,
+        "num_devices=3 does not divide data.batch_size=32",
+    ),
+    (
+        "global_ddp_on_one_device",
+        lambda t: ["stage=global_ddp", "methods.global_ddp.num_devices=1"],
+        ValueError,
+        "num_devices must be a whole number >= 2",
+    ),
 ]
 
 

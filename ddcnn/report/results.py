@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 __all__ = ["METHODS", "classification_metrics", "evaluate_run", "method_rows", "results_markdown"]
 
 # Every method a run can report, in table order: key -> display name. The optional stages are those of
-# ddcnn.training.transfer; the CNN-DNN appears once per coarse-DNN input that was trained.
+# ddcnn.training.methods; the CNN-DNN appears once per coarse-DNN input that was trained.
 METHODS: dict[str, str] = {
     "global": "global CNN",
     "mean_prob": "mean probability",
@@ -33,9 +33,10 @@ METHODS: dict[str, str] = {
     "e2e": "CNN-DNN end to end",
     "transfer": "CNN-DNN transfer (local nets + coarse DNN, trained further)",
     "global_transfer": "global CNN transfer (init. from local nets)",
+    "global_ddp": "global CNN, DDP",
 }
 # Optional stages whose test predictions the evaluate stage reads (coarse_alt is reported per input kind).
-_OPTIONAL = ("coarse_alt", "e2e", "transfer", "global_transfer")
+_OPTIONAL = ("coarse_alt", "e2e", "transfer", "global_transfer", "global_ddp")
 
 
 def classification_metrics(
@@ -90,10 +91,14 @@ def results_markdown(results: dict) -> str:
         ("mean probability", "mean_prob", t.get("local_total"), results["params"].get("local_total")),
         ("majority vote", "majority_vote", t.get("local_total"), results["params"].get("local_total")),
     ]
-    # The optional methods (ddcnn.training.transfer), each with its sequential time (see method_rows).
+    # The optional methods (ddcnn.training.methods), each with its sequential time (see method_rows).
     main_key = f"cnn_dnn_{results.get('coarse_input', {}).get('coarse', 'probs')}"
     for row in results.get("methods", []):
-        if row["key"] in ("cnn_dnn_probs", "cnn_dnn_logits", "e2e", "transfer", "global_transfer") and (
+        if row["key"] == "global_ddp":  # its wall time on P devices: it has no one-device time
+            rows.append(
+                (f"{row['name']} on {row['devices']} devices", row["key"], row["projected_time_s"], row["params"])
+            )
+        elif row["key"] in ("cnn_dnn_probs", "cnn_dnn_logits", "e2e", "transfer", "global_transfer") and (
             row["key"] != main_key
         ):
             rows.append((row["name"], row["key"], row["sequential_time_s"], row["params"]))
@@ -161,6 +166,7 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
             time_s[stage] = None
     # The coarse DNN's input decides which CNN-DNN row the main coarse stage fills; coarse_alt fills the other.
     coarse_input = {"coarse": run.meta("coarse").get("input", "probs")} if run.is_done("coarse") else {}
+    devices: dict[str, int] = {}  # stages that trained on several devices at once (global_ddp)
     if "coarse" in coarse_input:
         metrics[f"cnn_dnn_{coarse_input['coarse']}"] = metrics["cnn_dnn"]
     for stage in _OPTIONAL:
@@ -178,6 +184,8 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         metrics[key] = classification_metrics(saved["probs"].argmax(-1), saved["labels"], saved["probs"], k)
         time_s[stage] = meta["time_s"]
         params[stage] = meta["params"]
+        if "num_devices" in meta:
+            devices[stage] = int(meta["num_devices"])
     if time_s["coarse"] is not None:
         params["cnn_dnn"] = params["local_total"] + params["coarse"]
         time_s["cnn_dnn_sequential"] = time_s["local_total"] + time_s["coarse"]
@@ -202,6 +210,7 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         "projected_time_s": projected,
         "projected_speedup": speedup,
         "params": params,
+        "devices": devices,
         "decomposition": {
             "grid": list(decomposition.grid),
             "overlap": list(decomposition.overlap),
@@ -264,6 +273,13 @@ def method_rows(results: dict) -> list[dict]:
             add(local_max, t.get("global_transfer")),
             n,
             p.get("global_transfer"),
+        ),
+        # Measured on its P devices at once: no one-device time exists.
+        "global_ddp": (
+            None,
+            t.get("global_ddp"),
+            (results.get("devices") or {}).get("global_ddp"),
+            p.get("global_ddp"),
         ),
     }
     for kind, (_, seconds, coarse_params) in coarse_s.items():

@@ -8,15 +8,28 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig
 
-from ddcnn.training.stages import build_context, run_coarse, run_evaluate, run_global
-from ddcnn.training.transfer import OPTIONAL_STAGES, enabled_stages
+from ddcnn.training.context import build_context
 
 log = logging.getLogger(__name__)
 
-__all__ = ["train", "STAGES"]
+__all__ = ["train", "STAGES", "OPTIONAL_STAGES", "enabled_stages"]
 
-# The optional method stages (coarse_alt, e2e, transfer, global_transfer) run after global, before evaluate.
+# The optional method stages of ddcnn.training.methods, in the order stage=all runs them: after global, before
+# evaluate. The stage modules (and Lightning) are imported only when a stage of this process trains: the parent
+# of parallel.workers processes coordinates without them.
+OPTIONAL_STAGES = ("coarse_alt", "e2e", "transfer", "global_transfer", "global_ddp")
 STAGES = ("local", "coarse", "global", *OPTIONAL_STAGES, "evaluate")
+
+
+def enabled_stages(cfg: DictConfig) -> list[str]:
+    """The optional stages that ``stage=all`` runs, in order (``methods.enabled.<stage>: true``)."""
+    enabled = (cfg.get("methods") or {}).get("enabled") or {}
+    unknown = sorted(set(enabled) - set(OPTIONAL_STAGES))
+    if unknown:
+        raise ValueError(
+            f"methods.enabled has unknown stages {unknown}; the optional stages are {list(OPTIONAL_STAGES)}."
+        )
+    return [name for name in OPTIONAL_STAGES if bool(enabled.get(name, False))]
 
 
 def _subdomains(cfg: DictConfig, num_subdomains: int) -> list[int]:
@@ -64,12 +77,21 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
             log.info("srun task: local share finished; rank 0 runs the remaining stages")
             return out
     if stage in ("all", "coarse"):
+        from ddcnn.training.stages import run_coarse
+
         out["coarse"] = run_coarse(ctx, device)
     if stage in ("all", "global"):
+        from ddcnn.training.stages import run_global
+
         out["global"] = run_global(ctx, device)
-    for name in optional:
-        out[name] = OPTIONAL_STAGES[name](ctx, device)
+    if optional:
+        from ddcnn.training.methods import STAGE_FUNCTIONS
+
+        for name in optional:
+            out[name] = STAGE_FUNCTIONS[name](ctx, device)
     if stage in ("all", "evaluate"):
+        from ddcnn.training.stages import run_evaluate
+
         results = run_evaluate(ctx)
         from ddcnn.report.results import results_markdown
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import queue
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -122,3 +125,23 @@ def test_rank_zero_waits_for_the_other_srun_tasks_and_stops_at_their_failure(tmp
     # A failure log older than this wait belongs to an earlier attempt that is being retried.
     with pytest.raises(TimeoutError):
         wait_for_local(run, [0, 1, 2, 3], since=time.time() + 10, poll_s=0.01, timeout_s=0.05)
+
+
+@pytest.mark.slow
+def test_the_parent_of_the_workers_never_imports_lightning(tmp_path):
+    """The coordinating process only checks, places and collects: it starts in seconds, not Lightning's ~5 s."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from tests.conftest import compose_config
+        from ddcnn.training.pipeline import train
+        cfg = compose_config(["stage=local", "subdomain=[0,1]", "parallel.workers=2",
+                              "parallel.threads_per_worker=1"], run_dir={str(tmp_path / "run")!r})
+        metas = train(cfg)["local"]
+        print("trained", sorted(m["subdomain"] for m in metas), "lightning" in sys.modules)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trained [0, 1] False" in proc.stdout
+    assert RunDir(tmp_path / "run").is_done("local", 1)

@@ -76,6 +76,9 @@ def test_table_has_every_row_and_column(report):
     for r in rows:
         assert r["backbone"] == "vgg_tiny" and r["overlap"] == "2" and r["dataset"] == "digits"
         for column in ("accuracy_mean", "sequential_time_s", "projected_time_s", "speedup", "params"):
+            if column == "sequential_time_s" and r["method_key"] == "global_ddp":
+                assert r[column] == ""  # trained on 2 devices at once: there is no one-device time
+                continue
             assert float(r[column]) >= 0, (r["method_key"], column)
     md = (report / "digits.md").read_text()
     header = md.splitlines()[2]

@@ -1,4 +1,4 @@
-"""The optional method stages: second coarse DNN, end-to-end CNN-DNN, transfer learning (ddcnn/training/transfer.py).
+"""The optional method stages: second coarse DNN, end-to-end CNN-DNN, transfer learning (ddcnn/training/methods.py).
 
 One tiny run with every method enabled (two sub-domains, to stay fast) is shared by the module; ``_fit`` is wrapped to
 record the weights each stage starts training from.
@@ -13,32 +13,32 @@ import lightning as L
 import pytest
 import torch
 
-import ddcnn.training.transfer as transfer
+import ddcnn.training.methods as methods
 from ddcnn.report.results import METHODS
-from ddcnn.training.pipeline import train
+from ddcnn.training.pipeline import OPTIONAL_STAGES, enabled_stages, train
 from ddcnn.training.rundir import RunDir
 from ddcnn.training.stages import build_context, build_local_net, subdomain_seed
 from tests.conftest import compose_config
 
-OPTIONAL = ("coarse_alt", "e2e", "transfer", "global_transfer")
+OPTIONAL = ("coarse_alt", "e2e", "transfer", "global_transfer", "global_ddp")
 N = 2  # sub-domains of the shared run
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """A tiny run with every method, and the state each stage of transfer.py handed to ``_fit``."""
+    """A tiny run with every method, and the state each stage of methods.py handed to ``_fit``."""
     run_dir = tmp_path_factory.mktemp("all_methods")
     overrides = ["methods=all", "decomposition.grid=[1,2]", "++report.plots=false", "++report.export=false"]
     cfg = compose_config(overrides, run_dir)
     started: dict[str, dict[str, torch.Tensor]] = {}
-    fit = transfer._fit
+    fit = methods._fit
 
     def recording_fit(cfg, net, dm, folder, *args, **kwargs):
         started[folder.name] = copy.deepcopy(net.state_dict())
         return fit(cfg, net, dm, folder, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(transfer, "_fit", recording_fit)
+        mp.setattr(methods, "_fit", recording_fit)
         results = train(cfg)
     return cfg, RunDir(run_dir), results, started
 
@@ -84,7 +84,7 @@ def test_global_transfer_mean_init_averages_the_local_nets(finished):
     cfg, run, _, _ = finished
     cfg = copy.deepcopy(cfg)
     cfg.methods.global_transfer.init = "mean"
-    net, record = transfer.init_global_transfer(build_context(cfg, run.root, claim=False))
+    net, record = methods.init_global_transfer(build_context(cfg, run.root, claim=False))
     assert record["sources"] == list(range(N))
     locals_ = [_saved(run, "local", i) for i in range(N)]
     for key, value in net.state_dict().items():
@@ -92,7 +92,7 @@ def test_global_transfer_mean_init_averages_the_local_nets(finished):
             assert torch.allclose(value, torch.stack([s[key] for s in locals_]).mean(0)), key
     cfg.methods.global_transfer.init = 7
     with pytest.raises(ValueError, match="'best', 'mean' or a local net index 0..1"):
-        transfer.init_global_transfer(build_context(cfg, run.root, claim=False))
+        methods.init_global_transfer(build_context(cfg, run.root, claim=False))
 
 
 def test_e2e_starts_from_the_local_nets_random_initialisation(finished):
@@ -105,7 +105,7 @@ def test_e2e_starts_from_the_local_nets_random_initialisation(finished):
 
 
 def test_every_optional_stage_writes_its_artifacts_and_results_rows(finished):
-    _, run, results, _ = finished
+    cfg, run, results, _ = finished
     for stage in OPTIONAL:
         folder = run.stage_dir(stage)
         for name in ("best.ckpt", "last.ckpt", "probs_train.pt", "probs_val.pt", "probs_test.pt", "net.pt", "done"):
@@ -124,6 +124,13 @@ def test_every_optional_stage_writes_its_artifacts_and_results_rows(finished):
     assert rows["transfer"]["projected_time_s"] == pytest.approx(t["local_max"] + t["coarse"] + t["transfer"])
     assert rows["e2e"]["devices"] == 1 and rows["cnn_dnn_logits"]["devices"] == N
     assert rows["global"]["speedup"] == pytest.approx(1.0)
+    # The global CNN with DDP on 2 CPU processes: its wall time there, the same global batch split in two.
+    ddp = run.meta("global_ddp")
+    assert ddp["num_devices"] == 2 and ddp["batch_per_device"] * 2 == cfg.data.batch_size
+    assert rows["global_ddp"]["devices"] == 2 and rows["global_ddp"]["sequential_time_s"] is None
+    assert rows["global_ddp"]["projected_time_s"] == pytest.approx(t["global_ddp"])
+    assert rows["global_ddp"]["speedup"] == pytest.approx(t["global"] / t["global_ddp"])
+    assert "| global CNN, DDP on 2 devices |" in (run.root / "results.md").read_text()
     md = (run.root / "results.md").read_text()
     for name in ("CNN-DNN (coarse DNN)", *(METHODS[k] for k in ("cnn_dnn_logits", "e2e", "transfer"))):
         assert f"| {name} |" in md
@@ -140,8 +147,12 @@ def test_finished_optional_stage_is_skipped(finished):
 
 
 def test_default_run_enables_only_the_cheap_second_coarse_dnn():
-    assert transfer.enabled_stages(compose_config()) == ["coarse_alt"]
-    assert transfer.enabled_stages(compose_config(["methods=all"])) == list(OPTIONAL)
+    assert enabled_stages(compose_config()) == ["coarse_alt"]
+    assert enabled_stages(compose_config(["methods=all"])) == list(OPTIONAL)
+
+
+def test_every_optional_stage_has_a_function():
+    assert tuple(methods.STAGE_FUNCTIONS) == OPTIONAL_STAGES
 
 
 def test_transfer_before_the_local_stage_names_what_is_missing(make_cfg):

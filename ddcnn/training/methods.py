@@ -27,6 +27,13 @@ CNN-DNN with these variants:
       weights, so their channels are not aligned (permutation symmetry) and the average mixes unrelated
       filters; it is offered for comparison, not as the default.
     - an integer ``i``: local net ``i``.
+``global_ddp``
+    The global CNN trained with Lightning DDP on ``methods.global_ddp.num_devices`` devices (``ddp_spawn``; gloo on
+    CPU, one CPU share of ``cores // P`` threads per process), so that the report compares the CNN-DNN on ``P``
+    devices with the global CNN on 1 device *and* on ``P`` devices. It starts from the global CNN's initial weights
+    and keeps its global batch: each of the ``P`` processes takes ``data.batch_size / P`` samples per step and
+    DDP averages their gradients, so it takes the same optimizer steps as the one-device global CNN. Its time is
+    the wall time on ``P`` devices, process start-up included.
 
 Every stage is ``stage(ctx, device) -> meta`` like those of :mod:`ddcnn.training.stages`: it writes its folder
 atomically with ``probs_{train,val,test}.pt``, ``net.pt``, ``meta.json`` (with its own ``time_s``) and a
@@ -36,13 +43,14 @@ atomically with ``probs_{train,val,test}.pt``, ``net.pt``, ``meta.json`` (with i
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
 
 import lightning as L
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from ddcnn.data.datamodule import TensorDataModule
@@ -61,6 +69,7 @@ from ddcnn.training.stages import (
     build_global_net,
     build_local_net,
     count_parameters,
+    ddp_devices,
     predict_logits,
     run_coarse,
     subdomain_seed,
@@ -69,34 +78,24 @@ from ddcnn.training.stages import (
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "OPTIONAL_STAGES",
-    "enabled_stages",
+    "STAGE_FUNCTIONS",
     "run_coarse_alt",
     "run_e2e",
     "run_transfer",
     "run_global_transfer",
     "init_transfer",
     "init_global_transfer",
+    "run_global_ddp",
 ]
 
 # Seeds of the training runs (shuffling, dropout) of these stages; -1 and -2 are the coarse DNN and the global CNN.
 E2E_SEED, TRANSFER_SEED, GLOBAL_TRANSFER_SEED = -3, -4, -5
+GLOBAL_SEED = -2
 
 
 def _settings(cfg: DictConfig, stage: str) -> DictConfig:
     methods = cfg.get("methods") or {}
     return methods.get(stage) or OmegaConf.create({})
-
-
-def enabled_stages(cfg: DictConfig) -> list[str]:
-    """The optional stages that ``stage=all`` runs, in order (``methods.enabled.<stage>: true``)."""
-    enabled = (cfg.get("methods") or {}).get("enabled") or {}
-    unknown = sorted(set(enabled) - set(OPTIONAL_STAGES))
-    if unknown:
-        raise ValueError(
-            f"methods.enabled has unknown stages {unknown}; the optional stages are {list(OPTIONAL_STAGES)}."
-        )
-    return [name for name in OPTIONAL_STAGES if bool(enabled.get(name, False))]
 
 
 def _max_epochs(cfg: DictConfig, stage: str) -> int:
@@ -243,7 +242,7 @@ def init_global_transfer(ctx: Context) -> tuple[nn.Module, dict]:
             source[key] = torch.stack([s[key] for s in states]).mean(0)
         else:  # integer buffers (BatchNorm's num_batches_tracked) are counters, not weights: take the first
             source[key] = value
-    L.seed_everything(subdomain_seed(ctx.cfg.seed, -2), workers=True, verbose=False)  # the global CNN's init
+    L.seed_everything(subdomain_seed(ctx.cfg.seed, GLOBAL_SEED), workers=True, verbose=False)  # global CNN init
     net = build_global_net(ctx.cfg, ctx.data)
     target = net.state_dict()
     copied = {k: v for k, v in source.items() if k in target and target[k].shape == v.shape}
@@ -269,9 +268,47 @@ def run_global_transfer(ctx: Context, device=None) -> dict:
     return _train_full_images(ctx, "global_transfer", net, seed, start, device, record, measure_start=True)
 
 
-OPTIONAL_STAGES: dict[str, Callable[[Context, object], dict]] = {
+def run_global_ddp(ctx: Context, device=None) -> dict:
+    """The global CNN trained with DDP on ``methods.global_ddp.num_devices`` devices (see the module doc)."""
+    if (done := _skip(ctx, "global_ddp")) is not None:
+        return done
+    num_devices = ddp_devices(ctx.cfg)
+    cfg = copy.deepcopy(ctx.cfg)  # a shallow copy would share (and change) the trainer node
+    with open_dict(cfg):
+        cfg.trainer.num_devices = num_devices
+    folder = ctx.run.make_stage_dir("global_ddp")
+    seed = subdomain_seed(ctx.cfg.seed, GLOBAL_SEED)  # the global CNN's initial weights and shuffling seed
+    per_device = _batch_size(ctx.cfg) // num_devices
+    dm = TensorDataModule(ctx.data.x, ctx.data.y, per_device, seed=seed, augment=build_augment(ctx.cfg))
+    start = time.perf_counter()
+    L.seed_everything(seed, workers=True, verbose=False)
+    net = build_global_net(ctx.cfg, ctx.data)
+    net = _fit(cfg, net, dm, folder, device, seed)
+    fit_time = time.perf_counter() - start
+    # Predictions in this process, on one device, with the full batch (they do not count as training time).
+    accuracy = _save_predictions(net, _full_image_data(ctx, seed), folder, device)
+    _save_net(net, folder)
+    meta = {
+        "stage": "global_ddp",
+        "seed": seed,
+        "time_s": time.perf_counter() - start,
+        "fit_time_s": fit_time,
+        "num_devices": num_devices,
+        "batch_per_device": per_device,
+        "accuracy": accuracy,
+        "params": count_parameters(net),
+        "device": str(device or "cpu"),
+    }
+    ctx.run.mark_done("global_ddp", None, meta, required=(*PROB_FILES, "net.pt"))
+    log.info("global_ddp: test acc %.4f in %.1f s on %d devices", accuracy["test"], meta["time_s"], num_devices)
+    return meta
+
+
+# Stage name -> function; the names and their order: ddcnn.training.pipeline.OPTIONAL_STAGES.
+STAGE_FUNCTIONS: dict[str, Callable[[Context, object], dict]] = {
     "coarse_alt": run_coarse_alt,
     "e2e": run_e2e,
     "transfer": run_transfer,
     "global_transfer": run_global_transfer,
+    "global_ddp": run_global_ddp,
 }
