@@ -6,7 +6,8 @@
   ``i % ntasks == rank`` in this process; rank 0 then waits for every other task's nets;
 - ``parallel.workers=P > 1``: :func:`run_local_parallel` starts P processes (spawn: forking a process that
   has initialised torch's threads or CUDA is unsafe), each owning one device from
-  :func:`ddcnn.parallel.devices.plan_workers`. Every worker loads the data itself, measures its speed
+  :func:`ddcnn.parallel.devices.plan_workers`. Every worker takes the data the parent prepared
+  (shared memory, one copy), measures its speed
   (:func:`ddcnn.parallel.schedule.calibrate`), and trains the sub-domains the LPT placement gives it;
 - otherwise: one sub-domain after another in this process.
 
@@ -128,7 +129,7 @@ def run_local_stage(ctx, indices: list[int]) -> list[dict]:
         return [ctx.run.meta("local", i) for i in indices]
     workers = int(pcfg.get("workers", 1) or 1)
     if workers > 1:
-        return run_local_parallel(cfg, ctx.run.root, indices, workers)
+        return run_local_parallel(cfg, ctx.run.root, indices, workers, data=ctx.data)
     from ddcnn.training.stages import run_local
 
     device = process_device(cfg)
@@ -193,8 +194,13 @@ def _worker_costs(ctx) -> dict[int, float]:
     return local_costs(pixels, per_epoch, n["val"], int(t.max_epochs), sum(n.values()))
 
 
-def _worker_main(wdev: WorkerDevice, cfg_dict: dict, run_dir: str, calibration: dict, task_q, result_q) -> None:
-    """Body of one worker process: set up, calibrate, report ready, then train what the parent sends."""
+def _worker_main(
+    wdev: WorkerDevice, cfg_dict: dict, run_dir: str, calibration: dict, task_q, result_q, data=None
+) -> None:
+    """Body of one worker process: set up, calibrate, report ready, then train what the parent sends.
+
+    ``data`` is the parent's prepared data (its tensors in shared memory), or ``None`` to load it here.
+    """
     rank = wdev.rank
     try:
         configure_process(wdev)
@@ -204,7 +210,7 @@ def _worker_main(wdev: WorkerDevice, cfg_dict: dict, run_dir: str, calibration: 
         from ddcnn.parallel.schedule import calibrate
         from ddcnn.training.stages import build_context, build_local_net
 
-        ctx = build_context(OmegaConf.create(cfg_dict), run_dir)
+        ctx = build_context(OmegaConf.create(cfg_dict), run_dir, data=data)
         images_per_s = None
         if int(calibration.get("steps", 0)) > 0:
             net = build_local_net(ctx.cfg, ctx.data)
@@ -216,6 +222,7 @@ def _worker_main(wdev: WorkerDevice, cfg_dict: dict, run_dir: str, calibration: 
             "images_per_s": images_per_s,
             "pixels_per_image": math.prod(ctx.decomposition.sub_shape),
             "costs": _worker_costs(ctx),
+            "data": "loaded" if data is None else "shared",
         }
         result_q.put(("ready", rank, ready))
     except BaseException:
@@ -237,7 +244,9 @@ def _worker_main(wdev: WorkerDevice, cfg_dict: dict, run_dir: str, calibration: 
 class _Pool:
     """The parent's view of the worker processes: start them, read their messages, notice deaths."""
 
-    def __init__(self, devices: list[WorkerDevice], cfg_dict: dict, run_dir: Path, calibration: dict) -> None:
+    def __init__(
+        self, devices: list[WorkerDevice], cfg_dict: dict, run_dir: Path, calibration: dict, data=None
+    ) -> None:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -248,7 +257,7 @@ class _Pool:
         self.procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(d, cfg_dict, str(run_dir), calibration, self.task_qs[d.rank], self.result_q),
+                args=(d, cfg_dict, str(run_dir), calibration, self.task_qs[d.rank], self.result_q, data),
                 name=f"ddcnn-local-worker-{d.rank}",
                 daemon=True,
             )
@@ -297,13 +306,14 @@ class _Pool:
                 p.join(timeout=5)
 
 
-def run_local_parallel(cfg: DictConfig, run_dir: str | Path, indices: list[int], workers: int) -> list[dict]:
+def run_local_parallel(cfg: DictConfig, run_dir: str | Path, indices: list[int], workers: int, data=None) -> list[dict]:
     """Train local nets ``indices`` in ``workers`` processes, each owning one device; see the module doc.
 
-    The parent loads no data: each worker builds its own context, measures its images/s and reports the
-    cost of every sub-domain; the parent then places the sub-domains (LPT on the calibrated speeds) and
-    collects the results. ``parallel.json`` in the run directory records devices, speeds, the placement,
-    predicted against actual time per worker, and failures.
+    Each worker builds its own context from ``data`` (the caller's prepared data, whose tensors move to shared
+    memory: one copy for all workers, nothing read or prepared twice) or, when ``data`` is ``None``, by loading the
+    data itself. It measures its images/s and reports the cost of every sub-domain; the parent then places the
+    sub-domains (LPT on the calibrated speeds) and collects the results. ``parallel.json`` in the run directory
+    records devices, speeds, the placement, predicted against actual time per worker, and failures.
 
     Returns:
         The metadata of every local net of ``indices`` (trained now or finished before).
@@ -327,7 +337,7 @@ def run_local_parallel(cfg: DictConfig, run_dir: str | Path, indices: list[int],
     cfg_dict.setdefault("trainer", {})["enable_progress_bar"] = False  # P progress bars on one terminal garble
     log.info("local stage: %d sub-domains on %s", len(todo), ", ".join(d.describe() for d in devices))
     session = _Session(devices, todo, run)
-    pool = _Pool(devices, cfg_dict, run.root, calibration)
+    pool = _Pool(devices, cfg_dict, run.root, calibration, data)
     try:
         for kind, rank, payload in pool.messages():
             session.handle(kind, rank, payload, pool)
@@ -464,6 +474,7 @@ class _Session:
                 "describe": d.describe(),
                 "images_per_s": self.ready.get(d.rank, {}).get("images_per_s"),
                 "startup_s": self.ready.get(d.rank, {}).get("startup_s"),
+                "data": self.ready.get(d.rank, {}).get("data"),
                 "subdomains": self.assignment.get(d.rank, []),
                 "predicted_s": self.predicted.get(d.rank),
                 "actual_s": self.busy_s[d.rank],

@@ -3,9 +3,10 @@
 It collects finished runs (each a run directory holding ``results.json`` and ``config.yaml``, e.g. the job folders
 of a Hydra sweep ``ddcnn-train -m ...``), groups them by dataset, backbone, grid and overlap (and any other setting
 that differs between runs of one dataset, such as ``trainer.max_epochs``), and reports for every method of
-:data:`ddcnn.report.results.METHODS` the test accuracy (mean ± sample standard deviation over the seeds), the
-sequential training time, the projected time on the devices the method can use, the speedup against the global CNN
-and the parameter count (definitions: :func:`ddcnn.report.results.method_rows`).
+:data:`ddcnn.report.results.METHODS` the test accuracy, balanced accuracy and ROC AUC (each as mean ± sample
+standard deviation over the seeds), the sequential training time, the projected time on the devices the method can
+use, the speedup against the global CNN and the parameter count (definitions:
+:func:`ddcnn.report.results.method_rows`).
 
 Files written into the output folder:
 
@@ -85,6 +86,10 @@ CSV_COLUMNS = (
     "seeds",
     "accuracy_mean",
     "accuracy_std",
+    "balanced_accuracy_mean",
+    "balanced_accuracy_std",
+    "auc_mean",
+    "auc_std",
     "sequential_time_s",
     "projected_time_s",
     "devices",
@@ -222,6 +227,14 @@ def _mean(values: Iterable[float | None]) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
+def _mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation over seeds; ``None`` when any run lacks the value (std: or has one)."""
+    if not values or any(v is None for v in values):
+        return None, None
+    vals = [float(v) for v in values]
+    return float(np.mean(vals)), (float(np.std(vals, ddof=1)) if len(vals) > 1 else None)
+
+
 def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, list[dict]]:
     """Per dataset, one row per (backbone, grid, overlap, settings, method), averaged over seeds.
 
@@ -247,6 +260,8 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
             backbone, n, grid, overlap, label, method = key
             entries = cells[key]
             acc = [float(row["accuracy"]) for _, row in entries]
+            balanced = _mean_std([row.get("balanced_accuracy") for _, row in entries])
+            auc = _mean_std([row.get("auc") for _, row in entries])
             rows.append(
                 {
                     "dataset": dataset,
@@ -261,6 +276,10 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
                     "runs": len(entries),
                     "accuracy_mean": float(np.mean(acc)),
                     "accuracy_std": float(np.std(acc, ddof=1)) if len(acc) > 1 else None,
+                    "balanced_accuracy_mean": balanced[0],
+                    "balanced_accuracy_std": balanced[1],
+                    "auc_mean": auc[0],
+                    "auc_std": auc[1],
                     "sequential_time_s": _mean(row.get("sequential_time_s") for _, row in entries),
                     "projected_time_s": _mean(row.get("projected_time_s") for _, row in entries),
                     "devices": entries[0][1].get("devices"),
@@ -278,11 +297,14 @@ def _num(value: Any, digits: int) -> str:
     return f"{value:.{digits}f}"
 
 
-def _accuracy(row: Mapping) -> str:
-    mean = 100 * row["accuracy_mean"]
-    if row["accuracy_std"] is None:
+def _accuracy(row: Mapping, key: str = "accuracy") -> str:
+    """``mean ± std`` in percent of ``<key>_mean`` / ``<key>_std`` (``-`` when some run lacks the metric)."""
+    if row.get(f"{key}_mean") is None:
+        return "-"
+    mean = 100 * row[f"{key}_mean"]
+    if row.get(f"{key}_std") is None:
         return f"{mean:.2f}"
-    return f"{mean:.2f} ± {100 * row['accuracy_std']:.2f}"
+    return f"{mean:.2f} ± {100 * row[f'{key}_std']:.2f}"
 
 
 def table_markdown(rows: Sequence[Mapping]) -> str:
@@ -291,6 +313,8 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
     head = ["backbone", "grid", "overlap", *(["settings"] if with_settings else []), "method", "seeds"]
     head += [
         "test accuracy (%)",
+        "balanced acc. (%)",
+        "AUC (%)",
         "sequential time (s)",
         "projected time (s)",
         "devices",
@@ -303,6 +327,8 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
         cells += [
             str(r["seeds"]),
             _accuracy(r),
+            _accuracy(r, "balanced_accuracy"),
+            _accuracy(r, "auc"),
             _num(r["sequential_time_s"], 1),
             _num(r["projected_time_s"], 1),
             "-" if r["devices"] is None else str(r["devices"]),

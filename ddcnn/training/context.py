@@ -68,15 +68,19 @@ def load_data(cfg: DictConfig) -> Prepared:
     )
 
 
-def build_context(cfg: DictConfig, run_dir: str | Path | None = None, claim: bool = True) -> Context:
+def build_context(
+    cfg: DictConfig, run_dir: str | Path | None = None, claim: bool = True, data: Prepared | None = None
+) -> Context:
     """Load the data, build the decomposition, check the networks and (``claim``) the run directory.
 
     With ``claim=False`` the caller checks further settings first and then calls
-    ``ctx.run.check_fingerprint(cfg)`` itself.
+    ``ctx.run.check_fingerprint(cfg)`` itself. ``data`` skips loading: the parent of the parallel workers hands
+    them the tensors it prepared (in shared memory) instead of each worker reading and preparing them again.
     """
     run = RunDir(run_dir if run_dir is not None else cfg.paths.run_dir)
     check_settings(cfg)
-    data = load_data(cfg)
+    if data is None:
+        data = load_data(cfg)
     dec = Decomposition(tuple(cfg.decomposition.grid), data.image_shape, tuple_or_int(cfg.decomposition.overlap))
     ctx = Context(cfg, run, data, dec)
     check_networks(ctx)

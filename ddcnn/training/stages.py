@@ -147,6 +147,21 @@ def _trainer(cfg: DictConfig, folder: Path, device, max_epochs: int | None = Non
     return trainer, ckpt
 
 
+def _scheduler(cfg: DictConfig, stage_epochs: int):
+    """The configured learning-rate schedule (a partial: ``optimizer -> LRScheduler``), or ``None``.
+
+    A ``T_max: null`` (cosine annealing) becomes the epochs of the stage that trains: the local nets, the coarse DNN
+    and the optional stages each anneal over their own ``max_epochs``.
+    """
+    node = cfg.get("scheduler")
+    if not node:
+        return None
+    spec = OmegaConf.to_container(node, resolve=True)
+    if "T_max" in spec and spec["T_max"] is None:
+        spec["T_max"] = stage_epochs
+    return hydra.utils.instantiate(spec)
+
+
 def _fit(
     cfg: DictConfig,
     net: nn.Module,
@@ -161,7 +176,7 @@ def _fit(
     L.seed_everything(seed, workers=True, verbose=False)
     opt_cfg = optimizer_cfg if optimizer_cfg is not None else cfg.optimizer
     optimizer = hydra.utils.instantiate(opt_cfg)
-    scheduler = hydra.utils.instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    scheduler = _scheduler(cfg, int(max_epochs if max_epochs is not None else cfg.trainer.max_epochs))
     module = Classifier(net, num_classes=int(cfg.data.num_classes), optimizer=optimizer, scheduler=scheduler)
     trainer, ckpt = _trainer(cfg, folder, device, max_epochs)
     last = folder / "last.ckpt"

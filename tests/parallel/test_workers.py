@@ -37,6 +37,7 @@ def test_two_workers_train_all_report_a_failure_and_a_rerun_trains_only_it(make_
     assert sorted(i for w in workers for i in w["finished"]) == [0, 2, 3]
     for w in workers:
         assert w["images_per_s"] > 0 and w["predicted_s"] > 0 and w["actual_s"] > 0 and w["startup_s"] > 0
+        assert w["data"] == "shared"  # the parent's prepared tensors, not read and prepared again
     assert [f["subdomain"] for f in report["failures"]] == [1]
     metas = {i: run.meta("local", i) for i in (0, 2, 3)}
     assert {m["subdomain"] for m in metas.values()} == {0, 2, 3}

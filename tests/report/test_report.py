@@ -98,6 +98,13 @@ def test_two_seeds_are_averaged_with_their_standard_deviation(sweep, report):
     assert row["seeds"] == 2
     assert row["accuracy_mean"] == pytest.approx(np.mean(acc))
     assert row["accuracy_std"] == pytest.approx(np.std(acc, ddof=1))
+    # The imbalanced-data metrics are averaged the same way (3D experiments are judged on AUC).
+    auc = [r.results["metrics"]["cnn_dnn"]["auc"] for r in runs]
+    bal = [r.results["metrics"]["cnn_dnn"]["balanced_accuracy"] for r in runs]
+    assert row["auc_mean"] == pytest.approx(np.mean(auc)) and row["auc_std"] == pytest.approx(np.std(auc, ddof=1))
+    assert row["balanced_accuracy_mean"] == pytest.approx(np.mean(bal))
+    header = (report / "digits.md").read_text().splitlines()[2]
+    assert "| test accuracy (%) | balanced acc. (%) | AUC (%) |" in header
     assert "±" in next(line for line in (report / "digits.md").read_text().splitlines() if "| majority vote |" in line)
     e2e = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "e2e")
     assert e2e["seeds"] == 1 and e2e["accuracy_std"] is None

@@ -176,3 +176,13 @@ def test_methods_switched_on_later_train_only_the_new_stages(make_cfg):
     assert [m.stat().st_mtime_ns for m in markers] == stamps  # nothing retrained
     assert all(run.is_done(stage) for stage in OPTIONAL)
     assert all(results["accuracy"][key] is not None for key in METHODS)
+
+
+def test_cosine_schedule_anneals_over_each_stages_own_epochs():
+    from ddcnn.training.stages import _scheduler
+
+    cfg = compose_config(["experiment=cifar10", "trainer.max_epochs=5"])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert _scheduler(cfg, 5)(opt).T_max == 5  # a local net or the global CNN
+    assert _scheduler(cfg, 40)(opt).T_max == 40  # the coarse DNN: its own coarse.max_epochs
+    assert _scheduler(compose_config(), 5) is None
