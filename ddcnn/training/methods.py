@@ -43,35 +43,33 @@ atomically with ``probs_{train,val,test}.pt``, ``net.pt``, ``meta.json`` (with i
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Callable
 
 import lightning as L
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ddcnn.data.datamodule import TensorDataModule
 from ddcnn.models.cnn_dnn import CNNDNN
 from ddcnn.training.stages import (
-    PROB_FILES,
+    GLOBAL_SEED,
     Context,
     _batch_size,
     _fit,
-    _save_net,
-    _save_predictions,
     _skip,
     assemble_cnn_dnn,
     build_augment,
     build_coarse_net,
     build_global_net,
     build_local_net,
-    count_parameters,
     ddp_devices,
+    finish_stage,
     predict_logits,
     run_coarse,
+    run_global,
     subdomain_seed,
 )
 
@@ -90,7 +88,6 @@ __all__ = [
 
 # Seeds of the training runs (shuffling, dropout) of these stages; -1 and -2 are the coarse DNN and the global CNN.
 E2E_SEED, TRANSFER_SEED, GLOBAL_TRANSFER_SEED = -3, -4, -5
-GLOBAL_SEED = -2
 
 
 def _settings(cfg: DictConfig, stage: str) -> DictConfig:
@@ -140,22 +137,11 @@ def _train_full_images(
     net.train()
     net = _fit(ctx.cfg, net, dm, folder, device, seed, _max_epochs(ctx.cfg, stage), _optimizer(ctx.cfg, stage))
     fit_time = time.perf_counter() - start
-    accuracy = _save_predictions(net, dm, folder, device)
-    _save_net(net, folder)
-    meta = {
-        "stage": stage,
-        "seed": seed,
-        "time_s": time.perf_counter() - start,
-        "fit_time_s": fit_time,
-        "max_epochs": _max_epochs(ctx.cfg, stage),
-        "accuracy": accuracy,
-        "params": count_parameters(net),
-        "device": str(device or "cpu"),
-        **({"start_accuracy": {"val": before}} if before is not None else {}),
-        **extra,
-    }
-    ctx.run.mark_done(stage, None, meta, required=(*PROB_FILES, "net.pt"))
-    log.info("%s: test acc %.4f in %.1f s", stage, accuracy["test"], meta["time_s"])
+    extra = {"max_epochs": _max_epochs(ctx.cfg, stage), **extra}
+    if before is not None:
+        extra["start_accuracy"] = {"val": before}
+    meta = finish_stage(ctx, stage, net, dm, device, seed, start, fit_time, **extra)
+    log.info("%s: test acc %.4f in %.1f s", stage, meta["accuracy"]["test"], meta["time_s"])
     return meta
 
 
@@ -270,38 +256,7 @@ def run_global_transfer(ctx: Context, device=None) -> dict:
 
 def run_global_ddp(ctx: Context, device=None) -> dict:
     """The global CNN trained with DDP on ``methods.global_ddp.num_devices`` devices (see the module doc)."""
-    if (done := _skip(ctx, "global_ddp")) is not None:
-        return done
-    num_devices = ddp_devices(ctx.cfg)
-    cfg = copy.deepcopy(ctx.cfg)  # a shallow copy would share (and change) the trainer node
-    with open_dict(cfg):
-        cfg.trainer.num_devices = num_devices
-    folder = ctx.run.make_stage_dir("global_ddp")
-    seed = subdomain_seed(ctx.cfg.seed, GLOBAL_SEED)  # the global CNN's initial weights and shuffling seed
-    per_device = _batch_size(ctx.cfg) // num_devices
-    dm = TensorDataModule(ctx.data.x, ctx.data.y, per_device, seed=seed, augment=build_augment(ctx.cfg))
-    start = time.perf_counter()
-    L.seed_everything(seed, workers=True, verbose=False)
-    net = build_global_net(ctx.cfg, ctx.data)
-    net = _fit(cfg, net, dm, folder, device, seed)
-    fit_time = time.perf_counter() - start
-    # Predictions in this process, on one device, with the full batch (they do not count as training time).
-    accuracy = _save_predictions(net, _full_image_data(ctx, seed), folder, device)
-    _save_net(net, folder)
-    meta = {
-        "stage": "global_ddp",
-        "seed": seed,
-        "time_s": time.perf_counter() - start,
-        "fit_time_s": fit_time,
-        "num_devices": num_devices,
-        "batch_per_device": per_device,
-        "accuracy": accuracy,
-        "params": count_parameters(net),
-        "device": str(device or "cpu"),
-    }
-    ctx.run.mark_done("global_ddp", None, meta, required=(*PROB_FILES, "net.pt"))
-    log.info("global_ddp: test acc %.4f in %.1f s on %d devices", accuracy["test"], meta["time_s"], num_devices)
-    return meta
+    return run_global(ctx, device, stage="global_ddp", num_devices=ddp_devices(ctx.cfg))
 
 
 # Stage name -> function; the names and their order: ddcnn.training.pipeline.OPTIONAL_STAGES.

@@ -8,6 +8,7 @@ from its ``last.ckpt``. The CLI, the parallel workers, SLURM jobs, notebooks and
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import time
@@ -19,7 +20,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from ddcnn.data.datamodule import SPLITS, TensorDataModule
@@ -65,6 +66,8 @@ __all__ = [
 ]
 
 PROB_FILES = tuple(f"probs_{s}.pt" for s in SPLITS)
+# Seed offset of the global CNN (initial weights, shuffling); the local nets use their index, the coarse DNN -1.
+GLOBAL_SEED = -2
 
 
 class Crop:
@@ -234,6 +237,41 @@ def _save_net(net: nn.Module, folder: Path) -> None:
     atomic_torch_save(net.cpu().state_dict(), folder / "net.pt")
 
 
+def finish_stage(
+    ctx: Context,
+    stage: str,
+    net: nn.Module,
+    dm: TensorDataModule,
+    device,
+    seed: int,
+    start: float,
+    fit_time: float,
+    subdomain: int | None = None,
+    **extra,
+) -> dict:
+    """Save a trained stage's predictions and weights, then its ``meta.json`` and the ``done`` marker last.
+
+    ``time_s`` runs from ``start`` to the end of the predictions (the stage's whole cost); ``extra`` adds
+    stage-specific keys to the metadata.
+    """
+    folder = ctx.run.stage_dir(stage, subdomain)
+    accuracy = _save_predictions(net, dm, folder, device)
+    _save_net(net, folder)
+    meta = {
+        "stage": stage,
+        **({"subdomain": subdomain} if subdomain is not None else {}),
+        "seed": seed,
+        "time_s": time.perf_counter() - start,
+        "fit_time_s": fit_time,
+        "accuracy": accuracy,
+        "params": count_parameters(net),
+        "device": str(device or "cpu"),
+        **extra,
+    }
+    ctx.run.mark_done(stage, subdomain, meta, required=(*PROB_FILES, "net.pt"))
+    return meta
+
+
 def _skip(ctx: Context, stage: str, subdomain: int | None = None) -> dict | None:
     if ctx.run.is_done(stage, subdomain) and not ctx.cfg.get("force", False):
         name = stage if subdomain is None else f"local {subdomain}"
@@ -273,25 +311,23 @@ def run_local(ctx: Context, subdomain: int, device=None) -> dict:
     net = build_local_net(ctx.cfg, ctx.data)
     net = _fit(ctx.cfg, net, dm, folder, device, seed)
     fit_time = time.perf_counter() - start
-    accuracy = _save_predictions(net, dm, folder, device)
-    _save_net(net, folder)
-    meta = {
-        "stage": "local",
-        "subdomain": subdomain,
-        "position": list(dec.position(subdomain)),
-        "box": [[s.start, s.stop] for s in dec.box(subdomain)],
-        "seed": seed,
-        "time_s": time.perf_counter() - start,
-        "fit_time_s": fit_time,
-        "accuracy": accuracy,
-        "params": count_parameters(net),
-        "n_train": len(ctx.data.y["train"]),
-        "resumed_from_epoch": _resumed_from(folder),
-        "device": str(device or "cpu"),
-        "slurm": slurm_info(),
-    }
-    ctx.run.mark_done("local", subdomain, meta, required=(*PROB_FILES, "net.pt"))
-    log.info("local %d: test acc %.4f in %.1f s", subdomain, accuracy["test"], meta["time_s"])
+    meta = finish_stage(
+        ctx,
+        "local",
+        net,
+        dm,
+        device,
+        seed,
+        start,
+        fit_time,
+        subdomain,
+        position=list(dec.position(subdomain)),
+        box=[[s.start, s.stop] for s in dec.box(subdomain)],
+        n_train=len(ctx.data.y["train"]),
+        resumed_from_epoch=_resumed_from(folder),
+        slurm=slurm_info(),
+    )
+    log.info("local %d: test acc %.4f in %.1f s", subdomain, meta["accuracy"]["test"], meta["time_s"])
     return meta
 
 
@@ -353,47 +389,41 @@ def run_coarse(ctx: Context, device=None, stage: str = "coarse", kind: str | Non
     net = build_coarse_net(ctx.cfg, n, ctx.data.num_classes)
     net = _fit(ctx.cfg, net, dm, folder, device, seed, int(ctx.cfg.coarse.max_epochs), ctx.cfg.coarse.optimizer)
     fit_time = time.perf_counter() - start
-    accuracy = _save_predictions(net, dm, folder, device)
-    _save_net(net, folder)
-    meta = {
-        "stage": stage,
-        "input": kind,
-        "seed": seed,
-        "time_s": time.perf_counter() - start,
-        "fit_time_s": fit_time,
-        "accuracy": accuracy,
-        "params": count_parameters(net),
-    }
-    ctx.run.mark_done(stage, None, meta, required=(*PROB_FILES, "net.pt"))
-    log.info("%s (on %s): test acc %.4f in %.1f s", stage, kind, accuracy["test"], meta["time_s"])
+    meta = finish_stage(ctx, stage, net, dm, device, seed, start, fit_time, input=kind)
+    log.info("%s (on %s): test acc %.4f in %.1f s", stage, kind, meta["accuracy"]["test"], meta["time_s"])
     return meta
 
 
-def run_global(ctx: Context, device=None) -> dict:
-    """Train the baseline: the same network family on full images."""
-    if (done := _skip(ctx, "global")) is not None:
+def run_global(ctx: Context, device=None, stage: str = "global", num_devices: int = 1) -> dict:
+    """Train the baseline: the same network family on full images.
+
+    With ``num_devices > 1`` (the ``global_ddp`` stage, :mod:`ddcnn.training.methods`) it trains with DDP on that many
+    devices into folder ``stage``, from the same initial weights and with the same global batch: each device takes
+    ``data.batch_size / num_devices`` samples per step. Predictions are then made in this process on one device.
+    """
+    if (done := _skip(ctx, stage)) is not None:
         return done
-    folder = ctx.run.make_stage_dir("global")
-    seed = subdomain_seed(ctx.cfg.seed, -2)
-    dm = TensorDataModule(ctx.data.x, ctx.data.y, _batch_size(ctx.cfg), seed=seed, augment=build_augment(ctx.cfg))
+    cfg = ctx.cfg
+    if num_devices > 1:
+        cfg = copy.deepcopy(ctx.cfg)  # a shallow copy would share (and change) the trainer node
+        with open_dict(cfg):
+            cfg.trainer.num_devices = num_devices
+    folder = ctx.run.make_stage_dir(stage)
+    seed = subdomain_seed(ctx.cfg.seed, GLOBAL_SEED)
+    batch, augment = _batch_size(ctx.cfg), build_augment(ctx.cfg)
+    dm = TensorDataModule(ctx.data.x, ctx.data.y, batch // num_devices, seed=seed, augment=augment)
     start = time.perf_counter()
     L.seed_everything(seed, workers=True, verbose=False)
     net = build_global_net(ctx.cfg, ctx.data)
-    net = _fit(ctx.cfg, net, dm, folder, device, seed)
+    net = _fit(cfg, net, dm, folder, device, seed)
     fit_time = time.perf_counter() - start
-    accuracy = _save_predictions(net, dm, folder, device)
-    _save_net(net, folder)
-    meta = {
-        "stage": "global",
-        "seed": seed,
-        "time_s": time.perf_counter() - start,
-        "fit_time_s": fit_time,
-        "accuracy": accuracy,
-        "params": count_parameters(net),
-        "device": str(device or "cpu"),
-    }
-    ctx.run.mark_done("global", None, meta, required=(*PROB_FILES, "net.pt"))
-    log.info("global: test acc %.4f in %.1f s", accuracy["test"], meta["time_s"])
+    if num_devices > 1:
+        dm = TensorDataModule(ctx.data.x, ctx.data.y, batch, seed=seed, augment=augment)
+    ddp = {"num_devices": num_devices, "batch_per_device": batch // num_devices} if num_devices > 1 else {}
+    meta = finish_stage(ctx, stage, net, dm, device, seed, start, fit_time, **ddp)
+    log.info(
+        "%s: test acc %.4f in %.1f s on %d device(s)", stage, meta["accuracy"]["test"], meta["time_s"], num_devices
+    )
     return meta
 
 
