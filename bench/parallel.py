@@ -7,13 +7,16 @@ Trains the same N local nets (MNIST subset, 4x4 decomposition) three ways, each 
 - P=2: two worker processes with one thread each (``parallel.workers=2``);
 - P=1 with two threads (both cores through threads).
 
+Each way runs ``--repeats`` times (default 2) in mirrored order (A B C, then C B A): the speed of a shared VM
+drifts by 10-20% over minutes, and the mirrored order cancels a steady drift. Ratios are of the mean wall times.
+
 Prints the wall times and ``speedup P2/P1: <x>`` (one device against two; target >= 1.8), P2 against P=1
 with two threads (target >= 1.0: process parallelism must not lose to threads), and the ``ddcnn-scaling``
 prediction of the P=2 wall time from the P=1 run's measured per-net times against the measured one
 (target: within 15%). On a machine with fewer free cores than 2 the ratios mean little: run it quiet.
 
-    python bench/parallel.py                 # several minutes per way on a quiet 2-core machine
-    python bench/parallel.py --quick         # a smoke run (ratios dominated by start-up)
+    python bench/parallel.py                 # about 17 minutes on a quiet 2-core machine
+    python bench/parallel.py --quick --repeats 1   # a smoke run (ratios dominated by start-up)
 
 The P=2 command pays process start-up twice in a row, the P=1 command once: the parent starts (Python, torch,
 the data; it never imports Lightning, which it does not need), then its workers start side by side (Python, torch,
@@ -60,6 +63,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="tiny workload: checks the script, not the ratios")
     parser.add_argument("--keep", type=Path, help="keep the run directories here")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="rounds of the three ways, in mirrored order (A B C, C B A, ...): the machine's speed drifts by 10-20%% "
+        "over minutes on a shared VM, and a mirrored order cancels a steady drift (default 2)",
+    )
     args = parser.parse_args()
     if args.data == "mnist" and not (SHARED_DATA / "mnist.npz").is_file():
         sys.exit(f"{SHARED_DATA / 'mnist.npz'} is missing; use --data digits")
@@ -83,41 +93,55 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="ddcnn-bench-parallel-") as tmp:
         base = args.keep or Path(tmp)
-        walls, dirs = {}, {}
-        for i, (name, (overrides, threads)) in enumerate(ways.items()):
-            dirs[name] = base / f"run{i}"
-            walls[name] = ddcnn_train(dirs[name], common + overrides, threads)
-            print(f"{name:20s} {walls[name]:7.1f} s", flush=True)
+        walls: dict[str, list[float]] = {name: [] for name in ways}
+        dirs: dict[str, list[Path]] = {name: [] for name in ways}
+        for r in range(args.repeats):
+            order = list(ways) if r % 2 == 0 else list(reversed(ways))
+            for name in order:
+                overrides, threads = ways[name]
+                run_dir = base / f"round{r}_way{list(ways).index(name)}"
+                dirs[name].append(run_dir)
+                walls[name].append(ddcnn_train(run_dir, common + overrides, threads))
+                print(f"round {r}: {name:20s} {walls[name][-1]:7.1f} s", flush=True)
 
-        p1, p2, p1t2 = (walls[k] for k in ways)
-        times = run_times(dirs["P=1, 1 thread"])
-        n = len(times.local_s)
+        p1, p2, p1t2 = (sum(walls[k]) / len(walls[k]) for k in ways)
         # Start-up of the P=1 command (process, imports, data): its wall time minus the nets' own times. The P=2
         # command's critical path holds about one such start-up: its parent loads torch and the data but not
         # Lightning, its workers load torch and Lightning but not the data (and start side by side).
-        startup = p1 - sum(times.local_s.values())
-        _, rows = scaling_table(dirs["P=1, 1 thread"], [2], startup_s=startup)
-        predicted = rows[0].total_s
-        report = json.loads((dirs["P=2, 1 thread each"] / "parallel.json").read_text())
+        predictions, startups = [], []
+        for wall, run_dir in zip(walls["P=1, 1 thread"], dirs["P=1, 1 thread"], strict=True):
+            times = run_times(run_dir)
+            startups.append(wall - sum(times.local_s.values()))
+            _, rows = scaling_table(run_dir, [2], startup_s=startups[-1])
+            predictions.append(rows[0].total_s)
+        n, startup = len(times.local_s), sum(startups) / len(startups)
+        predicted = sum(predictions) / len(predictions)
         print()
         print(
             f"workload: {n} local nets ({args.grid}, {args.model}, {args.data} train_subset={args.train_subset}, "
-            f"{args.epochs} epochs); P=1 trains them in {sum(times.local_s.values()):.1f} s after {startup:.1f} s "
-            f"of start-up"
+            f"{args.epochs} epochs); P=1 trains them in {p1 - startup:.1f} s after {startup:.1f} s of start-up "
+            f"(means of {args.repeats} rounds)"
         )
+        for r in range(args.repeats):
+            print(
+                f"  round {r}: P2/P1 {walls['P=1, 1 thread'][r] / walls['P=2, 1 thread each'][r]:.2f}, "
+                f"P2 vs P1 with 2 threads {walls['P=1, 2 threads'][r] / walls['P=2, 1 thread each'][r]:.2f}"
+            )
         print(f"speedup P2/P1: {p1 / p2:.2f}  (target >= 1.8)")
         print(f"P2 vs P1 with 2 threads: {p1t2 / p2:.2f}  (target >= 1.0)")
-        print(f"ddcnn-scaling {dirs['P=1, 1 thread']} --devices 2 --startup-s {startup:.1f}:")
+        print(f"ddcnn-scaling RUN_DIR --devices 2 --startup-s {startup:.1f} on each P=1 run:")
         print(
             f"ddcnn-scaling prediction for P=2: {predicted:.1f} s, measured {p2:.1f} s, error "
             f"{100 * (predicted - p2) / p2:+.1f}%  (target within 15%)"
         )
-        for w in report["workers"]:
-            calibrated = "-" if w["predicted_s"] is None else f"{w['predicted_s']:.1f}"
-            print(
-                f"  {w['describe']}: start-up {w['startup_s']:.1f} s, {len(w['subdomains'])} nets, calibrated "
-                f"prediction {calibrated} s, actual {w['actual_s']:.1f} s"
-            )
+        for run_dir in dirs["P=2, 1 thread each"]:
+            report = json.loads((run_dir / "parallel.json").read_text())
+            for w in report["workers"]:
+                calibrated = "-" if w["predicted_s"] is None else f"{w['predicted_s']:.1f}"
+                print(
+                    f"  {run_dir.name} {w['describe']}: start-up {w['startup_s']:.1f} s, {len(w['subdomains'])} nets, "
+                    f"calibrated prediction {calibrated} s, actual {w['actual_s']:.1f} s"
+                )
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ def test_adrenal_experiment_config(make_cfg):
         saved = json.load(fh)
     assert saved["metrics"]["cnn_dnn"]["auc"] is not None
     assert results["data"]["n_val"] == 98  # the official validation split, not a carved one
+    assert saved["decomposition"]["sub_shape"] == [18, 18, 18]  # overlap 8
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 10, 12), (2, 1, 6, 8, 10)])
