@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+import os
 import time
 import warnings
 from pathlib import Path
@@ -112,6 +113,10 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*smaller than the logging interval.*")
     # SLURM runs go through submitit or srun (ddcnn.parallel.slurm); an installed srun alone means nothing.
     warnings.filterwarnings("ignore", message=r".*The `srun` command is available on your system.*")
+    # ddp_spawn's processes start fresh interpreters: they read filters from PYTHONWARNINGS (a message prefix each).
+    current = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
+    ours = ["ignore:The `srun` command is available", "ignore:Checkpoint directory", "ignore:The number of training"]
+    os.environ["PYTHONWARNINGS"] = ",".join(dict.fromkeys(current + ours))
 
 
 def _trainer(cfg: DictConfig, folder: Path, device, max_epochs: int | None = None) -> tuple[L.Trainer, ModelCheckpoint]:
