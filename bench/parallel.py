@@ -15,7 +15,7 @@ with two threads (target >= 1.0: process parallelism must not lose to threads), 
 prediction of the P=2 wall time from the P=1 run's measured per-net times against the measured one
 (target: within 15%). On a machine with fewer free cores than 2 the ratios mean little: run it quiet.
 
-    python bench/parallel.py                 # about 17 minutes on a quiet 2-core machine
+    python bench/parallel.py                 # about 25 minutes on a quiet 2-core machine
     python bench/parallel.py --quick --repeats 1   # a smoke run (ratios dominated by start-up)
 
 The P=2 command pays process start-up twice in a row, the P=1 command once: the parent starts (Python, torch,
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--grid", default="4x4", help="decomposition config (N local nets)")
     parser.add_argument("--model", default="vgg_small")
     parser.add_argument("--train-subset", type=int, default=8000)
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--quick", action="store_true", help="tiny workload: checks the script, not the ratios")
     parser.add_argument("--keep", type=Path, help="keep the run directories here")
     parser.add_argument(
