@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from ddcnn.report.combiners import majority_vote, mean_probability
+from ddcnn.training.pipeline import OPTIONAL_STAGES
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,9 @@ METHODS: dict[str, str] = {
     "global_transfer": "global CNN transfer (init. from local nets)",
     "global_ddp": "global CNN, DDP",
 }
-# Optional stages whose test predictions the evaluate stage reads (coarse_alt is reported per input kind).
-_OPTIONAL = ("coarse_alt", "e2e", "transfer", "global_transfer", "global_ddp")
+# Optional stages whose test predictions the evaluate stage reads (coarse_alt is reported per input kind): the
+# pipeline's list, so that a new stage cannot be trained and then left out of the results.
+_OPTIONAL = OPTIONAL_STAGES
 
 
 def classification_metrics(
