@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from omegaconf import DictConfig, open_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
+os.environ.setdefault("DDCNN_DATA", str(SHARED_DATA))  # this repository's development data; users set their own
 
 
 def config(overrides: list[str], run_dir: Path) -> DictConfig:

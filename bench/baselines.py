@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "rows": rows,
             "details": {r["method"]: {k: r[k] for k in DETAILS if k in r and k != "state_dict"} for r in results},
         }
-        from ddcnn.training.rundir import atomic_write_json
+        from ddcnn.io import atomic_write_json
 
         atomic_write_json(args.out, report)
         print(f"\nwrote {args.out}")

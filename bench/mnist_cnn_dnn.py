@@ -17,7 +17,7 @@ from pathlib import Path
 
 from _common import SHARED_DATA, config, quiet
 
-from ddcnn.training.pipeline import train
+from ddcnn.pipeline import train
 
 
 def main() -> None:

@@ -18,10 +18,10 @@ import hydra
 import torch
 import torch.nn.functional as F
 from _common import SHARED_DATA, config, quiet
+from ddcnn.training.stages import build_context, build_local_net, run_local, subdomain_seed
 from omegaconf import open_dict
 
-from ddcnn.training.rundir import RunDir
-from ddcnn.training.stages import build_context, build_local_net, run_local, subdomain_seed
+from ddcnn.rundir import RunDir
 
 
 def bare_loop(ctx, subdomain: int, epochs: int) -> float:

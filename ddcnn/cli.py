@@ -1,31 +1,165 @@
-"""Console entry points. Thin: they parse the command line with Hydra and call library functions."""
+"""Console entry points: ``ddcnn-train``, ``ddcnn-slurm``, ``ddcnn-scaling``. Thin: they parse and call the library.
+
+``ddcnn-report`` (:mod:`ddcnn.report.cli`), ``ddcnn-export`` / ``ddcnn-predict`` (:mod:`ddcnn.predict`) and
+``ddcnn-nifti-convert`` (:mod:`ddcnn.data.convert`) live with the code they wrap.
+"""
 
 from __future__ import annotations
 
+import argparse
+import logging
+import shlex
+import shutil
+import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from ddcnn.training.pipeline import train
+from ddcnn.config import CONFIG_DIR
+from ddcnn.runtime import quiet_process
 
-# conf/ lives at the repository top level beside ddcnn/ (the package is installed editable: pip install -e .).
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+__all__ = ["CONFIG_DIR", "train_main", "optimized_value", "scaling_main", "slurm_main", "slurm_commands"]
+
+log = logging.getLogger(__name__)
+
+
+def optimized_value(cfg: DictConfig, results: dict) -> float | None:
+    """The value a Hydra sweeper optimises: ``optimized_metric`` (a validation figure of ``results.json``).
+
+    ``optimized_metric`` is a path into ``results["val"]`` such as ``val/accuracy/cnn_dnn`` (the default) or
+    ``val/balanced_accuracy/global``. Test figures are refused: a sweep that tunes on the test split reports
+    numbers that are no longer test numbers.
+    """
+    path = str(cfg.get("optimized_metric") or "val/accuracy/cnn_dnn")
+    parts = [p for p in path.split("/") if p]
+    if not parts or parts[0] != "val":
+        raise ValueError(
+            f"optimized_metric={path!r} must name a validation figure (val/<metric>/<method>, e.g. "
+            f"val/accuracy/cnn_dnn): a sweep must never be tuned on the test split."
+        )
+    value = results
+    for part in parts:
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(
+                f"optimized_metric={path!r} is not in results.json (no {part!r}); the validation figures are "
+                f"{sorted((results.get('val') or {}).get('accuracy', {}))} under val/accuracy/..."
+            )
+        value = value[part]
+    return None if value is None else float(value)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def _train_main(cfg: DictConfig) -> float | None:
+    from ddcnn.parallel.workers import LocalStageFailed
+    from ddcnn.pipeline import train
+    from ddcnn.rundir import StageBusy
+
+    quiet_process()
     try:
         results = train(cfg)
-    except (ValueError, OSError) as err:  # ours carry a sentence that says what is wrong and what to do
+        # What Hydra sweepers optimise: a validation figure, never a test one.
+        return optimized_value(cfg, results) if isinstance(results, dict) and "val" in results else None
+    except (ValueError, OSError, LocalStageFailed, StageBusy) as err:  # ours say what is wrong and what to do
         print(f"ddcnn-train: error: {err}", file=sys.stderr)
         sys.exit(2)
-    # The returned value is what Hydra sweepers optimise.
-    acc = results.get("accuracy", {}).get("cnn_dnn") if isinstance(results, dict) else None
-    return acc
 
 
 def train_main() -> None:
     """``ddcnn-train [hydra overrides]``: run the CNN-DNN pipeline (or one stage of it)."""
     _train_main()
+
+
+# --- ddcnn-scaling -------------------------------------------------------------------------------
+def scaling_main(argv: list[str] | None = None) -> None:
+    """``ddcnn-scaling RUN_DIR [--devices 1,2,4,8] [--mixed 2x1.0,6x0.25] [--startup-s S]``."""
+    from ddcnn.parallel.schedule import parse_device_counts, parse_mixed
+    from ddcnn.report.scaling import scaling_table
+
+    parser = argparse.ArgumentParser(
+        prog="ddcnn-scaling",
+        description="Predicted wall time and speedup of a finished run's CNN-DNN on P devices (LPT placement of "
+        "the measured local-net times), against the global CNN on one device.",
+    )
+    parser.add_argument("run_dir", help="run directory of a run whose local nets have finished")
+    parser.add_argument("--devices", help="device counts, e.g. 1,2,4,8 (default: 1, 2, 4, ... up to N)")
+    parser.add_argument("--mixed", help="a mixed device set as COUNTxSPEED groups, e.g. 2x1.0,6x0.25")
+    parser.add_argument("--startup-s", type=float, default=0.0, help="fixed start-up seconds added to each row")
+    args = parser.parse_args(argv)
+    try:
+        counts = parse_device_counts(args.devices) if args.devices else None
+        mixed = parse_mixed(args.mixed) if args.mixed else None
+        text, _ = scaling_table(args.run_dir, counts, mixed, args.startup_s)
+    except (ValueError, OSError) as err:
+        parser.exit(2, f"ddcnn-scaling: error: {err}\n")
+    print(text)
+
+
+# --- ddcnn-slurm ---------------------------------------------------------------------------------
+def _ddcnn_train() -> list[str]:
+    script = Path(sys.executable).parent / "ddcnn-train"
+    found = str(script) if script.is_file() else shutil.which("ddcnn-train")
+    return [found] if found else [sys.executable, "-c", "from ddcnn.cli import train_main; train_main()"]
+
+
+def _num_subdomains(overrides: list[str]) -> int:
+    from ddcnn.config import compose
+
+    cfg = compose([o for o in overrides if not o.startswith("hydra")])
+    n = 1
+    for g in cfg.decomposition.grid:
+        n *= int(g)
+    return n
+
+
+def slurm_commands(run_dir: str | Path, overrides: list[str], launcher: str = "slurm") -> list[list[str]]:
+    """The two Hydra multiruns of a whole CNN-DNN run on SLURM.
+
+    1. one array task per sub-domain (``stage=local``), all writing into ``run_dir``;
+    2. once they all succeeded, one job with ``stage=all``: it finds every local net done, trains the
+       coarse DNN and the global CNN, and evaluates.
+    """
+    run_dir = Path(run_dir).resolve()
+    n = _num_subdomains(overrides)
+    train = _ddcnn_train()
+    common = [f"hydra/launcher={launcher}", f"hydra.sweep.dir={run_dir}", f"paths.run_dir={run_dir}"]
+    if not any(o.split("=", 1)[0].lstrip("+") == "run_generation" for o in overrides):
+        # One generation for the array and the final job: with force=true the final job finds the array's local
+        # nets done in this generation and never trains them again.
+        common.append(f"run_generation=slurm-{uuid.uuid4().hex[:12]}")
+    local = [
+        *train,
+        "-m",
+        *common,
+        "stage=local",
+        f"subdomain={','.join(str(i) for i in range(n))}",
+        "hydra.sweep.subdir=hydra/local_${hydra.job.num}",
+        *overrides,
+    ]
+    final = [*train, "-m", *common, "stage=all", "hydra.sweep.subdir=hydra/final", *overrides]
+    return [local, final]
+
+
+def slurm_main(argv: list[str] | None = None) -> None:
+    """``ddcnn-slurm RUN_DIR [--launcher slurm] [--print] [hydra overrides ...]``: a whole run on SLURM."""
+    parser = argparse.ArgumentParser(
+        prog="ddcnn-slurm",
+        description="Train a whole CNN-DNN run on SLURM through Hydra's submitit launcher: one array task per "
+        "local net, then one job for the coarse DNN, the global CNN and the evaluation. Blocks until the jobs "
+        "finish (run it in tmux/screen or as a small job); run it again to resume: finished stages are skipped.",
+    )
+    parser.add_argument("run_dir", help="the run directory every job writes into (shared file system)")
+    parser.add_argument("--launcher", default="slurm", help="config of conf/hydra/launcher/ (default: slurm)")
+    parser.add_argument("--print", action="store_true", help="print the two commands instead of running them")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every job, e.g. decomposition=4x4")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        commands = slurm_commands(args.run_dir, args.overrides, args.launcher)
+    except Exception as err:  # a bad override: Hydra's message says which
+        parser.exit(2, f"ddcnn-slurm: error: {err}\n")
+    for cmd in commands:
+        print("+ " + shlex.join(cmd), flush=True)
+        if not args.print and subprocess.call(cmd) != 0:
+            parser.exit(1, "ddcnn-slurm: a job failed (see the log above); fix it and run the same command again.\n")

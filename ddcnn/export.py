@@ -224,7 +224,7 @@ def export_context(ctx, path: str | Path | None = None) -> Path:
     """Script the CNN-DNN of a finished run (local nets + coarse DNN) with its preprocessing and save it.
 
     Args:
-        ctx: The run's :class:`~ddcnn.training.stages.Context` (configuration, data, decomposition).
+        ctx: The run's :class:`~ddcnn.context.Context` (configuration, data, decomposition).
         path: Output file; default ``RUN_DIR/export/cnn_dnn.pt``.
 
     Returns:
@@ -233,8 +233,8 @@ def export_context(ctx, path: str | Path | None = None) -> Path:
     Raises:
         FileNotFoundError: The local or coarse stage has not finished.
     """
-    from ddcnn.training.rundir import atomic_write_bytes
-    from ddcnn.training.stages import assemble_cnn_dnn
+    from ddcnn.context import assemble_cnn_dnn
+    from ddcnn.io import atomic_write_bytes
 
     model = assemble_cnn_dnn(ctx)
     data = ctx.data
@@ -264,7 +264,7 @@ def export_run(run_dir: str | Path, path: str | Path | None = None) -> Path:
     """
     from omegaconf import OmegaConf
 
-    from ddcnn.training.stages import build_context
+    from ddcnn.context import build_context
 
     root = Path(run_dir)
     config = root / "config.yaml"

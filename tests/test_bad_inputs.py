@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from ddcnn.training.pipeline import train
-from ddcnn.training.rundir import ArtifactWriteError, FingerprintMismatch, RunDir
+from ddcnn.pipeline import train
+from ddcnn.rundir import ArtifactWriteError, FingerprintMismatch, RunDir
 
 
 def _npz(tmp_path: Path, kind: str) -> str:

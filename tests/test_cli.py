@@ -22,7 +22,7 @@ def test_cli_runs_the_pipeline_and_prints_the_table(tmp_path):
         [*_ddcnn_train(), *TINY_OVERRIDES, f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| CNN-DNN (coarse DNN) |" in proc.stdout
+    assert "| CNN-DNN (coarse DNN on probs) |" in proc.stdout
     results = json.loads((run_dir / "results.json").read_text())
     assert set(results["accuracy"]) >= {"global", "cnn_dnn", "mean_prob", "majority_vote", "local"}
     assert (run_dir / "config.yaml").is_file() and (run_dir / ".hydra" / "overrides.yaml").is_file()

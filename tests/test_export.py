@@ -17,9 +17,9 @@ from PIL import Image
 
 from ddcnn.data.sources import digits
 from ddcnn.export import METADATA_FILE, exported_path
+from ddcnn.pipeline import train
 from ddcnn.predict import export_main, predict_main
-from ddcnn.training.pipeline import train
-from ddcnn.training.rundir import RunDir
+from ddcnn.rundir import RunDir
 from tests.conftest import compose_config
 from tests.test_plots import assert_real_png
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from ddcnn.training.pipeline import train
-from ddcnn.training.rundir import FingerprintMismatch, RunDir
+from ddcnn.pipeline import train
+from ddcnn.rundir import FingerprintMismatch, RunDir
 
 
 def test_tiny_run_writes_every_artifact_and_results(make_cfg, tmp_path):
@@ -17,7 +17,7 @@ def test_tiny_run_writes_every_artifact_and_results(make_cfg, tmp_path):
     run = RunDir(cfg.paths.run_dir)
     for i in range(4):
         folder = run.stage_dir("local", i)
-        for name in ("best.ckpt", "last.ckpt", "probs_train.pt", "probs_val.pt", "probs_test.pt", "net.pt", "done"):
+        for name in ("last.ckpt", "probs_train.pt", "probs_val.pt", "probs_test.pt", "net.pt", "done"):
             assert (folder / name).is_file(), f"{folder / name} missing"
     saved = json.loads((run.root / "results.json").read_text())
     acc = saved["accuracy"]
@@ -27,7 +27,7 @@ def test_tiny_run_writes_every_artifact_and_results(make_cfg, tmp_path):
     assert set(saved["time_s"]) >= {"local", "coarse", "global"}
     assert saved["projected_speedup"] > 0
     assert results["accuracy"] == acc
-    assert "| CNN-DNN (coarse DNN) |" in (run.root / "results.md").read_text()
+    assert "| CNN-DNN (coarse DNN on probs) |" in (run.root / "results.md").read_text()
     # Local probabilities are proper distributions over num_classes for every test sample.
     probs = run.load_probs("local", "test", 0)["probs"]
     assert probs.shape == (100, 10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import subprocess
@@ -11,13 +12,14 @@ import time
 import pytest
 import torch
 
-from ddcnn.training.pipeline import train
-from ddcnn.training.rundir import RunDir
+from ddcnn.pipeline import train
+from ddcnn.rundir import RunDir
 
 OVERRIDES = [
     "model=vgg_small",
     "trainer.max_epochs=4",
     "trainer.enable_progress_bar=false",
+    "engine.checkpoint_every_s=0",
     "data.train_subset=600",
     "data.test_subset=100",
     "stage=local",
@@ -63,6 +65,15 @@ def test_sigkill_mid_training_resumes_and_matches_uninterrupted_run(make_cfg, tm
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     meta = run.meta("local", 0)
     assert meta["resumed_from_epoch"] == epoch_at_kill  # resumed, not restarted
+    # Its recorded time covers both processes: the killed one (up to its checkpoint) and the resumed one.
+    assert meta["time_s_earlier_processes"] > 0
+    assert meta["time_s"] > meta["time_s_earlier_processes"] and meta["fit_time_s"] > meta["time_s_earlier_processes"]
+    # The training curve keeps every epoch, those before the resume included, each once.
+    with (run.stage_dir("local", 0) / "logs" / "metrics.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    val_epochs = [int(float(r["epoch"])) for r in rows if r.get("val_acc")]
+    train_epochs = [int(float(r["epoch"])) for r in rows if r.get("train_acc")]
+    assert val_epochs == [0, 1, 2, 3] and train_epochs == [0, 1, 2, 3], rows
 
     # The same seed without interruption gives the same predictions.
     reference = make_cfg(*OVERRIDES, run_dir=tmp_path / "reference", tiny=False)
@@ -105,7 +116,7 @@ def test_force_recomputes(make_cfg):
 
 
 def test_local_seed_depends_only_on_run_seed_and_index():
-    from ddcnn.training.stages import subdomain_seed
+    from ddcnn.context import subdomain_seed
 
     seeds = [subdomain_seed(0, i) for i in range(16)]
     assert len(set(seeds)) == 16

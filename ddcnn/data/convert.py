@@ -22,7 +22,9 @@ import nibabel as nib
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ddcnn.data.nifti import SPLITS, _atomic_open, _progress
+from ddcnn.data.nifti import progress_bar
+from ddcnn.io import atomic_open
+from ddcnn.rundir import SPLITS
 
 __all__ = ["arrays_to_nifti", "main", "npz_to_nifti", "splits_to_nifti"]
 
@@ -209,12 +211,12 @@ def _write_volumes(
     width = max(5, len(str(len(x) - 1)))
     suffix = ".nii.gz" if gzip else ".nii"
     rows = []
-    for i in _progress(range(len(x)), f"writing {split_name or 'volumes'}", progress):
+    for i in progress_bar(range(len(x)), f"writing {split_name or 'volumes'}", progress):
         name = class_names[int(y[i])]
         relative = f"{name}/{split_name or 'volume'}_{i:0{width}d}{suffix}"
         volume = x[i] if x.ndim == 4 else np.moveaxis(x[i], 0, -1)  # NIfTI keeps channels on axis 3
         data = _nifti_bytes(volume, affine)
-        with _atomic_open(out_dir / relative) as f:
+        with atomic_open(out_dir / relative) as f:
             f.write(gzip_compress(data, compresslevel=6, mtime=0) if gzip else data)
         rows.append({"path": relative, "label": str(int(y[i])), "split": split_name or "", "class_name": name})
     return rows
@@ -247,7 +249,7 @@ def _replace_manifest(manifest: Path, rows: list[dict[str, str]], old_rows: list
     writer = csv.DictWriter(text, columns, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    with _atomic_open(manifest) as f:
+    with atomic_open(manifest) as f:
         f.write(text.getvalue().encode())
     # Volumes an earlier manifest listed that are no longer listed: delete them (only inside out_dir), so the
     # class folders match the manifest and a folder scan does not pick them up.

@@ -15,9 +15,9 @@ import lightning as L
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
 
-from ddcnn.data.prepare import SPLITS, Prepared, prepare
+from ddcnn.data.prepare import Prepared, prepare
 
-__all__ = ["Prepared", "prepare", "TensorDataModule", "SPLITS"]
+__all__ = ["Prepared", "prepare", "TensorDataModule", "Crop"]
 
 
 class _BatchTensorDataset(Dataset):
@@ -89,6 +89,16 @@ class _ViewCollate:
         if self.view is not None:
             x = self.view(x)
         return x.contiguous(), y
+
+
+class Crop:
+    """Cuts one box out of a batch (a picklable function, so data modules survive ``ddp_spawn``)."""
+
+    def __init__(self, box: tuple[slice, ...]) -> None:
+        self.box = box
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.box]
 
 
 class TensorDataModule(L.LightningDataModule):

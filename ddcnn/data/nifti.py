@@ -26,12 +26,11 @@ import json
 import os
 import re
 import sys
-import uuid
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Literal, NamedTuple, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 import nibabel as nib
 import numpy as np
@@ -40,9 +39,11 @@ import torch.nn.functional as F
 from nibabel.filebasedimages import ImageFileError
 from torch.utils.data import Dataset
 
+from ddcnn.io import atomic_open
+from ddcnn.rundir import SPLITS
+
 __all__ = [
     "FORMAT_VERSION",
-    "SPLITS",
     "NiftiCache",
     "NiftiDataset",
     "NiftiError",
@@ -50,13 +51,13 @@ __all__ = [
     "NiftiPreprocess",
     "load_arrays",
     "load_volume",
+    "progress_bar",
     "scan_nifti",
 ]
 
 FORMAT_VERSION = 1
 """Part of every cache key; bump it when ``load_volume`` changes its output for unchanged settings."""
 
-SPLITS = ("train", "val", "test")
 
 Normalize = Literal["window", "zscore", "minmax", "none"]
 _NORMALIZE_MODES = ("window", "zscore", "minmax", "none")
@@ -518,26 +519,6 @@ def _normalize(volume: torch.Tensor, prep: NiftiPreprocess) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _atomic_open(path: Path) -> Iterator[IO[bytes]]:
-    """Opens a temporary file beside ``path`` and moves it onto ``path`` only once it is completely written.
-
-    A crash or exception before that leaves ``path`` as it was (the temporary file is removed, or, after a
-    hard kill, stays as a hidden ``.*.tmp`` file that no reader here picks up).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Not tempfile.mkstemp: its files are private (0600); open() respects the umask like any other file.
-    tmp = path.parent / f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            yield f
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 class NiftiCache:
     """Preprocessed volumes stored as one ``.npy`` file each under ``cache_dir/<prep.key()>/``.
 
@@ -584,7 +565,7 @@ class NiftiCache:
             The number of volumes preprocessed.
         """
         todo = [(p, entry) for p in paths if not (entry := self.entry_path(p)).is_file()]
-        for source, entry in _progress(todo, "preprocessing NIfTI", progress):
+        for source, entry in progress_bar(todo, "preprocessing NIfTI", progress):
             self._store(entry, load_volume(source, self.prep))
         return len(todo)
 
@@ -592,13 +573,13 @@ class NiftiCache:
         settings = self.directory / "settings.json"
         if not settings.is_file():
             text = json.dumps({"format_version": FORMAT_VERSION, **dataclasses.asdict(self.prep)}, indent=2)
-            with _atomic_open(settings) as f:
+            with atomic_open(settings, fsync=False) as f:  # a cache entry can be made again
                 f.write(text.encode())
-        with _atomic_open(entry) as f:
+        with atomic_open(entry, fsync=False) as f:
             np.save(f, volume)
 
 
-def _progress(items: Sequence[_T], desc: str, enabled: bool = True) -> Iterator[_T]:
+def progress_bar(items: Sequence[_T], desc: str, enabled: bool = True) -> Iterator[_T]:
     """Iterates ``items`` with a tqdm bar (a stderr counter without tqdm) when there are many of them."""
     if not enabled or len(items) < _PROGRESS_MIN_ITEMS:
         yield from items
@@ -694,7 +675,7 @@ def load_arrays(
     cache = NiftiCache(cache_dir, prep) if cache_dir is not None else None
     x: np.ndarray | None = None
     first = index.paths[0]
-    for i, path in enumerate(_progress(index.paths, "loading NIfTI", progress)):
+    for i, path in enumerate(progress_bar(index.paths, "loading NIfTI", progress)):
         volume = cache.load(path) if cache is not None else load_volume(path, prep)
         if x is None:
             x = np.empty((len(index), *volume.shape), dtype=volume.dtype)

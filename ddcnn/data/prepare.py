@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from ddcnn.data.sources import Splits, stratified_split
+from ddcnn.rundir import SPLITS
 
-__all__ = ["Prepared", "prepare", "SPLITS"]
-
-SPLITS = ("train", "val", "test")
+__all__ = ["Prepared", "prepare"]
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Where the local stage runs: in this process, in P worker processes on this machine, or as ``srun`` tasks.
 
-:func:`run_local_stage` is the local-stage dispatch of :func:`ddcnn.training.pipeline.train`:
+:func:`run_local_stage` is the local-stage dispatch of :func:`ddcnn.pipeline.train`:
 
 - one of several ``srun`` tasks (``SLURM_STEP_NUM_TASKS > 1``, or ``parallel.mode=srun``): train the share
   ``i % ntasks == rank`` in this process; rank 0 then waits for every other task's nets;
@@ -19,18 +19,25 @@ command again trains only what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import queue
+import signal
+import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from ddcnn import registry
+from ddcnn.io import atomic_write_json, atomic_write_text
 from ddcnn.parallel.devices import WorkerDevice, configure_process, plan_workers, process_device
-from ddcnn.parallel.slurm import independent_ranks, shard, srun_task
-from ddcnn.training.rundir import RunDir, atomic_write_json, atomic_write_text
+from ddcnn.rundir import RunDir
+from ddcnn.runtime import WORKERS_ENV, quiet_process, run_generation, shard, srun_task
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +84,10 @@ def record_failure(run: RunDir, subdomain: int, text: str) -> Path:
 
 def _train_one(ctx, subdomain: int, device: str, where: str) -> tuple[dict | None, dict | None]:
     """Train one local net; return ``(meta, None)`` or ``(None, failure)`` instead of raising."""
-    from ddcnn.training.stages import run_local
-
     error_log = ctx.run.stage_dir("local", subdomain) / ERROR_LOG
     error_log.unlink(missing_ok=True)
     try:
-        return run_local(ctx, subdomain, device), None
+        return registry.run("local", ctx, device, subdomain=subdomain), None
     except Exception as err:
         path = record_failure(ctx.run, subdomain, f"{where}\n{traceback.format_exc()}")
         log.error("local %d failed on %s: %s: %s (traceback in %s)", subdomain, where, type(err).__name__, err, path)
@@ -108,7 +113,9 @@ def run_local_stage(ctx, indices: list[int]) -> list[dict]:
     pcfg = _parallel_cfg(cfg)
     task = srun_task(str(pcfg.get("mode", "auto")))
     if task is not None:
-        independent_ranks()
+        # The tasks of this step on this node train side by side: their times say so (meta.json context).
+        per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").split("(")[0].split(",")[0]
+        os.environ[WORKERS_ENV] = per_node if per_node.isdigit() else str(task.ntasks)
         mine = shard(indices, task)
         device = process_device(cfg, task.local_rank)
         where = f"srun task {task.rank}/{task.ntasks} ({device})"
@@ -125,25 +132,33 @@ def run_local_stage(ctx, indices: list[int]) -> list[dict]:
             raise LocalStageFailed(failures, ctx.run.root)
         if task.rank != 0:
             return metas
-        wait_for_local(ctx.run, indices, since=started)
+        # With force=true only this generation's markers count: a peer may not have reached (and cleared) a net yet.
+        generation = run_generation(cfg) if cfg.get("force", False) else None
+        wait_for_local(ctx.run, indices, since=started, generation=generation)
         return [ctx.run.meta("local", i) for i in indices]
     workers = int(pcfg.get("workers", 1) or 1)
     if workers > 1:
         return run_local_parallel(cfg, ctx.run.root, indices, workers, data=ctx.data)
-    from ddcnn.training.stages import run_local
-
     device = process_device(cfg)
     metas = []
     for i in indices:
-        metas.append(run_local(ctx, i, device))
+        metas.append(registry.run("local", ctx, device, subdomain=i))
         (ctx.run.stage_dir("local", i) / ERROR_LOG).unlink(missing_ok=True)  # an earlier failure is history
     return metas
 
 
 def wait_for_local(
-    run: RunDir, indices: list[int], since: float = 0.0, poll_s: float = 1.0, timeout_s: float | None = None
+    run: RunDir,
+    indices: list[int],
+    since: float = 0.0,
+    poll_s: float = 1.0,
+    timeout_s: float | None = None,
+    generation: str | None = None,
 ) -> None:
     """Block until every local net of ``indices`` is done (rank 0 of an ``srun`` step waits for the others).
+
+    With ``generation``, only ``done`` markers of that run generation count (``force=true``: a marker of the
+    previous attempt is never taken for a new one).
 
     Raises:
         LocalStageFailed: As soon as a missing net has an ``error.log`` written after ``since``.
@@ -151,7 +166,11 @@ def wait_for_local(
     """
     start = time.monotonic()
     while True:
-        missing = [i for i in indices if not run.is_done("local", i)]
+        missing = [
+            i
+            for i in indices
+            if not run.is_done("local", i) or (generation is not None and run.done_generation("local", i) != generation)
+        ]
         if not missing:
             return
         failed = []
@@ -170,17 +189,10 @@ def wait_for_local(
 # --- P workers on this machine -------------------------------------------------------------------
 def _setup_worker_logging(rank: int) -> None:
     """Log lines tagged with the worker; Lightning's per-run banners only at WARNING (P copies add nothing)."""
-    import lightning  # noqa: F401  (it sets its loggers' levels on import: set ours after)
-
     logging.basicConfig(
         level=logging.INFO, format=f"[%(asctime)s][worker {rank}][%(name)s][%(levelname)s] - %(message)s", force=True
     )
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*Checkpoint directory.*exists and is not empty.*")
+    quiet_process()
 
 
 def _worker_costs(ctx) -> dict[int, float]:
@@ -194,21 +206,56 @@ def _worker_costs(ctx) -> dict[int, float]:
     return local_costs(pixels, per_epoch, n["val"], int(t.max_epochs), sum(n.values()))
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this worker when its parent dies, however it dies (Linux; elsewhere the heartbeat
+    thread notices the new parent within a heartbeat)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _heartbeat(result_q, rank: int, parent_pid: int, interval_s: float) -> None:
+    """Tell the parent every ``interval_s`` that this worker lives; a stopped (SIGSTOP) or frozen process stops too.
+    Exits the worker when the parent is gone."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        try:
+            result_q.put(("alive", rank, None))
+        except (OSError, ValueError):
+            os._exit(1)
+        time.sleep(interval_s)
+
+
 def _worker_main(
-    wdev: WorkerDevice, cfg_dict: dict, run_dir: str, calibration: dict, task_q, result_q, data=None
+    wdev: WorkerDevice,
+    cfg_dict: dict,
+    run_dir: str,
+    calibration: dict,
+    task_q,
+    result_q,
+    data=None,
+    parent_pid: int = 0,
+    heartbeat_s: float = 2.0,
 ) -> None:
     """Body of one worker process: set up, calibrate, report ready, then train what the parent sends.
 
     ``data`` is the parent's prepared data (its tensors in shared memory), or ``None`` to load it here.
     """
     rank = wdev.rank
+    _die_with_parent(parent_pid)
+    threading.Thread(target=_heartbeat, args=(result_q, rank, parent_pid, heartbeat_s), daemon=True).start()
     try:
         configure_process(wdev)
         _setup_worker_logging(rank)
         import torch
 
+        from ddcnn.context import build_context, build_local_net
         from ddcnn.parallel.schedule import calibrate
-        from ddcnn.training.stages import build_context, build_local_net
 
         ctx = build_context(OmegaConf.create(cfg_dict), run_dir, data=data)
         images_per_s = None
@@ -245,10 +292,22 @@ class _Pool:
     """The parent's view of the worker processes: start them, read their messages, notice deaths."""
 
     def __init__(
-        self, devices: list[WorkerDevice], cfg_dict: dict, run_dir: Path, calibration: dict, data=None
+        self,
+        devices: list[WorkerDevice],
+        cfg_dict: dict,
+        run_dir: Path,
+        calibration: dict,
+        data=None,
+        heartbeat_timeout_s: float = 300.0,
+        startup_timeout_s: float = 600.0,
     ) -> None:
         import torch.multiprocessing as mp
 
+        self.heartbeat_timeout_s = float(heartbeat_timeout_s)
+        # Before its first heartbeat a worker is still starting (interpreter, torch, unpickling the data).
+        self.startup_timeout_s = max(float(startup_timeout_s), self.heartbeat_timeout_s)
+        self.heard: set[int] = set()
+        heartbeat_s = max(0.2, min(5.0, self.heartbeat_timeout_s / 5))
         ctx = mp.get_context("spawn")
         self.result_q = ctx.Queue()
         self.task_qs = [ctx.Queue() for _ in devices]
@@ -258,18 +317,30 @@ class _Pool:
             ctx.Process(
                 target=_worker_main,
                 args=(d, cfg_dict, str(run_dir), calibration, self.task_qs[d.rank], self.result_q, data),
+                kwargs={"parent_pid": os.getpid(), "heartbeat_s": heartbeat_s},
                 name=f"ddcnn-local-worker-{d.rank}",
                 daemon=True,
             )
             for d in devices
         ]
-        for p in self.procs:
-            p.start()
+        # Spawned children inherit the environment: every worker records how many trainings shared the machine.
+        previous = os.environ.get(WORKERS_ENV)
+        os.environ[WORKERS_ENV] = str(len(devices))
+        try:
+            for p in self.procs:
+                p.start()
+        finally:
+            if previous is None:
+                os.environ.pop(WORKERS_ENV, None)
+            else:
+                os.environ[WORKERS_ENV] = previous
         self.closed: set[int] = set()  # workers that said finished/crashed or died
+        self.last_seen = {d.rank: time.monotonic() for d in devices}
 
     def messages(self, poll_s: float = 0.5):
         """Yield ``(kind, rank, payload)``; a worker that exits without a last word yields ``("died", rank, code)``."""
         while len(self.closed) < len(self.procs):
+            yield from self._silent()
             try:
                 msg = self.result_q.get(timeout=poll_s)
             except queue.Empty:
@@ -292,7 +363,23 @@ class _Pool:
                 return
             yield from self._handle(msg)
 
+    def _silent(self):
+        """Workers that stopped reporting for ``heartbeat_timeout_s``: killed and reported as ``("hung", rank, s)``."""
+        now = time.monotonic()
+        for rank, p in enumerate(self.procs):
+            silent = now - self.last_seen[rank]
+            limit = self.heartbeat_timeout_s if rank in self.heard else self.startup_timeout_s
+            if rank not in self.closed and p.exitcode is None and silent > limit:
+                p.kill()
+                p.join(timeout=10)
+                self.closed.add(rank)
+                yield ("hung", rank, silent)
+
     def _handle(self, msg):
+        self.last_seen[msg[1]] = time.monotonic()
+        self.heard.add(msg[1])
+        if msg[0] == "alive":
+            return
         if msg[0] in ("finished", "crashed"):
             self.closed.add(msg[1])
         yield msg
@@ -324,7 +411,12 @@ def run_local_parallel(cfg: DictConfig, run_dir: str | Path, indices: list[int],
     run = RunDir(run_dir)
     wall_start = time.perf_counter()
     force = bool(cfg.get("force", False))
-    todo = [i for i in dict.fromkeys(indices) if force or not run.is_done("local", i)]
+    generation = run_generation(cfg)  # set now: the workers inherit it through the environment
+    todo = [
+        i
+        for i in dict.fromkeys(indices)
+        if not run.is_done("local", i) or (force and run.done_generation("local", i) != generation)
+    ]
     if not todo:
         log.info("local nets %s: all finished earlier, skipped (force=true recomputes)", list(indices))
         return [run.meta("local", i) for i in indices]
@@ -337,7 +429,9 @@ def run_local_parallel(cfg: DictConfig, run_dir: str | Path, indices: list[int],
     cfg_dict.setdefault("trainer", {})["enable_progress_bar"] = False  # P progress bars on one terminal garble
     log.info("local stage: %d sub-domains on %s", len(todo), ", ".join(d.describe() for d in devices))
     session = _Session(devices, todo, run)
-    pool = _Pool(devices, cfg_dict, run.root, calibration, data)
+    timeout = float(pcfg.get("heartbeat_timeout_s", 300) or 300)
+    startup = float(pcfg.get("startup_timeout_s", 600) or 600)
+    pool = _Pool(devices, cfg_dict, run.root, calibration, data, heartbeat_timeout_s=timeout, startup_timeout_s=startup)
     try:
         for kind, rank, payload in pool.messages():
             session.handle(kind, rank, payload, pool)
@@ -357,6 +451,17 @@ def run_local_parallel(cfg: DictConfig, run_dir: str | Path, indices: list[int],
     if session.failures:
         raise LocalStageFailed(session.failures, run.root)
     return [run.meta("local", i) for i in indices]
+
+
+def _exit_reason(exitcode: int | None) -> str:
+    """A worker's exit code in words: the signal that killed it, by name."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"worker process was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    return f"worker process exited with code {exitcode}"
 
 
 def _fmt(value) -> str:
@@ -403,13 +508,14 @@ class _Session:
             else:
                 self.failures.append({k: v for k, v in payload.items() if k != "seconds"})
         elif kind == "died":
-            self._died(rank, where, payload)
+            self._died(rank, where, _exit_reason(payload))
+        elif kind == "hung":
+            self._died(rank, where, f"worker stopped reporting for {payload:.0f} s (hung or stopped) and was killed")
         if self.placed is None and len(self.ready) + len(self.gone) == len(self.devices):
             self._place(pool)
 
-    def _died(self, rank: int, where: str, exitcode) -> None:
+    def _died(self, rank: int, where: str, reason: str) -> None:
         self.gone.add(rank)
-        reason = f"worker process exited with code {exitcode} (killed, or out of memory?)"
         log.error("%s: %s", where, reason)
         if self.placed is None or rank not in self.placed:
             return

@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY",
-        help="a setting whose differences between runs do not split groups (repeatable), e.g. trainer.num_devices",
+        help="a setting whose differences between runs do not split groups (repeatable), e.g. trainer.precision",
     )
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     return parser

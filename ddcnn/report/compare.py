@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
+from ddcnn.io import atomic_write_text
 from ddcnn.report.results import METHODS, method_rows
-from ddcnn.training.rundir import atomic_write_text
+from ddcnn.rundir import NON_RESULT_KEYS, flatten
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +54,8 @@ __all__ = [
 # anyway (data set, decomposition, backbone, seed). Any other setting that differs between runs of one dataset
 # becomes part of the group label, so that runs of different epochs are never averaged together.
 _IGNORED = (
+    *NON_RESULT_KEYS,  # where and how a run executed: never a reason to split groups
     "seed",
-    "stage",
-    "subdomain",
-    "force",
-    "device",
-    "paths",
-    "hydra",
-    "parallel",
-    "report",
-    "methods.enabled",
     "decomposition",
     "model",
     "data.name",
@@ -70,8 +63,6 @@ _IGNORED = (
     "data.root",
     "data.source.path",
     "data.source.root",
-    "trainer.enable_progress_bar",
-    "trainer.log_every_n_steps",
 )
 
 CSV_COLUMNS = (
@@ -195,15 +186,9 @@ def load_baseline_rows(path: str | Path) -> list[dict]:
 
 
 # --- tables --------------------------------------------------------------------------------------
-def _flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = json.dumps(v, sort_keys=True) if isinstance(v, list | dict) else v
-    return out
+def _flatten(d: Mapping) -> dict[str, Any]:
+    # Lists and dicts as JSON text: group labels and comparisons need hashable values.
+    return {k: json.dumps(v, sort_keys=True) if isinstance(v, list | dict) else v for k, v in flatten(d).items()}
 
 
 def _ignored(key: str, extra: Sequence[str] = ()) -> bool:

@@ -570,7 +570,7 @@ def plot_run_confusion(
     """Confusion matrices of a run's global CNN and CNN-DNN from their saved test predictions.
 
     Args:
-        run: The run directory (a :class:`~ddcnn.training.rundir.RunDir` or a path).
+        run: The run directory (a :class:`~ddcnn.rundir.RunDir` or a path).
         path: The PNG to write.
         class_names: Class names in label order; default ``0..K-1``.
         title: Figure title.
@@ -578,7 +578,7 @@ def plot_run_confusion(
     Returns:
         ``path``, or ``None`` when neither the global nor the coarse stage has finished.
     """
-    from ddcnn.training.rundir import RunDir
+    from ddcnn.rundir import RunDir
 
     run = run if isinstance(run, RunDir) else RunDir(run)
     predictions, num_classes = {}, 0
@@ -598,10 +598,10 @@ def run_curve_files(run, num_subdomains: int) -> dict[str, Path]:
     """The Lightning ``metrics.csv`` of every training of a run that wrote one: local nets, coarse, global.
 
     Args:
-        run: The run directory (a :class:`~ddcnn.training.rundir.RunDir` or a path).
+        run: The run directory (a :class:`~ddcnn.rundir.RunDir` or a path).
         num_subdomains: Number of local nets.
     """
-    from ddcnn.training.rundir import RunDir
+    from ddcnn.rundir import RunDir
 
     run = run if isinstance(run, RunDir) else RunDir(run)
     files = {f"local {i}": run.stage_dir("local", i) / "logs" / "metrics.csv" for i in range(num_subdomains)}
@@ -614,7 +614,7 @@ def save_run_plots(run, decomposition: Decomposition, data, results: Mapping) ->
     """Every figure of a finished (evaluated) run, into ``RUN_DIR/plots/``.
 
     Args:
-        run: The run directory (a :class:`~ddcnn.training.rundir.RunDir` or a path).
+        run: The run directory (a :class:`~ddcnn.rundir.RunDir` or a path).
         decomposition: The run's decomposition.
         data: The run's :class:`~ddcnn.data.datamodule.Prepared` data (a test sample and the class names).
         results: What the evaluate stage returned (``results.json``).
@@ -623,7 +623,7 @@ def save_run_plots(run, decomposition: Decomposition, data, results: Mapping) ->
         The PNG files written: ``decomposition.png``, ``subdomain_accuracy.png``, ``confusion.png`` (when the
         global CNN or the coarse DNN finished) and ``training_curves.png``.
     """
-    from ddcnn.training.rundir import RunDir
+    from ddcnn.rundir import RunDir
 
     run = run if isinstance(run, RunDir) else RunDir(run)
     out_dir = Path(run.root) / PLOTS_DIR

@@ -1,9 +1,12 @@
 """The ``evaluate`` stage: one table of every method of a run, as ``results.json`` and ``results.md``.
 
-Besides the per-key dictionaries (``accuracy``, ``metrics``, ``time_s``, ``params``), ``results.json`` holds
-``methods``: one row per finished method (:func:`method_rows`) with its test accuracy, sequential training time,
-projected time on the devices it can use, speedup against the global CNN and parameter count. The comparison
-report across runs (:mod:`ddcnn.report.compare`) reads those rows.
+Reads only the run directory and the registry's data (:mod:`ddcnn.registry`): which stages exist, what their rows
+are called and which recorded times add up to each row's time. Besides the per-key dictionaries (``accuracy``,
+``metrics``, ``val``, ``time_s``, ``params``), ``results.json`` holds ``methods``: one row per finished method
+(:func:`method_rows`) with its test accuracy, sequential training time, projected time on the devices it can use,
+speedup against the global CNN and parameter count, and ``timing``: in which execution context each time was
+measured and whether the compared times share one. The comparison report across runs (:mod:`ddcnn.report.compare`)
+reads those rows.
 """
 
 from __future__ import annotations
@@ -16,29 +19,62 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from ddcnn import registry
+from ddcnn.io import atomic_write_json, atomic_write_text
+from ddcnn.registry import ResultRow
 from ddcnn.report.combiners import majority_vote, mean_probability
-from ddcnn.training.pipeline import OPTIONAL_STAGES
 
 log = logging.getLogger(__name__)
 
-__all__ = ["METHODS", "classification_metrics", "evaluate_run", "method_rows", "results_markdown"]
+__all__ = [
+    "METHODS",
+    "COMBINER_ROWS",
+    "TIMING_RULE",
+    "classification_metrics",
+    "evaluate_run",
+    "method_rows",
+    "results_markdown",
+    "timing_contexts",
+]
 
-# Every method a run can report, in table order: key -> display name. The optional stages are those of
-# ddcnn.training.methods; the CNN-DNN appears once per coarse-DNN input that was trained.
-METHODS: dict[str, str] = {
-    "global": "global CNN",
-    "mean_prob": "mean probability",
-    "majority_vote": "majority vote",
-    "cnn_dnn_probs": "CNN-DNN (coarse DNN on probs)",
-    "cnn_dnn_logits": "CNN-DNN (coarse DNN on logits)",
-    "e2e": "CNN-DNN end to end",
-    "transfer": "CNN-DNN transfer (local nets + coarse DNN, trained further)",
-    "global_transfer": "global CNN transfer (init. from local nets)",
-    "global_ddp": "global CNN, DDP",
-}
-# Optional stages whose test predictions the evaluate stage reads (coarse_alt is reported per input kind): the
-# pipeline's list, so that a new stage cannot be trained and then left out of the results.
-_OPTIONAL = OPTIONAL_STAGES
+# The cheap combiners of the local outputs: rows of the table that no stage trains.
+COMBINER_ROWS = (
+    ResultRow("mean_prob", "mean probability", ("local_total",), ("local_max",), "N", 1),
+    ResultRow("majority_vote", "majority vote", ("local_total",), ("local_max",), "N", 2),
+)
+
+
+def _table_rows() -> list[tuple[str | None, ResultRow]]:
+    """``(stage, row)`` of every row the table can have, in table order (combiners have no stage)."""
+    rows = [(s.name, s.row) for s in registry.STAGES if s.row is not None] + [(None, r) for r in COMBINER_ROWS]
+    return sorted(rows, key=lambda sr: sr[1].order)
+
+
+def _method_names() -> dict[str, str]:
+    names: dict[str, str] = {}
+    for _, row in _table_rows():
+        if "{input}" in row.key:
+            for kind in ("probs", "logits"):
+                names[row.key.format(input=kind)] = row.name.format(input=kind)
+        else:
+            names[row.key] = row.name
+    return names
+
+
+# Every method a run can report, in table order: key -> display name (from the registry and the combiners).
+METHODS: dict[str, str] = _method_names()
+
+# How every time in the table is measured: the footnote of results.md and of ddcnn-report's tables.
+TIMING_RULE = (
+    "Times: a stage's time runs from its start in a process that has the data in memory, through training, to its "
+    "saved predictions, summed over every process that worked on it (a resumed stage adds the time of the earlier "
+    "ones up to their last checkpoint). Process start-up (interpreter, imports, data loading, spawning DDP ranks or "
+    "worker processes) is left out of every method alike and recorded apart (startup_s, parallel.json). Projected "
+    "times assume one device per local net."
+)
+
+# The fields of a stage's recorded context that must agree for two of its times to be comparable.
+CONTEXT_KEYS = ("device", "torch_threads", "concurrent_trainings", "host")
 
 
 def classification_metrics(
@@ -77,44 +113,66 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def timing_contexts(contexts: dict[str, dict | None]) -> dict:
+    """Whether the times of ``contexts`` (stage -> recorded context) were measured alike.
+
+    Returns:
+        ``{"contexts": {stage: {...}}, "comparable": bool, "differences": {key: {value: [stages]}}}``; stages without
+        a recorded context (older runs) are listed under ``unknown``.
+    """
+    known = {k: {f: c.get(f) for f in CONTEXT_KEYS} for k, c in contexts.items() if c}
+    differences: dict[str, dict[str, list[str]]] = {}
+    for field in CONTEXT_KEYS:
+        values: dict[str, list[str]] = {}
+        for stage, c in known.items():
+            values.setdefault(str(c[field]), []).append(stage)
+        if len(values) > 1:
+            differences[field] = values
+    unknown = sorted(k for k, c in contexts.items() if not c)
+    return {"contexts": known, "comparable": not differences, "differences": differences, "unknown": unknown}
+
+
+def _context_note(timing: dict | None) -> str | None:
+    if not timing or timing.get("comparable", True):
+        return None
+    parts = []
+    for field, values in timing["differences"].items():
+        parts.append(f"{field}: " + "; ".join(f"{v} ({', '.join(_short(s))})" for v, s in values.items()))
+    return (
+        "- **The compared times come from different execution contexts** (" + " | ".join(parts) + "): speedups "
+        "mix them; rerun the stages in one context for a like-for-like comparison."
+    )
+
+
+def _short(stages: list[str]) -> list[str]:
+    local = [s for s in stages if s.startswith("local ")]
+    others = [s for s in stages if not s.startswith("local ")]
+    return ([f"{len(local)} local nets"] if len(local) > 1 else local) + others
+
+
 def results_markdown(results: dict) -> str:
-    """A Markdown table of a run's results (one row per method)."""
-    m = results["metrics"]
-    t = results["time_s"]
+    """A Markdown table of a run's results (one row per method, then one per local net)."""
+    m, t = results["metrics"], results["time_s"]
     lines = [
         f"# ddcnn results: {results['data']['name']}, {results['decomposition']['description']}",
         "",
-        "| method | test accuracy | balanced acc. | AUC | training time (s) | parameters |",
-        "|---|---|---|---|---|---|",
+        "| method | test accuracy | balanced acc. | AUC | sequential time (s) | projected time (s) | devices | speedup "
+        "| parameters |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    rows = [
-        ("global CNN", "global", t.get("global"), results["params"].get("global")),
-        ("CNN-DNN (coarse DNN)", "cnn_dnn", t.get("cnn_dnn_sequential"), results["params"].get("cnn_dnn")),
-        ("mean probability", "mean_prob", t.get("local_total"), results["params"].get("local_total")),
-        ("majority vote", "majority_vote", t.get("local_total"), results["params"].get("local_total")),
-    ]
-    # The optional methods (ddcnn.training.methods), each with its sequential time (see method_rows).
-    main_key = f"cnn_dnn_{results.get('coarse_input', {}).get('coarse', 'probs')}"
-    for row in results.get("methods", []):
-        if row["key"] == "global_ddp":  # its wall time on P devices: it has no one-device time
-            rows.append(
-                (f"{row['name']} on {row['devices']} devices", row["key"], row["projected_time_s"], row["params"])
-            )
-        elif row["key"] in ("cnn_dnn_probs", "cnn_dnn_logits", "e2e", "transfer", "global_transfer") and (
-            row["key"] != main_key
-        ):
-            rows.append((row["name"], row["key"], row["sequential_time_s"], row["params"]))
-    for name, key, seconds, params in rows:
-        if key in m and m[key] is not None:
-            r = m[key]
-            lines.append(
-                f"| {name} | {_fmt(r['accuracy'])} | {_fmt(r['balanced_accuracy'])} | {_fmt(r['auc'])} | "
-                f"{_fmt(seconds, 1)} | {_fmt(params)} |"
-            )
+    for row in results.get("methods") or method_rows(results):
+        name = row["name"]
+        if row["key"] == "global_ddp":
+            name = f"{name} on {row['devices']} devices"
+        lines.append(
+            f"| {name} | {_fmt(row['accuracy'])} | {_fmt(row.get('balanced_accuracy'))} | {_fmt(row.get('auc'))} | "
+            f"{_fmt(row['sequential_time_s'], 1)} | {_fmt(row['projected_time_s'], 1)} | {_fmt(row['devices'])} | "
+            f"{_fmt(row['speedup'], 2)} | {_fmt(row['params'])} |"
+        )
     for i, r in enumerate(m["local"]):
         lines.append(
             f"| local net {i} | {_fmt(r['accuracy'])} | {_fmt(r['balanced_accuracy'])} | {_fmt(r['auc'])} | "
-            f"{_fmt(t['local'][i], 1)} | {_fmt(results['params'].get('local'))} |"
+            f"{_fmt(t['local'][i], 1)} | {_fmt(t['local'][i], 1)} | 1 | - | {_fmt(results['params'].get('local'))} |"
         )
     lines += [
         "",
@@ -125,94 +183,113 @@ def results_markdown(results: dict) -> str:
         f"{_fmt(t.get('cnn_dnn_sequential'), 1)} s.",
         f"- Data: {results['data']['n_train']} train / {results['data']['n_val']} val / "
         f"{results['data']['n_test']} test samples of shape {results['data']['image_shape']}.",
-        "",
+        f"- {TIMING_RULE}",
     ]
+    note = _context_note(results.get("timing"))
+    if note:
+        lines.append(note)
+    lines.append("")
     return "\n".join(lines)
+
+
+def _metrics_of(probs: torch.Tensor, labels: torch.Tensor, k: int) -> dict:
+    return classification_metrics(probs.argmax(-1), labels, probs, k)
+
+
+def _combiner_metrics(probs: torch.Tensor, labels: torch.Tensor, n: int, k: int) -> dict[str, dict]:
+    vote_share = torch.zeros(len(labels), k).scatter_add_(1, probs.argmax(-1), torch.ones(probs.shape[:2]))
+    return {
+        "mean_prob": classification_metrics(mean_probability(probs), labels, probs.mean(1), k),
+        "majority_vote": classification_metrics(majority_vote(probs), labels, vote_share / n, k),
+    }
 
 
 def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dict:
     """Collect the finished stages of a run into ``results.json`` / ``results.md`` and return the results.
 
-    Missing optional stages (global, coarse) are reported as ``None``; missing local nets are an error.
+    Stages that have not finished are reported as ``None``; missing local nets are an error.
     """
-    from ddcnn.training.rundir import atomic_write_json, atomic_write_text
-    from ddcnn.training.stages import local_features
-
     n, k = decomposition.num_subdomains, data.num_classes
-    probs, labels = local_features(run, n, "test", "probs")
+    probs, labels = run.local_outputs(n, "test", "probs")
     if not torch.equal(labels, data.y["test"]):
         raise ValueError(
             f"saved local test predictions in {run.root} do not match the current test data; rerun with force=true."
         )
-    metrics: dict[str, Any] = {
-        "local": [classification_metrics(probs[:, i].argmax(-1), labels, probs[:, i], k) for i in range(n)],
-        "mean_prob": classification_metrics(mean_probability(probs), labels, probs.mean(1), k),
-        "majority_vote": None,
-    }
-    vote_share = torch.zeros(len(labels), k).scatter_add_(1, probs.argmax(-1), torch.ones(probs.shape[:2]))
-    metrics["majority_vote"] = classification_metrics(majority_vote(probs), labels, vote_share / n, k)
+    val_probs, val_labels = run.local_outputs(n, "val", "probs")
+    metrics: dict[str, Any] = {"local": [_metrics_of(probs[:, i], labels, k) for i in range(n)]}
+    metrics.update(_combiner_metrics(probs, labels, n, k))
+    val: dict[str, dict] = {"local": [_metrics_of(val_probs[:, i], val_labels, k) for i in range(n)]}
+    val.update(_combiner_metrics(val_probs, val_labels, n, k))
     local_meta = [run.meta("local", i) for i in range(n)]
     time_s: dict[str, Any] = {"local": [m["time_s"] for m in local_meta]}
     time_s["local_max"] = max(time_s["local"])
     time_s["local_total"] = sum(time_s["local"])
     params: dict[str, Any] = {"local": local_meta[0]["params"], "local_total": sum(m["params"] for m in local_meta)}
-    for stage, key in (("coarse", "cnn_dnn"), ("global", "global")):
-        if run.is_done(stage):
-            saved = run.load_probs(stage, "test")
-            metrics[key] = classification_metrics(saved["probs"].argmax(-1), saved["labels"], saved["probs"], k)
-            meta = run.meta(stage)
-            time_s[stage] = meta["time_s"]
-            params[stage] = meta["params"]
-        else:
-            metrics[key] = None
-            time_s[stage] = None
-    # The coarse DNN's input decides which CNN-DNN row the main coarse stage fills; coarse_alt fills the other.
-    coarse_input = {"coarse": run.meta("coarse").get("input", "probs")} if run.is_done("coarse") else {}
+    contexts: dict[str, dict | None] = {f"local {i}": m.get("context") for i, m in enumerate(local_meta)}
+    inputs: dict[str, str] = {}  # stages whose row key depends on their input (the coarse DNNs)
     devices: dict[str, int] = {}  # stages that trained on several devices at once (global_ddp)
-    if "coarse" in coarse_input:
-        metrics[f"cnn_dnn_{coarse_input['coarse']}"] = metrics["cnn_dnn"]
-    for stage in _OPTIONAL:
-        if not run.is_done(stage):
+    startup: dict[str, float] = {}
+    for stage in registry.STAGES:
+        if stage.row is None:
             continue
-        saved, meta = run.load_probs(stage, "test"), run.meta(stage)
+        if not run.is_done(stage.name):
+            time_s.setdefault(stage.name, None)
+            continue
+        meta = run.meta(stage.name)
+        saved = run.load_probs(stage.name, "test")
         if not torch.equal(saved["labels"], labels):
             raise ValueError(
-                f"saved {stage} test predictions in {run.root} are for other data; rerun stage={stage} with force=true."
+                f"saved {stage.name} test predictions in {run.root} are for other data; rerun stage={stage.name} "
+                f"with force=true."
             )
-        key = stage
-        if stage == "coarse_alt":
-            coarse_input["coarse_alt"] = meta["input"]
-            key = f"cnn_dnn_{meta['input']}"
-        metrics[key] = classification_metrics(saved["probs"].argmax(-1), saved["labels"], saved["probs"], k)
-        time_s[stage] = meta["time_s"]
-        params[stage] = meta["params"]
+        key = stage.row.key
+        if "{input}" in key:
+            inputs[stage.name] = meta.get("input", "probs")
+            key = key.format(input=inputs[stage.name])
+        metrics[key] = _metrics_of(saved["probs"], saved["labels"], k)
+        saved_val = run.load_probs(stage.name, "val")
+        val[key] = _metrics_of(saved_val["probs"], saved_val["labels"], k)
+        time_s[stage.name] = meta["time_s"]
+        params[stage.name] = meta["params"]
+        contexts[stage.name] = meta.get("context")
+        if meta.get("startup_s"):
+            startup[stage.name] = meta["startup_s"]
         if "num_devices" in meta:
-            devices[stage] = int(meta["num_devices"])
-    if time_s["coarse"] is not None:
+            devices[stage.name] = int(meta["num_devices"])
+    main = f"cnn_dnn_{inputs['coarse']}" if "coarse" in inputs else None
+    metrics["cnn_dnn"], val["cnn_dnn"] = (metrics.get(main), val.get(main)) if main else (None, None)
+    metrics.setdefault("global", None)
+    if time_s.get("coarse") is not None:
         params["cnn_dnn"] = params["local_total"] + params["coarse"]
         time_s["cnn_dnn_sequential"] = time_s["local_total"] + time_s["coarse"]
         projected = time_s["local_max"] + time_s["coarse"]
     else:
         time_s["cnn_dnn_sequential"] = None
         projected = time_s["local_max"]
-    speedup = time_s["global"] / projected if time_s["global"] else None
-    accuracy = {
-        key: (metrics[key]["accuracy"] if metrics[key] else None)
-        for key in ("global", "cnn_dnn", "mean_prob", "majority_vote")
+    speedup = time_s["global"] / projected if time_s.get("global") else None
+    accuracy: dict[str, Any] = {
+        key: (metrics[key]["accuracy"] if metrics.get(key) else None)
+        for key in ("global", "cnn_dnn", "mean_prob", "majority_vote", *METHODS)
     }
     accuracy["local"] = [m["accuracy"] for m in metrics["local"]]
-    for key in METHODS:
-        if key not in accuracy:
-            accuracy[key] = metrics[key]["accuracy"] if metrics.get(key) else None
+    val_figures: dict[str, dict] = {}
+    for figure in ("accuracy", "balanced_accuracy", "auc"):
+        val_figures[figure] = {key: (v[figure] if v else None) for key, v in val.items() if key != "local"}
+        val_figures[figure]["local"] = [v[figure] for v in val["local"]]
+    compared = {s: c for s, c in contexts.items() if s.startswith("local ") or s in ("coarse", "global")}
     results = {
         "accuracy": accuracy,
-        "coarse_input": coarse_input,
+        "coarse_input": inputs,
         "metrics": metrics,
+        "val": val_figures,
         "time_s": time_s,
+        "startup_s": startup,
         "projected_time_s": projected,
         "projected_speedup": speedup,
         "params": params,
         "devices": devices,
+        "timing": timing_contexts(compared),
+        "timing_all_stages": timing_contexts(contexts),
         "decomposition": {
             "grid": list(decomposition.grid),
             "overlap": list(decomposition.overlap),
@@ -227,92 +304,86 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         results["model"] = str(cfg.model.get("_target_", ""))
         results["model_name"] = str(cfg.model.get("name", results["model"]))
         results["seed"] = int(cfg.seed)
+    if not results["timing"]["comparable"]:
+        log.warning("evaluate: %s", _context_note(results["timing"]).lstrip("- ").replace("**", ""))
     results["methods"] = method_rows(results)
     atomic_write_json(run.root / "results.json", results)
     atomic_write_text(run.root / "results.md", results_markdown(results))
     return results
 
 
+def _term(t: dict, term: str) -> float | None:
+    return t.get(term)
+
+
+def _sum(t: dict, terms: tuple[str, ...] | None) -> float | None:
+    if terms is None:
+        return None
+    values = [_term(t, term) for term in terms]
+    return None if any(v is None for v in values) else float(sum(values))
+
+
 def method_rows(results: dict) -> list[dict]:
     """One row per finished method of a run's results: accuracy, times, speedup and parameters.
 
-    Times are training times measured on this run's device, in seconds:
+    Every row's times are sums of recorded times, as its registry entry says (:class:`ddcnn.registry.ResultRow`):
 
     - ``sequential_time_s``: everything the method needs, one stage after another on one device;
     - ``projected_time_s``: on the ``devices`` it can use, i.e. ``N`` for the decomposed methods (the local nets
       in parallel: the slowest local net, then the coarse DNN and any further training), 1 for the global CNN and
-      the end-to-end CNN-DNN (trained as one model);
+      the end-to-end CNN-DNN (trained as one model), ``P`` for the DDP baseline (its wall time on ``P`` devices);
     - ``speedup``: global CNN time over ``projected_time_s``.
 
-    Works on ``results.json`` files written before the optional methods existed (their CNN-DNN row is the coarse
-    DNN on ``coarse_input`` or, unknown, on probabilities).
+    Works on ``results.json`` files written before the registry existed (their CNN-DNN row is the coarse DNN on
+    ``coarse_input`` or, unknown, on probabilities).
     """
     m, t, p = results["metrics"], results["time_s"], results["params"]
     n = int(results["decomposition"]["num_subdomains"])
-    inputs = results.get("coarse_input") or {}
-    local_total, local_max, t_global = t.get("local_total"), t.get("local_max"), t.get("global")
-    coarse_s = {inputs.get("coarse", "probs"): ("coarse", t.get("coarse"), p.get("coarse"))}
-    if "coarse_alt" in inputs:
-        coarse_s[inputs["coarse_alt"]] = ("coarse_alt", t.get("coarse_alt"), p.get("coarse_alt"))
-    main = coarse_s[inputs.get("coarse", "probs")]
-
-    def add(*values):
-        return None if any(v is None for v in values) else sum(values)
-
-    timing: dict[str, tuple] = {
-        "global": (t_global, t_global, 1, p.get("global")),
-        "mean_prob": (local_total, local_max, n, p.get("local_total")),
-        "majority_vote": (local_total, local_max, n, p.get("local_total")),
-        "e2e": (t.get("e2e"), t.get("e2e"), 1, p.get("e2e")),
-        "transfer": (
-            add(local_total, main[1], t.get("transfer")),
-            add(local_max, main[1], t.get("transfer")),
-            n,
-            p.get("transfer"),
-        ),
-        "global_transfer": (
-            add(local_total, t.get("global_transfer")),
-            add(local_max, t.get("global_transfer")),
-            n,
-            p.get("global_transfer"),
-        ),
-        # Measured on its P devices at once: no one-device time exists.
-        "global_ddp": (
-            None,
-            t.get("global_ddp"),
-            (results.get("devices") or {}).get("global_ddp"),
-            p.get("global_ddp"),
-        ),
-    }
-    for kind, (_, seconds, coarse_params) in coarse_s.items():
-        timing[f"cnn_dnn_{kind}"] = (
-            add(local_total, seconds),
-            add(local_max, seconds),
-            n,
-            add(p.get("local_total"), coarse_params),
-        )
+    inputs = dict(results.get("coarse_input") or {})
+    if m.get("cnn_dnn") is not None:
+        inputs.setdefault("coarse", "probs")
     metrics = dict(m)
-    main_key = f"cnn_dnn_{inputs.get('coarse', 'probs')}"
-    if metrics.get(main_key) is None and metrics.get("cnn_dnn") is not None:
-        metrics[main_key] = metrics["cnn_dnn"]
+    if "coarse" in inputs and metrics.get(f"cnn_dnn_{inputs['coarse']}") is None:
+        metrics[f"cnn_dnn_{inputs['coarse']}"] = metrics.get("cnn_dnn")
+    t_global = t.get("global")
     rows = []
-    for key, name in METHODS.items():
-        if metrics.get(key) is None or key not in timing:
+    for stage, row in _table_rows():
+        key = row.key
+        if "{input}" in key:
+            if stage not in inputs:
+                continue
+            key = key.format(input=inputs[stage])
+        if metrics.get(key) is None:
             continue
-        sequential, projected, devices, params = timing[key]
+        if row.devices == "N":
+            devices = n
+        elif isinstance(row.devices, str) and row.devices.startswith("meta:"):
+            devices = (results.get("devices") or {}).get(stage)
+        else:
+            devices = int(row.devices)
+        projected = _sum(t, row.projected)
+        if stage is None:
+            row_params = p.get("local_total")
+        elif stage in ("coarse", "coarse_alt"):
+            row_params = None if p.get(stage) is None else p.get("local_total", 0) + p[stage]
+        else:
+            row_params = p.get(stage)
         r = metrics[key]
         rows.append(
             {
                 "key": key,
-                "name": name,
+                "name": row.name.format(input=inputs.get(stage, "probs")),
+                "stage": stage,
                 "accuracy": r["accuracy"],
                 "balanced_accuracy": r.get("balanced_accuracy"),
                 "auc": r.get("auc"),
-                "sequential_time_s": sequential,
+                "sequential_time_s": _sum(t, row.sequential),
                 "projected_time_s": projected,
                 "devices": devices,
                 "speedup": (t_global / projected) if t_global and projected else None,
-                "params": params,
+                "params": row_params,
             }
         )
+    order = list(METHODS)
+    rows.sort(key=lambda r: order.index(r["key"]) if r["key"] in order else len(order))
     return rows

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddcnn.parallel.schedule import ScalingRow, default_device_counts, scaling_rows
-from ddcnn.training.rundir import RunDir
+from ddcnn.rundir import RunDir
 
 __all__ = ["RunTimes", "run_times", "scaling_table"]
 

@@ -13,7 +13,7 @@ import torch
 from ddcnn.data.augment import Augment
 from ddcnn.data.convert import npz_to_nifti
 from ddcnn.data.sources import nifti
-from ddcnn.training.pipeline import train
+from ddcnn.pipeline import train
 from tests.conftest import shared_data
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddcnn.context import assemble_cnn_dnn, build_context
 from ddcnn.decomposition import Decomposition
+from ddcnn.engine.fit import predict_logits
 from ddcnn.models.cnn_dnn import CNNDNN
 from ddcnn.models.coarse import CoarseMLP
 from ddcnn.models.vgg import vgg_tiny
-from ddcnn.training.pipeline import train
-from ddcnn.training.rundir import RunDir
-from ddcnn.training.stages import assemble_cnn_dnn, build_context, predict_logits
+from ddcnn.pipeline import train
+from ddcnn.rundir import RunDir
 
 
 def _model(spatial_dims: int, coarse_input: str = "probs") -> CNNDNN:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ddcnn.data.datamodule import _EpochBatchSampler
-from ddcnn.training.pipeline import train
-from ddcnn.training.rundir import RunDir
+from ddcnn.pipeline import train
+from ddcnn.rundir import RunDir
 
 
 def test_sampler_shards_one_permutation_across_ranks(monkeypatch):
@@ -25,12 +25,12 @@ def test_sampler_shards_one_permutation_across_ranks(monkeypatch):
 
 @pytest.mark.slow
 def test_global_and_local_nets_train_with_ddp_on_two_cpu_processes(make_cfg):
-    cfg = make_cfg("trainer.num_devices=2", "stage=local", "subdomain=0")
+    cfg = make_cfg("engine.num_devices=2", "stage=local", "subdomain=0")
     meta = train(cfg)["local"][0]
     assert 0.0 <= meta["accuracy"]["test"] <= 1.0
-    cfg = make_cfg("trainer.num_devices=2", "stage=global")
+    cfg = make_cfg("engine.num_devices=2", "stage=global")
     meta = train(cfg)["global"]
     run = RunDir(cfg.paths.run_dir)
-    assert run.is_done("global") and (run.stage_dir("global") / "best.ckpt").is_file()
+    assert run.is_done("global") and (run.stage_dir("global") / "last.ckpt").is_file()
     probs = run.load_probs("global", "test")["probs"]
     assert probs.shape[0] == 100 and torch.allclose(probs.sum(-1), torch.ones(100), atol=1e-5)

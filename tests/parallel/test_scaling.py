@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from ddcnn.parallel.cli import scaling_main
+from ddcnn.cli import scaling_main
 from ddcnn.report.scaling import run_times, scaling_table
-from ddcnn.training.rundir import RunDir
+from ddcnn.rundir import RunDir
 
 
 def _fake_run(root, local_s: list[float], coarse_s=2.0, global_s=50.0, grid=(2, 2)):
@@ -66,7 +66,7 @@ def test_unfinished_run_and_bad_arguments_say_what_is_wrong(tmp_path, capsys):
 
 def test_scaling_of_a_real_tiny_run(make_cfg, tmp_path):
     """From the meta files the pipeline writes (not hand-made ones)."""
-    from ddcnn.training.pipeline import train
+    from ddcnn.pipeline import train
 
     cfg = make_cfg("data.train_subset=100", "trainer.limit_train_batches=1")
     train(cfg)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddcnn.parallel.slurm import SrunTask, shard, slurm_info, slurm_plugins, srun_task
+from ddcnn.engine.fit import slurm_plugins
+from ddcnn.runtime import SrunTask, shard, slurm_info, srun_task
 
 SLURM_VARS = (
     "SLURM_JOB_ID",
@@ -86,7 +87,7 @@ def test_lightning_never_owns_requeueing(no_slurm):
 
 
 def test_ddcnn_slurm_plans_one_array_task_per_subdomain_then_the_rest(tmp_path, capsys):
-    from ddcnn.parallel.cli import slurm_main
+    from ddcnn.cli import slurm_main
 
     slurm_main([str(tmp_path / "run"), "--print", "decomposition=4x4", "--launcher", "local_slurm"])
     local, final = [line for line in capsys.readouterr().out.splitlines() if line.startswith("+ ")]

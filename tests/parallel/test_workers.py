@@ -13,8 +13,8 @@ import pytest
 
 from ddcnn.parallel.devices import WorkerDevice
 from ddcnn.parallel.workers import LocalStageFailed, _Session, record_failure, wait_for_local
-from ddcnn.training.pipeline import train
-from ddcnn.training.rundir import RunDir
+from ddcnn.pipeline import train
+from ddcnn.rundir import RunDir
 
 
 @pytest.mark.slow
@@ -135,7 +135,7 @@ def test_the_parent_of_the_workers_never_imports_lightning(tmp_path):
         f"""
         import sys
         from tests.conftest import compose_config
-        from ddcnn.training.pipeline import train
+        from ddcnn.pipeline import train
         cfg = compose_config(["stage=local", "subdomain=[0,1]", "parallel.workers=2",
                               "parallel.threads_per_worker=1"], run_dir={str(tmp_path / "run")!r})
         metas = train(cfg)["local"]

@@ -13,11 +13,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from PIL import Image
 
+from ddcnn.context import build_local_net
 from ddcnn.decomposition import Decomposition
+from ddcnn.pipeline import train
 from ddcnn.report.compare import load_run, write_report
-from ddcnn.training.pipeline import train
-from ddcnn.training.rundir import RunDir
-from ddcnn.training.stages import build_local_net
+from ddcnn.rundir import RunDir
 from tests.conftest import CONFIG_DIR, compose_config
 
 # experiment -> (data.name, image shape, channels, local nets of the sweep)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from ddcnn.pipeline import train
 from ddcnn.report.cli import report_main
 from ddcnn.report.compare import (
     CSV_COLUMNS,
@@ -21,8 +22,7 @@ from ddcnn.report.compare import (
     write_report,
 )
 from ddcnn.report.results import METHODS
-from ddcnn.training.pipeline import train
-from ddcnn.training.rundir import RunDir
+from ddcnn.rundir import RunDir
 from tests.conftest import compose_config
 
 DEFAULT_METHODS = ("global", "mean_prob", "majority_vote", "cnn_dnn_probs", "cnn_dnn_logits")

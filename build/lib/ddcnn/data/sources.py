@@ -1,0 +1,339 @@
+"""Where the arrays come from: sklearn digits, ``.npz`` archives, torchvision on-disk formats, image folders.
+
+Every source returns a :class:`Splits` of numpy arrays with a channel axis, ``x`` of shape
+``(n, C, *spatial)`` and integer labels ``y`` of shape ``(n,)``. Nothing here downloads: a missing
+dataset gets an error saying where to put the files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Splits", "digits", "npz", "torchvision_dataset", "image_folder", "nifti", "stratified_split"]
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".pgm", ".tif", ".tiff", ".gif")
+
+
+@dataclass
+class Splits:
+    """Train/test (and optional validation) arrays of one dataset.
+
+    Attributes:
+        x_train: ``(n, C, *spatial)`` images, ``uint8`` (0..255) or floating point.
+        y_train: ``(n,)`` integer labels in ``[0, num_classes)``.
+        x_test, y_test: The test split.
+        x_val, y_val: An official validation split, or ``None`` (the datamodule carves one from train).
+        class_names: Names of the classes, index = label.
+        name: Short dataset name for reports.
+    """
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    x_val: np.ndarray | None = None
+    y_val: np.ndarray | None = None
+    class_names: list[str] = field(default_factory=list)
+    name: str = "data"
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.x_train.shape[1])
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.x_train.shape[2:])
+
+
+def stratified_split(y: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices ``(keep, held_out)`` with ``fraction`` of every class held out, fixed by ``seed``.
+
+    Every class with at least two samples keeps one in ``keep`` and puts at least one in ``held_out``.
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"split fraction must be strictly between 0 and 1, got {fraction}.")
+    rng = np.random.default_rng(seed)
+    keep, held = [], []
+    for c in np.unique(y):
+        idx = np.flatnonzero(y == c)
+        rng.shuffle(idx)
+        n_held = int(round(fraction * len(idx)))
+        if len(idx) >= 2:
+            n_held = min(max(n_held, 1), len(idx) - 1)
+        held.append(idx[:n_held])
+        keep.append(idx[n_held:])
+    return np.sort(np.concatenate(keep)), np.sort(np.concatenate(held))
+
+
+def _with_channel_axis(x: np.ndarray, spatial_dims: int, source: str) -> np.ndarray:
+    if x.ndim == spatial_dims + 1:
+        return x[:, None]
+    if x.ndim == spatial_dims + 2:
+        # Channel-last colour images (n, H, W, 3) are the common archive layout; move channels first.
+        if x.shape[-1] in (1, 3, 4) and x.shape[1] not in (1, 3, 4):
+            return np.moveaxis(x, -1, 1)
+        return x
+    raise ValueError(
+        f"{source}: images of shape {x.shape[1:]} do not fit spatial_dims={spatial_dims}; expected "
+        f"(n, *spatial) or (n, C, *spatial) with {spatial_dims} spatial axes. Set data.spatial_dims to match."
+    )
+
+
+def _labels(y: np.ndarray, source: str) -> np.ndarray:
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise ValueError(f"{source}: labels must be a vector of class indices, got shape {y.shape}.")
+    if not np.issubdtype(y.dtype, np.integer):
+        if np.issubdtype(y.dtype, np.floating) and np.all(np.mod(y, 1) == 0):
+            y = y.astype(np.int64)
+        else:
+            raise ValueError(f"{source}: labels must be integer class indices, got dtype {y.dtype}.")
+    return y.astype(np.int64)
+
+
+def digits(test_fraction: float = 0.2, seed: int = 0) -> Splits:
+    """scikit-learn's bundled handwritten digits (1797 images of 8x8, 10 classes), split stratified.
+
+    Pixel values are 0..16 in the original and are rescaled to 0..255 ``uint8`` so every source looks alike.
+    The images ship with scikit-learn, so this is the default that runs anywhere without a download.
+    """
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = np.round(bunch.images * (255.0 / 16.0)).astype(np.uint8)[:, None]
+    y = bunch.target.astype(np.int64)
+    train, test = stratified_split(y, test_fraction, seed)
+    return Splits(x[train], y[train], x[test], y[test], class_names=[str(c) for c in range(10)], name="digits")
+
+
+def npz(path: str | Path, spatial_dims: int = 2, name: str | None = None) -> Splits:
+    """A ``.npz`` archive with ``x_train, y_train, x_test, y_test`` and optionally ``x_val, y_val, class_names``.
+
+    This is the format of the archives in ``shared/data`` (MNIST, Fashion-MNIST, AdrenalMNIST3D).
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"dataset archive {path} does not exist; put the .npz file there or set data.path to where it is "
+            f"(see data/README.md)."
+        )
+    try:
+        archive = np.load(path, allow_pickle=False)
+        keys = set(archive.files)
+    except Exception as err:  # zipfile.BadZipFile, OSError, ValueError: all mean the same to the user
+        raise ValueError(f"dataset archive {path} cannot be read ({err}); the file is corrupt or not a .npz.") from err
+    missing = {"x_train", "y_train", "x_test", "y_test"} - keys
+    if missing:
+        raise ValueError(
+            f"dataset archive {path} lacks the arrays {sorted(missing)}; it holds {sorted(keys)}. Expected "
+            f"x_train, y_train, x_test, y_test (and optionally x_val, y_val, class_names)."
+        )
+    src = str(path)
+
+    def arr(key: str) -> np.ndarray:
+        try:
+            return archive[key]
+        except Exception as err:
+            raise ValueError(
+                f"dataset archive {path}: array {key!r} cannot be read ({err}); the file is corrupt."
+            ) from err
+
+    x_train = _with_channel_axis(arr("x_train"), spatial_dims, src)
+    x_test = _with_channel_axis(arr("x_test"), spatial_dims, src)
+    x_val = _with_channel_axis(arr("x_val"), spatial_dims, src) if "x_val" in keys else None
+    y_train, y_test = _labels(arr("y_train"), src), _labels(arr("y_test"), src)
+    y_val = _labels(arr("y_val"), src) if "y_val" in keys else None
+    if "class_names" in keys:
+        class_names = [str(c) for c in arr("class_names").tolist()]
+    else:
+        class_names = [str(c) for c in range(int(max(y_train.max(), y_test.max())) + 1)]
+    return Splits(x_train, y_train, x_test, y_test, x_val, y_val, class_names, name=name or path.stem)
+
+
+_TORCHVISION = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST", "cifar10": "CIFAR10"}
+_TORCHVISION_LAYOUT = {
+    "mnist": "<root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]",
+    "fashion_mnist": "<root>/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]",
+    "cifar10": "<root>/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}",
+}
+
+
+def torchvision_dataset(name: str, root: str | Path) -> Splits:
+    """MNIST, Fashion-MNIST or CIFAR-10 in torchvision's on-disk format under ``root`` (never downloads)."""
+    import torchvision
+
+    key = name.lower().replace("-", "_")
+    if key not in _TORCHVISION:
+        raise ValueError(f"unknown torchvision dataset {name!r}; supported: {sorted(_TORCHVISION)}.")
+    root = Path(root).expanduser()
+    if key == "cifar10":
+        return _cifar10(root)
+    cls = getattr(torchvision.datasets, _TORCHVISION[key])
+    try:
+        train = cls(str(root), train=True, download=False)
+        test = cls(str(root), train=False, download=False)
+    except RuntimeError as err:
+        raise FileNotFoundError(
+            f"{_TORCHVISION[key]} not found under {root} ({err}). ddcnn never downloads: place the files as "
+            f"{_TORCHVISION_LAYOUT[key]} (torchvision's layout) or set data.root to their folder."
+        ) from err
+
+    def arrays(ds) -> tuple[np.ndarray, np.ndarray]:
+        x = np.asarray(ds.data)
+        y = np.asarray(ds.targets, dtype=np.int64)
+        return _with_channel_axis(x, 2, str(root)), y
+
+    x_train, y_train = arrays(train)
+    x_test, y_test = arrays(test)
+    return Splits(x_train, y_train, x_test, y_test, class_names=list(train.classes), name=key)
+
+
+def _cifar10(root: Path) -> Splits:
+    """CIFAR-10's python format, read directly (torchvision insists on the official md5 sums, so it
+    refuses re-packed or subset files; the layout and content are the same)."""
+    import pickle
+
+    folder = root / "cifar-10-batches-py"
+    names = [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta"]
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"CIFAR-10 not found under {root}: {folder} lacks {missing}. ddcnn never downloads: place the files as "
+            f"{_TORCHVISION_LAYOUT['cifar10']} (torchvision's layout) or set data.root to their folder."
+        )
+
+    def read(name: str) -> dict:
+        try:
+            with open(folder / name, "rb") as fh:
+                return pickle.load(fh, encoding="latin1")
+        except Exception as err:
+            raise ValueError(f"CIFAR-10 file {folder / name} cannot be read ({err}); the file is corrupt.") from err
+
+    def arrays(batches: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        parts = [read(n) for n in batches]
+        x = np.concatenate([np.asarray(p["data"], dtype=np.uint8) for p in parts]).reshape(-1, 3, 32, 32)
+        y = np.concatenate([np.asarray(p.get("labels", p.get("fine_labels")), dtype=np.int64) for p in parts])
+        return x, y
+
+    x_train, y_train = arrays(names[:5])
+    x_test, y_test = arrays(["test_batch"])
+    class_names = list(read("batches.meta")["label_names"])
+    return Splits(x_train, y_train, x_test, y_test, class_names=class_names, name="cifar10")
+
+
+def image_folder(
+    root: str | Path,
+    image_size: Sequence[int] | int | None = None,
+    grayscale: bool = True,
+    test_fraction: float = 0.3,
+    seed: int = 0,
+) -> Splits:
+    """A folder with one sub-folder of images per class (e.g. one per person for face recognition).
+
+    The test split is stratified with a fixed seed, so every class (person) appears in train and test.
+    Images are resized to ``image_size`` (needed when their sizes differ).
+    """
+    from PIL import Image
+
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"image folder {root} does not exist; set data.root to a folder with one sub-folder per class."
+        )
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if len(classes) < 2:
+        raise ValueError(f"image folder {root} has {len(classes)} class sub-folders; a classifier needs at least 2.")
+    if isinstance(image_size, int):
+        image_size = (image_size, image_size)
+    images, labels = [], []
+    for label, cls in enumerate(classes):
+        files = sorted(p for p in (root / cls).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise ValueError(
+                f"class folder {root / cls} holds no images ({', '.join(IMAGE_SUFFIXES)}); add some or remove it."
+            )
+        for f in files:
+            try:
+                with Image.open(f) as im:
+                    im = im.convert("L" if grayscale else "RGB")
+                    if image_size is not None:
+                        im = im.resize((image_size[1], image_size[0]), Image.BILINEAR)
+                    images.append(np.asarray(im, dtype=np.uint8))
+            except OSError as err:
+                raise ValueError(f"image {f} cannot be read ({err}); remove or replace the file.") from err
+            labels.append(label)
+    shapes = {im.shape for im in images}
+    if len(shapes) > 1:
+        raise ValueError(f"images under {root} have different sizes {sorted(shapes)[:3]}...; set data.image_size.")
+    x = _with_channel_axis(np.stack(images), 2, str(root))
+    y = np.asarray(labels, dtype=np.int64)
+    train, test = stratified_split(y, test_fraction, seed)
+    return Splits(x[train], y[train], x[test], y[test], class_names=classes, name=root.name)
+
+
+def nifti(
+    root: str | Path,
+    target_shape: Sequence[int] | None = None,
+    spacing: Sequence[float] | float | None = None,
+    window: Sequence[float] | None = None,
+    normalize: str = "none",
+    channel_axis: int | None = None,
+    cache_dir: str | Path | None = None,
+    class_names: Sequence[str] | None = None,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    progress: bool = True,
+) -> Splits:
+    """NIfTI volumes from a class-per-folder root or a CSV manifest (see :mod:`ddcnn.data.nifti`).
+
+    A manifest's ``split`` column gives train/val/test; without one, the test split is stratified with a fixed
+    seed. Preprocessed volumes are cached under ``cache_dir`` (default ``<root>/.ddcnn_cache``), keyed by the
+    preprocessing settings. Values are returned as float32 after windowing/normalisation, so the datamodule
+    does not rescale them.
+    """
+    from ddcnn.data.nifti import NiftiPreprocess, load_arrays, scan_nifti
+
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(
+            f"NIfTI dataset {root} does not exist; set data.root to a folder with one sub-folder per class or to a "
+            f"manifest.csv (see data/README.md)."
+        )
+    index = scan_nifti(root, class_names)
+    prep = NiftiPreprocess(
+        target_shape=tuple(target_shape) if target_shape is not None else None,
+        spacing=spacing if spacing is None or isinstance(spacing, int | float) else tuple(spacing),
+        window=tuple(window) if window is not None else None,
+        normalize=normalize,
+        channel_axis=channel_axis,
+    )
+    if cache_dir is None:
+        cache_dir = (root if root.is_dir() else root.parent) / ".ddcnn_cache"
+    x, y = load_arrays(index, prep, cache_dir=cache_dir, progress=progress)
+    names = list(index.class_names)
+    if index.splits is not None and "train" in index.splits and "test" in index.splits:
+        split = np.asarray(index.splits)
+        parts = {s: np.flatnonzero(split == s) for s in ("train", "val", "test")}
+        has_val = len(parts["val"]) > 0
+        return Splits(
+            x[parts["train"]],
+            y[parts["train"]],
+            x[parts["test"]],
+            y[parts["test"]],
+            x[parts["val"]] if has_val else None,
+            y[parts["val"]] if has_val else None,
+            class_names=names,
+            name=root.stem,
+        )
+    train, test = stratified_split(y, test_fraction, seed)
+    return Splits(x[train], y[train], x[test], y[test], class_names=names, name=root.stem)

@@ -1,0 +1,500 @@
+"""The comparison report across runs: one table per dataset, CSV files and plots.
+
+It collects finished runs (each a run directory holding ``results.json`` and ``config.yaml``, e.g. the job folders
+of a Hydra sweep ``ddcnn-train -m ...``), groups them by dataset, backbone, grid and overlap (and any other setting
+that differs between runs of one dataset, such as ``trainer.max_epochs``), and reports for every method of
+:data:`ddcnn.report.results.METHODS` the test accuracy, balanced accuracy and ROC AUC (each as mean ± sample
+standard deviation over the seeds), the sequential training time, the projected time on the devices the method can
+use, the speedup against the global CNN and the parameter count (definitions:
+:func:`ddcnn.report.results.method_rows`).
+
+Files written into the output folder:
+
+- ``report.md``: every dataset's table, the plots and any external baseline rows;
+- ``<dataset>.md`` and ``<dataset>.csv``: the table of one dataset;
+- ``<dataset>_accuracy_vs_grid.png``, ``<dataset>_time_vs_grid.png``: one panel per backbone and overlap;
+- ``<dataset>_<backbone>_<grid>_o<overlap>_subdomains.png``: mean test accuracy of every local net, laid out like the
+  grid (3D grids: one panel per layer of the first axis);
+- ``baselines.csv`` when baseline rows were given (:func:`load_baseline_rows`).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from ddcnn.io import atomic_write_text
+from ddcnn.report.results import METHODS, method_rows
+from ddcnn.rundir import NON_RESULT_KEYS, flatten
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Run",
+    "find_runs",
+    "load_run",
+    "load_baseline_rows",
+    "comparison_rows",
+    "table_markdown",
+    "write_report",
+]
+
+# Settings that tell nothing about a run's method (where it ran, what it printed) or that the grouping shows
+# anyway (data set, decomposition, backbone, seed). Any other setting that differs between runs of one dataset
+# becomes part of the group label, so that runs of different epochs are never averaged together.
+_IGNORED = (
+    *NON_RESULT_KEYS,  # where and how a run executed: never a reason to split groups
+    "seed",
+    "decomposition",
+    "model",
+    "data.name",
+    "data.path",
+    "data.root",
+    "data.source.path",
+    "data.source.root",
+)
+
+CSV_COLUMNS = (
+    "dataset",
+    "backbone",
+    "grid",
+    "num_subdomains",
+    "overlap",
+    "settings",
+    "method",
+    "method_key",
+    "seeds",
+    "accuracy_mean",
+    "accuracy_std",
+    "balanced_accuracy_mean",
+    "balanced_accuracy_std",
+    "auc_mean",
+    "auc_std",
+    "sequential_time_s",
+    "projected_time_s",
+    "devices",
+    "speedup",
+    "params",
+)
+
+
+@dataclass
+class Run:
+    """One finished run: its results, its configuration and the labels the report groups by."""
+
+    path: Path
+    results: dict
+    config: dict
+    dataset: str
+    backbone: str
+    grid: tuple[int, ...]
+    overlap: tuple[int, ...]
+    seed: int
+    rows: list[dict] = field(default_factory=list)
+
+    @property
+    def grid_label(self) -> str:
+        return "x".join(map(str, self.grid))
+
+    @property
+    def overlap_label(self) -> str:
+        return str(self.overlap[0]) if len(set(self.overlap)) == 1 else "x".join(map(str, self.overlap))
+
+
+def load_run(path: str | Path) -> Run:
+    """A run directory with ``results.json`` (the evaluate stage ran) and ``config.yaml``.
+
+    Raises:
+        FileNotFoundError: When either file is missing.
+    """
+    path = Path(path)
+    results_file, config_file = path / "results.json", path / "config.yaml"
+    if not results_file.is_file() or not config_file.is_file():
+        missing = [f.name for f in (results_file, config_file) if not f.is_file()]
+        raise FileNotFoundError(
+            f"{path} is not a finished run: {missing} missing. Give run directories of ddcnn-train runs whose evaluate "
+            f"stage finished (stage=all, or stage=evaluate afterwards)."
+        )
+    results = json.loads(results_file.read_text())
+    config = OmegaConf.to_container(OmegaConf.load(config_file), resolve=False)
+    dec = results["decomposition"]
+    model = config.get("model") or {}
+    return Run(
+        path=path,
+        results=results,
+        config=config,
+        dataset=str((config.get("data") or {}).get("name") or results["data"]["name"]),
+        backbone=str(model.get("name") or results.get("model_name") or results.get("model", "?")),
+        grid=tuple(int(g) for g in dec["grid"]),
+        overlap=tuple(int(o) for o in dec["overlap"]),
+        seed=int(config.get("seed", results.get("seed", 0))),
+        rows=results.get("methods") or method_rows(results),
+    )
+
+
+def find_runs(sweep_dir: str | Path) -> tuple[list[Path], list[Path]]:
+    """Run directories under ``sweep_dir`` (any depth): ``(finished, unfinished)``.
+
+    A run directory holds ``config.yaml`` (written when a run starts); it is finished when ``results.json`` exists.
+    """
+    root = Path(sweep_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"sweep directory {root} does not exist.")
+    folders = sorted({p.parent for p in root.rglob("config.yaml") if (p.parent / "fingerprint.json").is_file()})
+    finished = [f for f in folders if (f / "results.json").is_file()]
+    return finished, [f for f in folders if f not in finished]
+
+
+def load_baseline_rows(path: str | Path) -> list[dict]:
+    """Rows of another method measured elsewhere (e.g. ``ddcnn/baselines`` benchmarks), from a JSON file.
+
+    The file holds a list of objects, or an object whose ``rows`` is that list. Each needs a ``name`` (or
+    ``method``), an ``accuracy`` and a ``time_s`` (or ``wall_time_s``); a ``dataset`` and any other keys are kept.
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"baseline rows {path} do not exist.") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"baseline rows {path} are not valid JSON ({err}).") from err
+    rows = data.get("rows") if isinstance(data, dict) else data
+    if not isinstance(rows, list):
+        raise ValueError(f"baseline rows {path}: expected a list of objects (or {{'rows': [...]}}).")
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"baseline rows {path}: row {i} is not an object.")
+        name = row.get("name", row.get("method"))
+        time_s = row.get("time_s", row.get("wall_time_s"))
+        if name is None or "accuracy" not in row or time_s is None:
+            raise ValueError(f"baseline rows {path}: row {i} needs name, accuracy and time_s; it has {sorted(row)}.")
+        extra = {k: v for k, v in row.items() if k not in ("name", "method", "accuracy", "time_s", "wall_time_s")}
+        out.append({"source": path.name, "name": str(name), "accuracy": row["accuracy"], "time_s": time_s, **extra})
+    return out
+
+
+# --- tables --------------------------------------------------------------------------------------
+def _flatten(d: Mapping) -> dict[str, Any]:
+    # Lists and dicts as JSON text: group labels and comparisons need hashable values.
+    return {k: json.dumps(v, sort_keys=True) if isinstance(v, list | dict) else v for k, v in flatten(d).items()}
+
+
+def _ignored(key: str, extra: Sequence[str] = ()) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in (*_IGNORED, *extra))
+
+
+def _varying_settings(runs: Sequence[Run], ignore: Sequence[str] = ()) -> list[str]:
+    """Settings other than the grouping ones (and ``ignore``) whose values differ between ``runs``."""
+    flat = [_flatten(r.config) for r in runs]
+    keys = sorted({k for f in flat for k in f if not _ignored(k, ignore)})
+    return [k for k in keys if len({repr(f.get(k, "<unset>")) for f in flat}) > 1]
+
+
+def _settings_label(run: Run, keys: Sequence[str]) -> str:
+    flat = _flatten(run.config)
+    return ", ".join(f"{k}={flat.get(k, '<unset>')}" for k in keys)
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    vals = [float(v) for v in values if v is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def _mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation over seeds; ``None`` when any run lacks the value (std: or has one)."""
+    if not values or any(v is None for v in values):
+        return None, None
+    vals = [float(v) for v in values]
+    return float(np.mean(vals)), (float(np.std(vals, ddof=1)) if len(vals) > 1 else None)
+
+
+def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, list[dict]]:
+    """Per dataset, one row per (backbone, grid, overlap, settings, method), averaged over seeds.
+
+    ``accuracy_std`` is the sample standard deviation over seeds (``None`` for a single seed); the times, speedup
+    and parameters are means over seeds. ``ignore`` names settings (dotted keys or prefixes) whose differences do not
+    split groups, e.g. a key that a newer version of the configuration added with a value that changes nothing.
+    """
+    by_dataset: dict[str, list[Run]] = {}
+    for run in runs:
+        by_dataset.setdefault(run.dataset, []).append(run)
+    tables: dict[str, list[dict]] = {}
+    for dataset, group in sorted(by_dataset.items()):
+        keys = _varying_settings(group, ignore)
+        cells: dict[tuple, list[tuple[Run, dict]]] = {}
+        for run in group:
+            label = _settings_label(run, keys)
+            for row in run.rows:
+                key = (run.backbone, math.prod(run.grid), run.grid_label, run.overlap_label, label, row["key"])
+                cells.setdefault(key, []).append((run, row))
+        order = list(METHODS)
+        rows = []
+        for key in sorted(cells, key=lambda k: (*k[:5], order.index(k[5]) if k[5] in order else len(order))):
+            backbone, n, grid, overlap, label, method = key
+            entries = cells[key]
+            acc = [float(row["accuracy"]) for _, row in entries]
+            balanced = _mean_std([row.get("balanced_accuracy") for _, row in entries])
+            auc = _mean_std([row.get("auc") for _, row in entries])
+            rows.append(
+                {
+                    "dataset": dataset,
+                    "backbone": backbone,
+                    "grid": grid,
+                    "num_subdomains": n,
+                    "overlap": overlap,
+                    "settings": label,
+                    "method": METHODS.get(method, entries[0][1].get("name", method)),
+                    "method_key": method,
+                    "seeds": len({run.seed for run, _ in entries}),
+                    "runs": len(entries),
+                    "accuracy_mean": float(np.mean(acc)),
+                    "accuracy_std": float(np.std(acc, ddof=1)) if len(acc) > 1 else None,
+                    "balanced_accuracy_mean": balanced[0],
+                    "balanced_accuracy_std": balanced[1],
+                    "auc_mean": auc[0],
+                    "auc_std": auc[1],
+                    "sequential_time_s": _mean(row.get("sequential_time_s") for _, row in entries),
+                    "projected_time_s": _mean(row.get("projected_time_s") for _, row in entries),
+                    "devices": entries[0][1].get("devices"),
+                    "speedup": _mean(row.get("speedup") for _, row in entries),
+                    "params": _mean(row.get("params") for _, row in entries),
+                }
+            )
+        tables[dataset] = rows
+    return tables
+
+
+def _num(value: Any, digits: int) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def _accuracy(row: Mapping, key: str = "accuracy") -> str:
+    """``mean ± std`` in percent of ``<key>_mean`` / ``<key>_std`` (``-`` when some run lacks the metric)."""
+    if row.get(f"{key}_mean") is None:
+        return "-"
+    mean = 100 * row[f"{key}_mean"]
+    if row.get(f"{key}_std") is None:
+        return f"{mean:.2f}"
+    return f"{mean:.2f} ± {100 * row[f'{key}_std']:.2f}"
+
+
+def table_markdown(rows: Sequence[Mapping]) -> str:
+    """The Markdown table of one dataset's :func:`comparison_rows` (accuracy in percent)."""
+    with_settings = any(r["settings"] for r in rows)
+    head = ["backbone", "grid", "overlap", *(["settings"] if with_settings else []), "method", "seeds"]
+    head += [
+        "test accuracy (%)",
+        "balanced acc. (%)",
+        "AUC (%)",
+        "sequential time (s)",
+        "projected time (s)",
+        "devices",
+        "speedup vs global",
+        "parameters",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["backbone"], r["grid"], r["overlap"], *([r["settings"]] if with_settings else []), r["method"]]
+        cells += [
+            str(r["seeds"]),
+            _accuracy(r),
+            _accuracy(r, "balanced_accuracy"),
+            _accuracy(r, "auc"),
+            _num(r["sequential_time_s"], 1),
+            _num(r["projected_time_s"], 1),
+            "-" if r["devices"] is None else str(r["devices"]),
+            "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            "-" if r["params"] is None else f"{int(round(r['params'])):,}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _csv_text(rows: Sequence[Mapping], columns: Sequence[str]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
+    return buffer.getvalue()
+
+
+def _baselines_markdown(rows: Sequence[Mapping]) -> str:
+    extra = sorted({k for r in rows for k in r} - {"source", "name", "accuracy", "time_s"})
+    head = ["source", "name", "accuracy", "time (s)", *extra]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        values = [r["source"], r["name"], r["accuracy"], r["time_s"], *(r.get(k) for k in extra)]
+        lines.append("| " + " | ".join(_cell(v) for v in values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+# --- plots ---------------------------------------------------------------------------------------
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "data"
+
+
+def _panels(rows: Sequence[Mapping]) -> dict[tuple[str, str, str], list[Mapping]]:
+    panels: dict[tuple[str, str, str], list[Mapping]] = {}
+    for r in rows:
+        panels.setdefault((r["backbone"], r["overlap"], r["settings"]), []).append(r)
+    return panels
+
+
+def _plot_vs_grid(rows: Sequence[Mapping], path: Path, title: str, kind: str) -> Path:
+    """One panel per (backbone, overlap, settings); x: grids ordered by size; one line per method."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = _panels(rows)
+    ncols = min(len(panels), 3)
+    nrows = -(-len(panels) // ncols)
+    fig = Figure(figsize=(max(5.2 * ncols, 9.0), 4.0 * nrows + 1.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
+    for ax, ((backbone, overlap, settings), panel) in zip(axes, panels.items(), strict=False):
+        grids = sorted({(r["num_subdomains"], r["grid"]) for r in panel})
+        x = {g: i for i, (_, g) in enumerate(grids)}
+        for method in [m for m in METHODS if any(r["method_key"] == m for r in panel)]:
+            series = sorted((x[r["grid"]], r) for r in panel if r["method_key"] == method)
+            xs = [i for i, _ in series]
+            if kind == "accuracy":
+                ys = [100 * r["accuracy_mean"] for _, r in series]
+                err = [100 * (r["accuracy_std"] or 0.0) for _, r in series]
+                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=METHODS[method])
+            else:
+                ys = [r["projected_time_s"] for _, r in series]
+                line = ax.plot(xs, ys, marker="o", label=f"{METHODS[method]}: projected")[0]
+                seq = [r["sequential_time_s"] for _, r in series]
+                if seq != ys:
+                    ax.plot(xs, seq, marker="x", linestyle="--", color=line.get_color(), alpha=0.6)
+        ax.set_xticks(range(len(grids)), [f"{g}\n(N={n})" for n, g in grids])
+        ax.set_xlabel("grid of sub-domains")
+        ax.set_ylabel("test accuracy (%)" if kind == "accuracy" else "training time (s), log scale")
+        if kind == "time":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.set_title(f"{backbone}, overlap {overlap}" + (f"\n{settings}" if settings else ""), fontsize=9)
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
+    # One legend for all panels, below them ("outside" needs the constrained layout, matplotlib >= 3.7).
+    legend: dict[str, Any] = {}
+    for ax in axes[: len(panels)]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
+    if legend:
+        fig.legend(list(legend.values()), list(legend), loc="outside lower center", ncols=2, fontsize=8)
+    note = "mean ± std over seeds" if kind == "accuracy" else "solid: projected on the devices; dashed: sequential"
+    fig.suptitle(f"{title} ({note})", fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=110, format="png")
+    tmp.replace(path)
+    return path
+
+
+def _subdomain_maps(runs: Sequence[Run], out: Path, dataset: str) -> list[Path]:
+    """One heat map per (backbone, grid, overlap): mean test accuracy of every local net over the seeds."""
+    from ddcnn.report.plots import plot_subdomain_accuracy
+
+    groups: dict[tuple, list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run.backbone, run.grid, run.overlap_label), []).append(run)
+    written = []
+    for (backbone, grid, overlap), group in sorted(groups.items(), key=lambda kv: (kv[0][0], math.prod(kv[0][1]))):
+        local = np.mean([np.asarray(r.results["accuracy"]["local"], dtype=np.float64) for r in group], axis=0)
+        name = f"{_slug(dataset)}_{_slug(backbone)}_{'x'.join(map(str, grid))}_o{_slug(overlap)}_subdomains.png"
+        seeds = len({r.seed for r in group})
+        written.append(
+            plot_subdomain_accuracy(
+                local,
+                grid,
+                out / name,
+                title=f"{dataset}, {backbone}, overlap {overlap}: test accuracy of each local net "
+                f"(mean of {seeds} seed{'s' if seeds != 1 else ''})",
+            )
+        )
+    return written
+
+
+# --- the report ----------------------------------------------------------------------------------
+def write_report(
+    runs: Sequence[Run],
+    out_dir: str | Path,
+    baselines: Sequence[Mapping] = (),
+    plots: bool = True,
+    ignore: Sequence[str] = (),
+) -> dict[str, list[Path]]:
+    """Write the comparison report of ``runs`` (and any ``baselines`` rows) into ``out_dir``.
+
+    ``ignore``: settings whose differences between runs do not split groups (see :func:`comparison_rows`).
+
+    Returns:
+        The files written, by kind: ``markdown``, ``csv``, ``plots``.
+    """
+    if not runs:
+        raise ValueError("no finished runs to report; give run directories or a sweep folder with results.json.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tables = comparison_rows(runs, ignore)
+    written: dict[str, list[Path]] = {"markdown": [], "csv": [], "plots": []}
+    sections = [
+        "# ddcnn comparison report",
+        "",
+        f"{len(runs)} runs. Test accuracy in percent, mean ± sample standard deviation over seeds (a single "
+        "seed shows no ±). Times are training times in seconds on the machine that ran each stage: sequential = "
+        "every stage the method needs one after another on one device; projected = on the devices it can use "
+        "(N local nets in parallel, then the coarse DNN and any further training; 1 device for the global CNN and "
+        "the end-to-end CNN-DNN); speedup = global CNN time / projected time.",
+        "",
+    ]
+    for dataset, rows in tables.items():
+        slug = _slug(dataset)
+        table = table_markdown(rows)
+        atomic_write_text(out / f"{slug}.md", f"# {dataset}\n\n{table}")
+        atomic_write_text(out / f"{slug}.csv", _csv_text(rows, CSV_COLUMNS))
+        written["markdown"].append(out / f"{slug}.md")
+        written["csv"].append(out / f"{slug}.csv")
+        sections += [f"## {dataset}", "", table]
+        dataset_runs = [r for r in runs if r.dataset == dataset]
+        if plots:
+            figures = [
+                _plot_vs_grid(rows, out / f"{slug}_accuracy_vs_grid.png", f"{dataset}: test accuracy", "accuracy"),
+                _plot_vs_grid(rows, out / f"{slug}_time_vs_grid.png", f"{dataset}: training time", "time"),
+                *_subdomain_maps(dataset_runs, out, dataset),
+            ]
+            written["plots"] += figures
+            sections += [f"![{p.stem}]({p.name})" for p in figures] + [""]
+        sections += ["Runs: " + ", ".join(f"`{r.path}`" for r in dataset_runs), ""]
+    if baselines:
+        sections += ["## External baselines", "", _baselines_markdown(baselines)]
+        keys = ["source", "name", "accuracy", "time_s"]
+        keys += sorted({k for r in baselines for k in r} - set(keys))
+        atomic_write_text(out / "baselines.csv", _csv_text(baselines, keys))
+        written["csv"].append(out / "baselines.csv")
+    atomic_write_text(out / "report.md", "\n".join(sections))
+    written["markdown"].insert(0, out / "report.md")
+    log.info("comparison report of %d runs in %s", len(runs), out)
+    return written

@@ -1,0 +1,50 @@
+"""The ``global`` stage: the baseline, the same network family trained on full images (on one or several devices)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import lightning as L
+from omegaconf import open_dict
+
+from ddcnn.context import Context, build_global_net
+from ddcnn.engine.fit import fit
+from ddcnn.stages.common import batch_size, finish_stage, full_image_data, skip, stage_seed
+
+log = logging.getLogger(__name__)
+
+__all__ = ["run"]
+
+
+def run(ctx: Context, device=None, stage: str = "global", num_devices: int = 1) -> dict:
+    """Train the global CNN into folder ``stage``.
+
+    With ``num_devices > 1`` (the ``global_ddp`` stage) it trains with DDP on that many devices, from the same
+    initial weights and with the same global batch: each device takes ``data.batch_size / num_devices`` samples per
+    step. Predictions are then made in this process on one device.
+    """
+    if (done := skip(ctx, stage)) is not None:
+        return done
+    cfg = ctx.cfg
+    if num_devices > 1:
+        cfg = copy.deepcopy(ctx.cfg)  # a shallow copy would share (and change) the engine node
+        with open_dict(cfg):
+            cfg.engine.num_devices = num_devices
+    folder = ctx.run.make_stage_dir(stage)
+    seed = stage_seed(ctx, stage)
+    batch = batch_size(ctx.cfg)
+    dm = full_image_data(ctx, seed, batch // num_devices)
+    start = time.perf_counter()
+    L.seed_everything(seed, workers=True, verbose=False)
+    net = build_global_net(ctx.cfg, ctx.data)
+    result = fit(cfg, net, dm, folder, device, seed, start)
+    if num_devices > 1:
+        dm = full_image_data(ctx, seed, batch)
+    ddp = {"batch_per_device": batch // num_devices} if num_devices > 1 else {}
+    meta = finish_stage(ctx, stage, result.net, dm, device, seed, start, result, num_devices=num_devices, **ddp)
+    log.info(
+        "%s: test acc %.4f in %.1f s on %d device(s)", stage, meta["accuracy"]["test"], meta["time_s"], num_devices
+    )
+    return meta

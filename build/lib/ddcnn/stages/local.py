@@ -1,0 +1,59 @@
+"""The ``local`` stage: local net ``i`` trained on the sub-images of sub-domain ``i`` only."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import lightning as L
+
+from ddcnn.context import Context, build_augment, build_local_net, subdomain_seed
+from ddcnn.data.datamodule import Crop, TensorDataModule
+from ddcnn.engine.fit import fit
+from ddcnn.stages.common import batch_size, finish_stage, skip
+
+log = logging.getLogger(__name__)
+
+__all__ = ["run"]
+
+
+def run(ctx: Context, device=None, subdomain: int = 0) -> dict:
+    """Train local net ``subdomain`` on its sub-images only, then save its class probabilities."""
+    if not 0 <= subdomain < ctx.decomposition.num_subdomains:
+        raise ValueError(
+            f"subdomain={subdomain} does not exist: the {ctx.decomposition.describe()} has sub-domains "
+            f"0..{ctx.decomposition.num_subdomains - 1}."
+        )
+    if (done := skip(ctx, "local", subdomain)) is not None:
+        return done
+    folder = ctx.run.make_stage_dir("local", subdomain)
+    seed = subdomain_seed(ctx.cfg.seed, subdomain)
+    dec = ctx.decomposition
+    box = (slice(None), slice(None), *dec.box(subdomain))
+    augment = build_augment(ctx.cfg)
+    if augment is None:
+        # Cut the sub-images once: every epoch then reads contiguous memory, as a hand-written loop would.
+        x_sub = {split: x[box].contiguous() for split, x in ctx.data.x.items()}
+        dm = TensorDataModule(x_sub, ctx.data.y, batch_size(ctx.cfg), seed=seed)
+    else:  # augment the whole image, then cut: every local net sees the same augmented image
+        dm = TensorDataModule(ctx.data.x, ctx.data.y, batch_size(ctx.cfg), seed=seed, view=Crop(box), augment=augment)
+    start = time.perf_counter()
+    L.seed_everything(seed, workers=True, verbose=False)
+    net = build_local_net(ctx.cfg, ctx.data)
+    result = fit(ctx.cfg, net, dm, folder, device, seed, start)
+    meta = finish_stage(
+        ctx,
+        "local",
+        result.net,
+        dm,
+        device,
+        seed,
+        start,
+        result,
+        subdomain,
+        position=list(dec.position(subdomain)),
+        box=[[s.start, s.stop] for s in dec.box(subdomain)],
+        n_train=len(ctx.data.y["train"]),
+    )
+    log.info("local %d: test acc %.4f in %.1f s", subdomain, meta["accuracy"]["test"], meta["time_s"])
+    return meta

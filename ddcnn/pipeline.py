@@ -1,0 +1,125 @@
+"""``train(cfg)``: run the configured stages of one CNN-DNN run in order (the CLI's entry point), then evaluate.
+
+The only module that imports every layer: the executors (:mod:`ddcnn.parallel`) for the local stage, the stage
+modules through the registry (:mod:`ddcnn.registry`), and the report and export for the evaluate stage.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, open_dict
+
+from ddcnn import registry
+from ddcnn.context import Context, build_context
+from ddcnn.runtime import run_generation
+
+log = logging.getLogger(__name__)
+
+__all__ = ["train", "STAGES", "OPTIONAL_STAGES", "enabled_stages", "run_evaluate"]
+
+OPTIONAL_STAGES = registry.OPTIONAL_STAGES
+STAGES = (*registry.STAGE_NAMES, "evaluate")
+
+
+def enabled_stages(cfg: DictConfig) -> list[str]:
+    """The optional stages that ``stage=all`` runs, in order (``methods.enabled.<stage>: true``)."""
+    enabled = (cfg.get("methods") or {}).get("enabled") or {}
+    unknown = sorted(set(enabled) - set(OPTIONAL_STAGES))
+    if unknown:
+        raise ValueError(
+            f"methods.enabled has unknown stages {unknown}; the optional stages are {list(OPTIONAL_STAGES)}."
+        )
+    return [name for name in OPTIONAL_STAGES if bool(enabled.get(name, False))]
+
+
+def _subdomains(cfg: DictConfig, num_subdomains: int) -> list[int]:
+    sel = cfg.get("subdomain")
+    if sel is None:
+        return list(range(num_subdomains))
+    values = list(sel) if isinstance(sel, ListConfig | list | tuple) else [sel]
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"subdomain must be an integer index or a list of them, got {sel!r}.")
+        out.append(int(v))
+    return out
+
+
+def run_evaluate(ctx: Context) -> dict:
+    """Accuracy of every local net, the combiners, the CNN-DNN and the global CNN; times and speedup; plots, export."""
+    from ddcnn.report.results import evaluate_run
+
+    start = time.perf_counter()
+    results = evaluate_run(ctx.run, ctx.decomposition, ctx.data, ctx.cfg)
+    report = ctx.cfg.get("report") or {}
+    if report.get("plots", True):
+        from ddcnn.report.plots import save_run_plots
+
+        save_run_plots(ctx.run, ctx.decomposition, ctx.data, results)
+    if report.get("export", True) and ctx.run.is_done("coarse"):
+        from ddcnn.export import export_context
+
+        export_context(ctx)
+    acc = results["accuracy"]
+    log.info(
+        "evaluate: CNN-DNN test acc %s, global CNN %s, projected speedup %s, in %.1f s",
+        *(f"{v:.4f}" if v is not None else "-" for v in (acc["cnn_dnn"], acc["global"], results["projected_speedup"])),
+        time.perf_counter() - start,
+    )
+    return results
+
+
+def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
+    """Run ``cfg.stage`` (``all`` or one of :data:`STAGES`) in ``run_dir`` (default ``cfg.paths.run_dir``).
+
+    Returns:
+        The results of the evaluate stage when it ran, else a dict with the metadata of the stages that ran.
+    """
+    stage = str(cfg.get("stage", "all"))
+    # One run generation for everything this call trains (its worker processes receive it with the configuration):
+    # with force=true each stage is cleared once, and only markers of this generation count as its work.
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.run_generation = run_generation(cfg)
+    if stage not in ("all", *STAGES):
+        raise ValueError(f"unknown stage {stage!r}; choose one of: all, {', '.join(STAGES)}.")
+    optional = enabled_stages(cfg) if stage == "all" else [stage] if stage in OPTIONAL_STAGES else []
+    ctx = build_context(cfg, run_dir, claim=False)
+    indices = _subdomains(cfg, ctx.decomposition.num_subdomains) if stage in ("all", "local") else []
+    bad = [i for i in indices if not 0 <= i < ctx.decomposition.num_subdomains]
+    if bad:
+        raise ValueError(
+            f"subdomain {bad} does not exist: the {ctx.decomposition.describe()} has sub-domains "
+            f"0..{ctx.decomposition.num_subdomains - 1} (row-major, last axis fastest)."
+        )
+    ctx.run.check_fingerprint(cfg)
+    log.info("run directory %s: %s", ctx.run.root, ctx.decomposition.describe())
+    device = cfg.get("device")
+    out: dict = {}
+    start = time.perf_counter()
+    if stage in ("all", "local"):
+        # In this process, in parallel.workers processes, or this srun task's share: ddcnn.parallel decides.
+        from ddcnn.parallel.workers import run_local_stage, stops_after_local
+
+        out["local"] = run_local_stage(ctx, indices)
+        if stage == "all" and stops_after_local(cfg):
+            log.info("srun task: local share finished; rank 0 runs the remaining stages")
+            return out
+    for name in ("coarse", "global"):
+        if stage in ("all", name):
+            out[name] = registry.run(name, ctx, device)
+    for name in optional:
+        out[name] = registry.run(name, ctx, device)
+    if stage in ("all", "evaluate"):
+        results = run_evaluate(ctx)
+        from ddcnn.report.results import results_markdown
+
+        print(results_markdown(results))
+        log.info("stages %s finished in %.1f s", stage, time.perf_counter() - start)
+        return results
+    log.info("stage %s finished in %.1f s", stage, time.perf_counter() - start)
+    return out

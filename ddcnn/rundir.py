@@ -1,0 +1,328 @@
+"""The run directory: the contract between stages.
+
+Layout (sub-domain index ``i`` as in :mod:`ddcnn.decomposition`, zero-padded to two digits)::
+
+    RUN_DIR/
+      config.yaml           resolved configuration of the first run in this directory
+      fingerprint.json      the settings that change results, and their hash
+      local/i/              last.ckpt (with the best weights so far), probs_{train,val,test}.pt, net.pt, meta.json, done
+      coarse/               the same files for the coarse DNN
+      global/               the same files for the global CNN
+      results.json, results.md
+
+A stage reads only finished artifacts of earlier stages (those whose ``done`` marker exists) and writes
+its own atomically: every file goes to a temporary name in the same folder and is renamed into place,
+and ``done`` is written last, so a reader never mistakes a half-written stage for a finished one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_json, atomic_write_text, make_dir
+
+__all__ = [
+    "RunDir",
+    "SPLITS",
+    "PROB_FILES",
+    "NON_RESULT_KEYS",
+    "fingerprint",
+    "flatten",
+    "result_settings",
+    "FingerprintMismatch",
+    "StageLock",
+    "StageBusy",
+    "ArtifactWriteError",
+    "atomic_torch_save",
+    "atomic_write_json",
+    "atomic_write_text",
+    "make_dir",
+]
+
+# The data splits of every run, in this order: a stage saves probs_<split>.pt for each.
+SPLITS = ("train", "val", "test")
+PROB_FILES = tuple(f"probs_{s}.pt" for s in SPLITS)
+
+# Settings that do not change results: where and how a run executes, and what it prints.
+NON_RESULT_KEYS = (
+    "stage",
+    "subdomain",
+    "force",
+    "paths",
+    "parallel",
+    "hydra",
+    "report",
+    "methods.enabled",
+    "trainer.enable_progress_bar",
+    "trainer.log_every_n_steps",
+    "trainer.accelerator",
+    "trainer.devices",
+    "device",
+    "engine.checkpoint_every_s",
+    "optimized_metric",
+    "run_generation",
+    "logger",
+)
+# Settings that moved: a run directory recorded under the old name still matches (old -> new).
+RENAMED_KEYS = {
+    "trainer.monitor": "engine.monitor",
+    "trainer.monitor_mode": "engine.monitor_mode",
+    "trainer.num_devices": "engine.num_devices",
+}
+
+
+def _same_settings(recorded: Mapping, settings: Mapping) -> bool:
+    """Whether recorded settings (maybe of an older ddcnn) match ``settings`` up to renamed keys, keys that no
+    longer change results, and keys added since with a null value."""
+    old = {RENAMED_KEYS.get(k, k): v for k, v in flatten(recorded).items()}
+    old = {k: v for k, v in old.items() if not any(k == p or k.startswith(p + ".") for p in NON_RESULT_KEYS)}
+    new = flatten(settings)
+    return all(old.get(k) == new.get(k) for k in old.keys() | new.keys())
+
+
+def _drop(container: dict, dotted: str) -> None:
+    head, _, rest = dotted.partition(".")
+    if head not in container:
+        return
+    if rest:
+        if isinstance(container[head], dict):
+            _drop(container[head], rest)
+    else:
+        del container[head]
+
+
+def result_settings(cfg: DictConfig | Mapping) -> dict:
+    """The part of the configuration that changes results (everything but :data:`NON_RESULT_KEYS`)."""
+    if isinstance(cfg, DictConfig):
+        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    else:
+        data = json.loads(json.dumps(cfg, default=str))
+    for key in NON_RESULT_KEYS:
+        _drop(data, key)
+    return data
+
+
+def fingerprint(settings: Mapping) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+class FingerprintMismatch(ValueError):
+    """A run directory holds results of a different configuration."""
+
+
+class StageBusy(RuntimeError):
+    """Another process owns the stage folder (with ``wait=False``)."""
+
+
+class StageLock:
+    """One owner per stage folder: an exclusive ``flock`` (``filelock.FileLock``) on ``.<folder>.lock`` beside it.
+
+    A second process for the same stage waits for the owner and then sees its finished work (and skips it), rather
+    than refusing: a requeued SLURM task whose old copy still runs, or a command started twice, then simply does
+    the work once. While it waits it says who holds the lock (host, pid, since when, from ``.<folder>.owner``).
+    The kernel releases an ``flock`` when its process dies, however it dies, so a dead owner's lock is taken over at
+    once; on NFS (v4) the server does the same when the dead client's lease expires.
+    """
+
+    def __init__(self, run: RunDir, stage: str, subdomain: int | None = None, wait: bool = True) -> None:
+        from filelock import FileLock
+
+        folder = run.stage_dir(stage, subdomain)
+        self.name = stage if subdomain is None else f"local {subdomain}"
+        self.path = folder.parent / f".{folder.name}.lock"
+        self.owner_path = folder.parent / f".{folder.name}.owner"
+        self.wait = wait
+        self._lock = FileLock(self.path, thread_local=False)
+
+    def holder(self) -> str:
+        try:
+            info = json.loads(self.owner_path.read_text())
+            return f"pid {info['pid']} on {info['host']} since {info['since']}"
+        except (OSError, ValueError, KeyError):
+            return "another process"
+
+    def __enter__(self) -> StageLock:
+        import logging
+        import os
+        import socket
+        import time
+
+        from filelock import Timeout
+
+        make_dir(self.path.parent)
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            if not self.wait:
+                raise StageBusy(f"{self.name} is being trained by {self.holder()} ({self.path}).") from None
+            logging.getLogger(__name__).info("%s: waiting for %s, which trains it", self.name, self.holder())
+            self._lock.acquire()
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        owner = {"pid": os.getpid(), "host": socket.gethostname(), "since": since}
+        atomic_write_json(self.owner_path, owner, fsync=False)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.owner_path.unlink(missing_ok=True)
+        self._lock.release()
+
+
+class RunDir:
+    """Paths, markers and metadata of one run directory."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def stage_dir(self, stage: str, subdomain: int | None = None) -> Path:
+        if stage == "local":
+            if subdomain is None:
+                raise ValueError("the local stage needs a sub-domain index.")
+            return self.root / "local" / f"{subdomain:02d}"
+        return self.root / stage
+
+    def make_stage_dir(self, stage: str, subdomain: int | None = None) -> Path:
+        return make_dir(self.stage_dir(stage, subdomain))
+
+    def is_done(self, stage: str, subdomain: int | None = None) -> bool:
+        return (self.stage_dir(stage, subdomain) / "done").is_file()
+
+    def missing_local(self, num_subdomains: int) -> list[int]:
+        return [i for i in range(num_subdomains) if not self.is_done("local", i)]
+
+    def meta(self, stage: str, subdomain: int | None = None) -> dict:
+        path = self.stage_dir(stage, subdomain) / "meta.json"
+        if not self.is_done(stage, subdomain) or not path.is_file():
+            name = stage if subdomain is None else f"{stage} {subdomain}"
+            raise FileNotFoundError(f"stage {name} has not finished in {self.root}; run it first (stage={stage}).")
+        return json.loads(path.read_text())
+
+    def mark_done(
+        self,
+        stage: str,
+        subdomain: int | None,
+        meta: Mapping,
+        required: Iterable[str] = (),
+        generation: str | None = None,
+    ) -> None:
+        """Write ``meta.json`` then the ``done`` marker (holding the run ``generation``), after checking that every
+        required file exists."""
+        folder = self.stage_dir(stage, subdomain)
+        missing = [name for name in required if not (folder / name).is_file()]
+        if missing:
+            raise RuntimeError(f"cannot mark {folder} finished: {missing} were not written.")
+        atomic_write_json(folder / "meta.json", dict(meta))
+        atomic_write_text(folder / "done", json.dumps({"generation": generation}) + "\n")
+
+    def done_generation(self, stage: str, subdomain: int | None = None) -> str | None:
+        """The run generation recorded in a ``done`` marker (``None``: not done, or written before generations)."""
+        path = self.stage_dir(stage, subdomain) / "done"
+        try:
+            text = path.read_text().strip()
+        except FileNotFoundError:
+            return None
+        try:
+            return json.loads(text).get("generation") if text else None
+        except (ValueError, AttributeError):
+            return None
+
+    def lock(self, stage: str, subdomain: int | None = None, wait: bool = True) -> StageLock:
+        """The lock that makes one process the owner of a stage folder while it trains (see :class:`StageLock`)."""
+        return StageLock(self, stage, subdomain, wait=wait)
+
+    def clear(self, stage: str, subdomain: int | None = None) -> None:
+        """Forget that a stage finished (for ``force=true``): its marker goes first, then its outputs."""
+        folder = self.stage_dir(stage, subdomain)
+        (folder / "done").unlink(missing_ok=True)
+        for name in ("last.ckpt", "best.ckpt", "resumed_from_epoch"):
+            (folder / name).unlink(missing_ok=True)
+
+    def load_probs(self, stage: str, split: str, subdomain: int | None = None) -> dict[str, torch.Tensor]:
+        if not self.is_done(stage, subdomain):
+            name = stage if subdomain is None else f"{stage} sub-domain {subdomain}"
+            raise FileNotFoundError(
+                f"{name} has not finished in {self.root}; run stage={stage}"
+                + ("" if subdomain is None else f" subdomain={subdomain}")
+                + " first."
+            )
+        return torch.load(self.stage_dir(stage, subdomain) / f"probs_{split}.pt", weights_only=True)
+
+    def local_outputs(self, num_subdomains: int, split: str, kind: str = "probs") -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenated local outputs ``(n, N, K)`` of one split and their labels, checked for consistency.
+
+        Args:
+            num_subdomains: ``N``; every local net must have finished.
+            split: One of :data:`SPLITS`.
+            kind: ``probs`` or ``logits``.
+        """
+        if kind not in ("probs", "logits"):
+            raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
+        missing = self.missing_local(num_subdomains)
+        if missing:
+            raise FileNotFoundError(
+                f"local nets {missing} have not finished in {self.root}; run the local stage for them first "
+                f"(stage=local, or stage=all which skips the finished ones)."
+            )
+        feats, labels = [], None
+        for i in range(num_subdomains):
+            saved = self.load_probs("local", split, i)
+            if labels is None:
+                labels = saved["labels"]
+            elif saved["labels"].shape != labels.shape or not torch.equal(saved["labels"], labels):
+                raise ValueError(
+                    f"saved {split} predictions of local net {i} in {self.stage_dir('local', i)} are for other samples "
+                    f"than those of local net 0 (labels differ); the local stage ran with other data settings. Rerun "
+                    f"it with force=true."
+                )
+            if feats and saved[kind].shape != feats[0].shape:
+                raise ValueError(
+                    f"saved {split} predictions of local net {i} have shape {tuple(saved[kind].shape)}, local net 0 "
+                    f"{tuple(feats[0].shape)}; rerun the local stage with force=true."
+                )
+            feats.append(saved[kind])
+        return torch.stack(feats, dim=1), labels
+
+    def check_fingerprint(self, cfg: DictConfig) -> str:
+        """Record the configuration on first use; refuse a directory that holds another configuration.
+
+        Raises:
+            FingerprintMismatch: Naming the settings that differ.
+        """
+        settings = result_settings(cfg)
+        fp = fingerprint(settings)
+        path = self.root / "fingerprint.json"
+        if path.is_file():
+            recorded = json.loads(path.read_text())
+            if recorded.get("fingerprint") != fp and not _same_settings(recorded.get("settings", {}), settings):
+                old, new = flatten(recorded.get("settings", {})), flatten(settings)
+                diff = sorted(k for k in old.keys() | new.keys() if old.get(k, "<unset>") != new.get(k, "<unset>"))
+                shown = ", ".join(f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in diff[:8])
+                more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
+                raise FingerprintMismatch(
+                    f"run directory {self.root} holds results of a different configuration ({shown}{more}). "
+                    f"Use a new run directory (hydra.run.dir=...), or restore those settings to resume this run."
+                )
+            return fp
+        make_dir(self.root)
+        atomic_write_json(path, {"fingerprint": fp, "settings": settings})
+        if isinstance(cfg, DictConfig):
+            atomic_write_text(self.root / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        return fp

@@ -1,0 +1,202 @@
+"""Where and how this process runs: its SLURM job and ``srun`` rank, and the execution context of its timings.
+
+Plain Python, no torch or Lightning import at module level: the coordinating processes, the executors in
+:mod:`ddcnn.parallel`, the engine and the stages all read the environment through this one module.
+
+Requeueing under SLURM has exactly one owner: submitit (through Hydra's submitit launcher). On preemption or
+time-out submitit catches its signal (``USR2``), re-pickles the job and requeues it; a job requeued by any other
+means (``scontrol requeue``, a preempting partition) simply starts again. Either way the local stage skips the
+sub-domains whose ``done`` marker exists and resumes the interrupted one from ``local/i/last.ckpt``. Lightning's own
+SLURM auto-requeue (``USR1``) is therefore switched off (:func:`ddcnn.engine.fit.slurm_plugins`): two owners would
+each requeue the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import socket
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "SrunTask",
+    "slurm_info",
+    "srun_task",
+    "shard",
+    "execution_context",
+    "WORKERS_ENV",
+    "GENERATION_ENV",
+    "run_generation",
+    "HARMLESS_WARNINGS",
+    "quiet_process",
+]
+
+# Set by the executors of ddcnn.parallel in each worker: how many trainings share this machine at once.
+WORKERS_ENV = "DDCNN_CONCURRENT_TRAININGS"
+# The run generation of this process and the processes it starts (see run_generation).
+GENERATION_ENV = "DDCNN_RUN_GENERATION"
+
+_INFO_KEYS = {
+    "job_id": "SLURM_JOB_ID",
+    "array_job_id": "SLURM_ARRAY_JOB_ID",
+    "array_task_id": "SLURM_ARRAY_TASK_ID",
+    "restart_count": "SLURM_RESTART_COUNT",
+    "procid": "SLURM_PROCID",
+    "ntasks": "SLURM_NTASKS",
+    "partition": "SLURM_JOB_PARTITION",
+    "nodelist": "SLURM_JOB_NODELIST",
+}
+
+
+def slurm_info() -> dict | None:
+    """The SLURM job this process runs in (ids, restart count, rank), or ``None`` outside SLURM.
+
+    ``restart_count`` is 0 on the first run and counts requeues, so a local net's meta shows whether it
+    survived a preemption.
+    """
+    if "SLURM_JOB_ID" not in os.environ:
+        return None
+    info: dict = {"host": socket.gethostname()}
+    for key, env in _INFO_KEYS.items():
+        value = os.environ.get(env)
+        info[key] = int(value) if value is not None and value.isdigit() else value
+    info["restart_count"] = info["restart_count"] or 0
+    return info
+
+
+@dataclass(frozen=True)
+class SrunTask:
+    """Rank of this process among the tasks of one ``srun`` step."""
+
+    rank: int
+    ntasks: int
+    local_rank: int = 0
+
+
+def srun_task(mode: str = "auto") -> SrunTask | None:
+    """This process's rank when it is one of several tasks of an ``srun`` step, else ``None``.
+
+    Args:
+        mode: ``auto`` detects ``srun`` with more than one task from ``SLURM_STEP_NUM_TASKS`` (set by ``srun``
+            for its tasks, not in a batch script that merely asked for ``-n G``, whose single process must
+            not train only a 1/G share); ``srun`` requires it; ``single`` never shards.
+    """
+    if mode not in ("auto", "srun", "single"):
+        raise ValueError(f"parallel.mode must be auto, srun or single, got {mode!r}.")
+    if mode == "single":
+        return None
+    ntasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "0") or 0)
+    if ntasks > 1 and "SLURM_PROCID" in os.environ:
+        return SrunTask(int(os.environ["SLURM_PROCID"]), ntasks, int(os.environ.get("SLURM_LOCALID", "0") or 0))
+    if mode == "srun":
+        raise ValueError(
+            "parallel.mode=srun but this process is not one of several srun tasks (SLURM_STEP_NUM_TASKS is "
+            f"{ntasks or 'unset'}); start it as `srun -n G ddcnn-train ...` inside an allocation."
+        )
+    return None
+
+
+def shard(indices: Sequence[int], task: SrunTask) -> list[int]:
+    """The sub-domains task ``rank`` of ``ntasks`` trains: those with ``i % ntasks == rank``."""
+    return [i for i in indices if i % task.ntasks == task.rank]
+
+
+def execution_context(device: str | None = None, num_devices: int = 1) -> dict:
+    """The context a stage's time was measured in, recorded in its ``meta.json`` beside ``time_s``.
+
+    Two times are comparable only when these agree: a local net trained on one thread beside another worker is
+    not timed like a global CNN that had the machine's two cores to itself.
+
+    Args:
+        device: The device the stage trained on (``cpu``, ``cuda:0``).
+        num_devices: Devices one training spans (DDP), 1 otherwise.
+    """
+    import torch
+
+    workers = int(os.environ.get(WORKERS_ENV, "1") or 1)
+    context = {
+        "device": str(device or "cpu"),
+        "num_devices": int(num_devices),
+        "torch_threads": int(torch.get_num_threads()),
+        "concurrent_trainings": workers,
+        "cpu_count": os.cpu_count(),
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if str(device or "cpu").startswith("cuda") and torch.cuda.is_available():
+        index = torch.device(device).index or 0
+        context["device_name"] = torch.cuda.get_device_name(index)
+    task = srun_task("auto")
+    if task is not None:
+        context["srun_tasks"] = task.ntasks
+    return context
+
+
+# --- a quiet console, set once per process entry (CLI, worker process, test session), never per Trainer ----------
+# Message patterns (regular expressions matched at the start) of warnings that say nothing for ddcnn's runs.
+HARMLESS_WARNINGS = (
+    # Our logs/ folder shares the stage folder with the checkpoints on purpose.
+    r".*Checkpoint directory .* exists and is not empty",
+    # In-memory tensors need no DataLoader workers.
+    r".*does not have many workers",
+    r".*smaller than the logging interval",
+    # SLURM runs go through submitit or srun (ddcnn.parallel); an installed srun alone means nothing.
+    r".*The `srun` command is available on your system",
+    r".*isinstance\(treespec, LeafSpec\)",
+)
+# ddp_spawn's processes start fresh interpreters: they read filters from PYTHONWARNINGS (a literal prefix each).
+_ENV_PREFIXES = ("The `srun` command is available", "Checkpoint directory", "The number of training")
+# Lightning's info banners (accelerator available, tips) come through these; Lightning never sets their levels, so
+# setting them before or after its import holds.
+_BANNER_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+def quiet_process(env: bool = True) -> None:
+    """Lightning's info banners at WARNING and the harmless warnings off, for this whole process (idempotent).
+
+    The console keeps what users read: progress bars on a terminal (one line per epoch in a log file), the one-line
+    stage summaries and the results table.
+
+    Args:
+        env: Also add the filters to ``PYTHONWARNINGS``, so that processes this one spawns (DDP) inherit them.
+    """
+    for name in _BANNER_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for pattern in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    if env:
+        current = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
+        ours = [f"ignore:{prefix}" for prefix in _ENV_PREFIXES]
+        os.environ["PYTHONWARNINGS"] = ",".join(dict.fromkeys(current + ours))
+
+
+def run_generation(cfg=None) -> str:
+    """The id of this attempt at a run: ``done`` markers record it, so that ``force=true`` never takes a marker of
+    an earlier attempt for one of this one.
+
+    From, in order: ``run_generation`` in the configuration (``ddcnn-slurm`` sets one for all its jobs), the
+    ``DDCNN_RUN_GENERATION`` environment variable, the SLURM step (every ``srun`` task of one step shares it), the
+    SLURM array (every task of one array shares it), else a fresh id: :func:`ddcnn.pipeline.train` draws one per call
+    and puts it into the configuration that its worker processes receive.
+    """
+    import uuid
+
+    configured = cfg.get("run_generation") if cfg is not None else None
+    if configured:
+        return str(configured)
+    if os.environ.get(GENERATION_ENV):
+        return os.environ[GENERATION_ENV]
+    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    if job and srun_task("auto") is not None:
+        generation = f"slurm-{job}.{os.environ.get('SLURM_STEP_ID', '0')}"
+    elif os.environ.get("SLURM_ARRAY_JOB_ID"):
+        generation = f"slurm-array-{os.environ['SLURM_ARRAY_JOB_ID']}"
+    else:
+        generation = uuid.uuid4().hex[:12]
+    return generation
