@@ -9,8 +9,10 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 from omegaconf import DictConfig
+from PIL import Image
 
 from ddcnn.config import CONFIG_DIR, compose
 from ddcnn.runtime import quiet_process
@@ -20,7 +22,7 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 os.environ.setdefault("DDCNN_DATA", str(SHARED_DATA))
 quiet_process()  # once for the test session, as the CLI and the workers do at their start
 
-__all__ = ["CONFIG_DIR", "SHARED_DATA", "TINY_OVERRIDES", "compose_config", "shared_data"]
+__all__ = ["CONFIG_DIR", "SHARED_DATA", "TINY_OVERRIDES", "assert_real_png", "compose_config", "shared_data"]
 
 TINY_OVERRIDES = [
     "model=vgg_tiny",
@@ -79,3 +81,17 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"CI runs the SLURM tests, but {reason}; .ci/run must start the cluster first.")
     for item in slurm_items:
         item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def assert_real_png(path: Path, min_side: int = 200, max_side: int = 4000) -> None:
+    """``path`` is a decodable PNG of plausible size that shows something (not one flat colour)."""
+    assert path.is_file(), f"{path} missing"
+    assert path.stat().st_size > 2_000, f"{path} is suspiciously small ({path.stat().st_size} bytes)"
+    with Image.open(path) as im:
+        assert im.format == "PNG", path
+        im.load()  # decodes every byte: a truncated file fails here
+        width, height = im.size
+        pixels = np.asarray(im.convert("L"), dtype=np.float64)
+    assert min_side <= width <= max_side and min_side <= height <= max_side, f"{path}: {width}x{height}"
+    assert pixels.std() > 5, f"{path} is (nearly) blank"
+    assert (pixels < 128).mean() > 0.005, f"{path} holds almost no dark pixels (no text, lines or axes)"

@@ -20,8 +20,7 @@ from ddcnn.export import METADATA_FILE, exported_path
 from ddcnn.pipeline import train
 from ddcnn.predict import export_main, predict_main
 from ddcnn.rundir import RunDir
-from tests.conftest import compose_config
-from tests.test_plots import assert_real_png
+from tests.conftest import assert_real_png, compose_config
 
 # Tinier than the shared tiny settings: these runs only have to produce a CNN-DNN, not a good one.
 FAST = [

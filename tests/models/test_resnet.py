@@ -19,44 +19,16 @@ from ddcnn.models import (
     resnet101,
     resnet_tiny,
 )
-
-NUM_CLASSES = 5  # odd, so a hard-coded 10 classes cannot pass
-NORMS = ["batch", "instance", "group", "layer", "none"]
-NORM_TYPES = {
-    2: {"batch": nn.BatchNorm2d, "instance": nn.InstanceNorm2d},
-    3: {"batch": nn.BatchNorm3d, "instance": nn.InstanceNorm3d},
-}
-ALL_NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.GroupNorm, nn.LayerNorm)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These tensors are tiny: with 2 threads, OpenMP hand-offs (and any other busy process) cost 100x the work.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _input(spatial_dims: int, size: tuple[int, ...] | int, batch: int = 2, channels: int = 1) -> torch.Tensor:
-    shape = (size,) * spatial_dims if isinstance(size, int) else size
-    return torch.randn(batch, channels, *shape)
-
-
-def _assert_trains(net: nn.Module, x: torch.Tensor) -> None:
-    """One training step's backward: logits have the right shape, every parameter gets a finite gradient."""
-    net.train()
-    logits = net(x)
-    assert logits.shape == (x.shape[0], NUM_CLASSES)
-    loss = nn.functional.cross_entropy(logits, torch.arange(x.shape[0]) % NUM_CLASSES)
-    loss.backward()
-    for name, parameter in net.named_parameters():
-        assert parameter.grad is not None, f"{name} has no gradient"
-        assert torch.isfinite(parameter.grad).all(), f"{name} has a non-finite gradient"
-
-
-def _num_parameters(net: nn.Module) -> int:
-    return sum(p.numel() for p in net.parameters())
+from tests.models.conftest import (
+    ALL_NORM_TYPES,
+    NORMS,
+    NUM_CLASSES,
+    assert_backbone,
+    assert_trains,
+    make_input,
+    norm_layers,
+    num_parameters,
+)
 
 
 def _tiny_bottleneck(spatial_dims: int, **kwargs) -> ResNet:
@@ -72,11 +44,8 @@ def test_forward_backward(spatial_dims, builder, stem, norm):
     net = builder(spatial_dims, in_channels=2, num_classes=NUM_CLASSES, stem=stem, norm=norm)
     # Instance norm needs >1 spatial position in the last stage: the imagenet stem divides by 4 before it.
     size = 16 if spatial_dims == 2 or stem == "imagenet" else 8
-    x = _input(spatial_dims, size, channels=2)
-    features = net.forward_features(x)
-    assert features.shape == (2, net.num_features)
-    assert torch.equal(net.forward_head(features), net(x))
-    _assert_trains(net, x)
+    x = make_input(spatial_dims, size, channels=2)
+    assert_backbone(net, x)
 
 
 @pytest.mark.parametrize("norm", ["batch", "instance", "group", "layer"])
@@ -84,9 +53,8 @@ def test_forward_backward(spatial_dims, builder, stem, norm):
 def test_norm_is_threaded_everywhere(spatial_dims, norm):
     # Two stages, so the norm of the projection shortcut (downsample.1) is checked too.
     net = resnet_tiny(spatial_dims, num_classes=NUM_CLASSES, norm=norm)
-    norms = [m for m in net.modules() if isinstance(m, ALL_NORM_TYPES)]
+    norms, expected = norm_layers(net, spatial_dims, norm)
     assert len(norms) == 1 + 2 * 2 + 1  # stem, two per block, one shortcut
-    expected = NORM_TYPES[spatial_dims].get(norm, nn.GroupNorm)
     assert all(type(m) is expected for m in norms)
     if norm == "layer":
         assert all(m.num_groups == 1 for m in norms)
@@ -104,7 +72,7 @@ def test_norm_none_has_no_norm_layers():
 def test_act_is_threaded_everywhere(act):
     net = _tiny_bottleneck(2, in_channels=1, num_classes=NUM_CLASSES, act=act)
     assert not [m for m in net.modules() if isinstance(m, nn.ReLU)]
-    _assert_trains(net, _input(2, 8))
+    assert_trains(net, make_input(2, 8))
 
 
 @pytest.mark.parametrize("stem", ["small", "imagenet"])
@@ -114,7 +82,7 @@ def test_small_and_anisotropic_inputs(builder, spatial_dims, size, stem):
     # Width does not change how sizes shrink; 1/8 width keeps the deep 3D variants fast.
     net = builder(spatial_dims, in_channels=1, num_classes=NUM_CLASSES, stem=stem, width_mult=0.125)
     net.train()  # batch norm in training mode needs >1 value per channel: batch 2 at 1x1 is the edge case
-    assert net(_input(spatial_dims, size)).shape == (2, NUM_CLASSES)
+    assert net(make_input(spatial_dims, size)).shape == (2, NUM_CLASSES)
 
 
 def test_standard_depths():
@@ -136,7 +104,7 @@ def test_standard_depths():
 def test_large_volume(stem):
     net = resnet_tiny(3, num_classes=NUM_CLASSES, stem=stem).eval()
     with torch.no_grad():
-        assert net(_input(3, 64, batch=1)).shape == (1, NUM_CLASSES)
+        assert net(make_input(3, 64, batch=1)).shape == (1, NUM_CLASSES)
 
 
 def test_anisotropic_kernel():
@@ -144,14 +112,14 @@ def test_anisotropic_kernel():
     assert net.conv1.kernel_size == (1, 7, 7) and net.conv1.padding == (0, 3, 3)
     convs = [m for m in net.modules() if isinstance(m, nn.Conv3d) and m is not net.conv1]
     assert {m.kernel_size for m in convs} == {(1, 3, 3), (1, 1, 1)}  # block convs and the 1x1 shortcut
-    _assert_trains(net, _input(3, (4, 12, 12)))
+    assert_trains(net, make_input(3, (4, 12, 12)))
 
 
 def test_width_mult():
     base = resnet_tiny(2, num_classes=NUM_CLASSES)
     double = resnet_tiny(2, num_classes=NUM_CLASSES, width_mult=2.0)
     assert (base.num_features, double.num_features) == (16, 32)
-    assert _num_parameters(double) > 3 * _num_parameters(base)
+    assert num_parameters(double) > 3 * num_parameters(base)
     assert _tiny_bottleneck(2, in_channels=1, num_classes=NUM_CLASSES).num_features == 8 * 4
 
 
@@ -232,7 +200,7 @@ def test_bad_arguments_raise(kwargs, message):
 @pytest.mark.parametrize(("spatial_dims", "stem"), [(2, "small"), (3, "imagenet")])
 def test_torchscript_and_trace(spatial_dims, stem):
     net = resnet_tiny(spatial_dims, num_classes=NUM_CLASSES, stem=stem).eval()
-    example, other = _input(spatial_dims, 9), _input(spatial_dims, 3)
+    example, other = make_input(spatial_dims, 9), make_input(spatial_dims, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated but still what many deploy
         scripted = torch.jit.script(net)

@@ -9,44 +9,16 @@ import torch
 from torch import nn
 
 from ddcnn.models import VGG, vgg11, vgg13, vgg16, vgg19, vgg_small, vgg_tiny
-
-NUM_CLASSES = 5  # odd, so a hard-coded 10 classes cannot pass
-NORMS = ["batch", "instance", "group", "layer", "none"]
-NORM_TYPES = {
-    2: {"batch": nn.BatchNorm2d, "instance": nn.InstanceNorm2d},
-    3: {"batch": nn.BatchNorm3d, "instance": nn.InstanceNorm3d},
-}
-ALL_NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.GroupNorm, nn.LayerNorm)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These tensors are tiny: with 2 threads, OpenMP hand-offs (and any other busy process) cost 100x the work.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _input(spatial_dims: int, size: tuple[int, ...] | int, batch: int = 2, channels: int = 1) -> torch.Tensor:
-    shape = (size,) * spatial_dims if isinstance(size, int) else size
-    return torch.randn(batch, channels, *shape)
-
-
-def _assert_trains(net: nn.Module, x: torch.Tensor) -> None:
-    """One training step's backward: logits have the right shape, every parameter gets a finite gradient."""
-    net.train()
-    logits = net(x)
-    assert logits.shape == (x.shape[0], NUM_CLASSES)
-    loss = nn.functional.cross_entropy(logits, torch.arange(x.shape[0]) % NUM_CLASSES)
-    loss.backward()
-    for name, parameter in net.named_parameters():
-        assert parameter.grad is not None, f"{name} has no gradient"
-        assert torch.isfinite(parameter.grad).all(), f"{name} has a non-finite gradient"
-
-
-def _num_parameters(net: nn.Module) -> int:
-    return sum(p.numel() for p in net.parameters())
+from tests.models.conftest import (
+    ALL_NORM_TYPES,
+    NORMS,
+    NUM_CLASSES,
+    assert_backbone,
+    assert_trains,
+    make_input,
+    norm_layers,
+    num_parameters,
+)
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -54,20 +26,16 @@ def _num_parameters(net: nn.Module) -> int:
 @pytest.mark.parametrize("spatial_dims", [2, 3])
 def test_forward_backward(spatial_dims, builder, norm):
     net = builder(spatial_dims, in_channels=2, num_classes=NUM_CLASSES, norm=norm)
-    x = _input(spatial_dims, 16 if spatial_dims == 2 else 8, channels=2)
-    features = net.forward_features(x)
-    assert features.shape == (2, net.num_features)
-    assert torch.equal(net.forward_head(features), net(x))
-    _assert_trains(net, x)
+    x = make_input(spatial_dims, 16 if spatial_dims == 2 else 8, channels=2)
+    assert_backbone(net, x)
 
 
 @pytest.mark.parametrize("norm", ["batch", "instance", "group", "layer"])
 @pytest.mark.parametrize("spatial_dims", [2, 3])
 def test_norm_is_threaded_everywhere(spatial_dims, norm):
     net = vgg_small(spatial_dims, num_classes=NUM_CLASSES, norm=norm)
-    norms = [m for m in net.modules() if isinstance(m, ALL_NORM_TYPES)]
+    norms, expected = norm_layers(net, spatial_dims, norm)
     assert len(norms) == 4  # one per conv
-    expected = NORM_TYPES[spatial_dims].get(norm, nn.GroupNorm)
     assert all(type(m) is expected for m in norms)
     if norm == "layer":
         assert all(m.num_groups == 1 for m in norms)
@@ -85,7 +53,7 @@ def test_norm_none_has_no_norm_layers():
 def test_act_is_threaded_everywhere(act):
     net = vgg_small(2, num_classes=NUM_CLASSES, act=act)
     assert not [m for m in net.modules() if isinstance(m, nn.ReLU)]
-    _assert_trains(net, _input(2, 8))
+    assert_trains(net, make_input(2, 8))
 
 
 @pytest.mark.parametrize("builder", [vgg11, vgg13, vgg16, vgg19, vgg_small, vgg_tiny])
@@ -94,7 +62,7 @@ def test_small_and_anisotropic_inputs(builder, spatial_dims, size):
     # Width does not change how sizes shrink; 1/8 width keeps the deep 3D variants fast.
     net = builder(spatial_dims, in_channels=1, num_classes=NUM_CLASSES, width_mult=0.125)
     net.train()  # batch norm in training mode needs >1 value per channel: batch 2 at 1x1 is the edge case
-    assert net(_input(spatial_dims, size)).shape == (2, NUM_CLASSES)
+    assert net(make_input(spatial_dims, size)).shape == (2, NUM_CLASSES)
 
 
 @pytest.mark.parametrize("spatial_dims", [2, 3])
@@ -111,25 +79,25 @@ def test_standard_depths(spatial_dims):
 def test_large_volume():
     net = vgg_tiny(3, num_classes=NUM_CLASSES).eval()
     with torch.no_grad():
-        assert net(_input(3, 64, batch=1)).shape == (1, NUM_CLASSES)
+        assert net(make_input(3, 64, batch=1)).shape == (1, NUM_CLASSES)
 
 
 def test_anisotropic_kernel():
     net = vgg_tiny(3, num_classes=NUM_CLASSES, kernel_size=(1, 3, 3))
     convs = [m for m in net.modules() if isinstance(m, nn.Conv3d)]
     assert all(m.kernel_size == (1, 3, 3) and m.padding == (0, 1, 1) for m in convs)
-    _assert_trains(net, _input(3, (4, 12, 12)))
+    assert_trains(net, make_input(3, (4, 12, 12)))
 
 
 def test_width_mult_and_hidden():
     base = vgg_small(2, num_classes=NUM_CLASSES)
     half = vgg_small(2, num_classes=NUM_CLASSES, width_mult=0.5)
     assert base.num_features == 128 and half.num_features == 64
-    assert _num_parameters(half) < _num_parameters(base) / 3
+    assert num_parameters(half) < num_parameters(base) / 3
     assert half.head[0].out_features == 64  # hidden width scales too
     linear = vgg_small(2, num_classes=NUM_CLASSES, hidden=None)
     assert [type(m) for m in linear.head] == [nn.Dropout, nn.Linear]
-    assert _num_parameters(linear) < _num_parameters(base)
+    assert num_parameters(linear) < num_parameters(base)
 
 
 def test_head_is_small_for_standard_vgg():
@@ -149,7 +117,7 @@ def test_features_match_torchvision_vgg16_bn():
 
 def test_dropout_only_in_training():
     net = vgg_tiny(2, num_classes=NUM_CLASSES, dropout=0.5).eval()
-    x = _input(2, 8)
+    x = make_input(2, 8)
     assert torch.equal(net(x), net(x))
 
 
@@ -183,7 +151,7 @@ def test_bad_stages_raise():
 @pytest.mark.parametrize("spatial_dims", [2, 3])
 def test_torchscript_and_trace(spatial_dims):
     net = vgg_tiny(spatial_dims, num_classes=NUM_CLASSES).eval()
-    example, other = _input(spatial_dims, 9), _input(spatial_dims, 3)
+    example, other = make_input(spatial_dims, 9), make_input(spatial_dims, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated but still what many deploy
         scripted = torch.jit.script(net)

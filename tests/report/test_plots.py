@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-from PIL import Image
 
 from ddcnn.decomposition import Decomposition
 from ddcnn.report.plots import (
@@ -19,21 +16,7 @@ from ddcnn.report.plots import (
     plot_training_curves,
     read_metrics_csv,
 )
-
-
-def assert_real_png(path: Path, min_side: int = 200, max_side: int = 4000) -> None:
-    """``path`` is a decodable PNG of plausible size that shows something (not one flat colour)."""
-    assert path.is_file(), f"{path} missing"
-    assert path.stat().st_size > 2_000, f"{path} is suspiciously small ({path.stat().st_size} bytes)"
-    with Image.open(path) as im:
-        assert im.format == "PNG", path
-        im.load()  # decodes every byte: a truncated file fails here
-        width, height = im.size
-        pixels = np.asarray(im.convert("L"), dtype=np.float64)
-    assert min_side <= width <= max_side and min_side <= height <= max_side, f"{path}: {width}x{height}"
-    assert pixels.std() > 5, f"{path} is (nearly) blank"
-    assert (pixels < 128).mean() > 0.005, f"{path} holds almost no dark pixels (no text, lines or axes)"
-
+from tests.conftest import assert_real_png
 
 # Lightning's CSVLogger writes training and validation values of an epoch on separate rows.
 METRICS_CSV = """epoch,step,train_acc,train_loss,val_acc,val_loss
