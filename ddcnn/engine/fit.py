@@ -15,7 +15,7 @@ off the critical path:
 from __future__ import annotations
 
 import csv
-import importlib.util
+import inspect
 import io
 import logging
 import os
@@ -326,6 +326,31 @@ def _stage_name(folder: Path) -> str:
     return f"local {int(folder.name)}" if folder.parent.name == "local" and folder.name.isdigit() else folder.name
 
 
+def build_loggers(cfg: DictConfig, folder: Path) -> list:
+    """The loggers of the ``logger`` config group besides the CSV log (which is always written: the training-curve
+    plots read it), each given this stage's folder (``save_dir``) and name (``run_name``) where it takes them."""
+    out = []
+    for name, spec in (cfg.get("logger") or {}).items():
+        if not spec or "_target_" not in spec:
+            continue  # logger=csv: the CSV log alone
+        try:
+            factory = hydra.utils.instantiate(spec)
+            keywords = getattr(factory, "keywords", {})
+            params = inspect.signature(getattr(factory, "func", factory)).parameters
+            kwargs = {}
+            if "save_dir" in params and "save_dir" not in keywords:
+                kwargs["save_dir"] = str(folder)
+            if "run_name" in params and "run_name" not in keywords:
+                kwargs["run_name"] = _stage_name(folder)
+            out.append(factory(**kwargs))
+        except Exception as err:
+            raise ValueError(
+                f"cannot create logger {name!r} ({spec.get('_target_')}): {err}. Install what it needs (pip install "
+                f"tensorboard, or mlflow-skinny for logger=mlflow) or choose another: logger=csv|tensorboard|mlflow."
+            ) from err
+    return out
+
+
 def build_trainer(
     cfg: DictConfig,
     folder: Path,
@@ -349,12 +374,8 @@ def build_trainer(
         tcfg["enable_progress_bar"] = sys.stderr.isatty()
         if not tcfg["enable_progress_bar"]:
             callbacks.append(EpochLine(_stage_name(folder)))
-    # CSV always (logs/metrics.csv feeds the training-curve plots); TensorBoard (tb/) when it is installed.
     logger = [ResumableCSVLogger(save_dir=str(folder), name="logs", version="", keep_through_epoch=resumed_epoch)]
-    if importlib.util.find_spec("tensorboard") is not None:
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        logger.append(TensorBoardLogger(save_dir=str(folder), name="tb", version="", default_hp_metric=False))
+    logger += build_loggers(cfg, folder)
     return L.Trainer(
         default_root_dir=str(folder),
         callbacks=callbacks,

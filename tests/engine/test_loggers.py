@@ -1,0 +1,43 @@
+"""The ``logger`` config group: CSV always, TensorBoard and MLflow (a local store in the run directory) on request."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from ddcnn.pipeline import train
+from ddcnn.rundir import RunDir
+
+
+@pytest.mark.slow
+def test_tensorboard_and_mlflow_log_the_metrics_beside_the_csv(make_cfg):
+    pytest.importorskip("tensorboard")
+    mlflow = pytest.importorskip("mlflow")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = make_cfg("logger=[csv,tensorboard,mlflow]", "decomposition.grid=[1,2]", "trainer.max_epochs=2")
+    train(cfg)
+    run = RunDir(cfg.paths.run_dir)
+    for stage, sub in (("local", 0), ("local", 1), ("global", None)):
+        folder = run.stage_dir(stage, sub)
+        with (folder / "logs" / "metrics.csv").open() as fh:
+            rows = list(csv.DictReader(fh))
+        assert [r["val_acc"] for r in rows if r.get("val_acc")], f"{folder}: no val_acc in metrics.csv"
+        events = EventAccumulator(str(folder / "tb"))
+        events.Reload()
+        assert {"val_acc", "train_loss"} <= set(events.Tags()["scalars"]), events.Tags()
+        assert len(events.Scalars("val_acc")) == 2  # one per epoch
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{run.root}/mlflow.db")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "ddcnn-digits"]
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    assert {"local 0", "local 1", "global", "coarse"} <= set(runs), sorted(runs)
+    history = client.get_metric_history(runs["global"].info.run_id, "val_acc")
+    assert len(history) == 2 and all(0 <= m.value <= 1 for m in history)
+
+
+def test_an_unknown_logger_is_refused_with_the_choices(make_cfg):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="logger"):
+        make_cfg("logger=wandb")
