@@ -76,6 +76,27 @@ class _EpochBatchSampler:
         return -(-per_rank // self.batch_size)
 
 
+class _ShardedBatchSampler:
+    """Ordered batches of this DDP rank's share (every world-th sample, no padding); all samples outside DDP.
+
+    Validation under DDP: each rank evaluates its share and the metrics' sums and counts are added over the ranks,
+    so every sample counts once.
+    """
+
+    def __init__(self, n: int, batch_size: int) -> None:
+        self.n, self.batch_size = n, batch_size
+
+    def _indices(self) -> torch.Tensor:
+        rank, world = _EpochBatchSampler._rank_world()
+        return torch.arange(rank, self.n, world)
+
+    def __iter__(self):
+        yield from (idx.tolist() for idx in self._indices().split(self.batch_size))
+
+    def __len__(self) -> int:
+        return -(-len(self._indices()) // self.batch_size)
+
+
 class _ViewCollate:
     """Applies ``augment`` (training only) then ``view`` to a batch of full inputs."""
 
@@ -135,10 +156,12 @@ class TensorDataModule(L.LightningDataModule):
         self.view = view
         self.augment = augment
 
-    def loader(self, split: str, shuffle: bool = False) -> DataLoader:
+    def loader(self, split: str, shuffle: bool = False, shard: bool = False) -> DataLoader:
         ds = self.data[split]
         if shuffle:
             sampler = _EpochBatchSampler(len(ds), self.batch_size, self.seed)
+        elif shard:
+            sampler = _ShardedBatchSampler(len(ds), self.eval_batch_size)
         else:
             sampler = BatchSampler(SequentialSampler(ds), self.eval_batch_size, drop_last=False)
         augment = self.augment if shuffle else None
@@ -148,7 +171,7 @@ class TensorDataModule(L.LightningDataModule):
         return self.loader("train", shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self.loader("val")
+        return self.loader("val", shard=True)
 
     def test_dataloader(self) -> DataLoader:
         return self.loader("test")

@@ -36,6 +36,7 @@ from torch import nn
 
 from ddcnn.engine.checkpoint_io import AtomicCheckpointIO
 from ddcnn.engine.classifier import Classifier
+from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
 from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_text, is_space_or_permission
 from ddcnn.rundir import SPLITS
 from ddcnn.runtime import srun_task
@@ -420,6 +421,9 @@ def fit(
         independent_ranks()
     settings = engine_settings(cfg)
     epochs = int(max_epochs if max_epochs is not None else cfg.trainer.max_epochs)
+    if settings["num_devices"] > 1 and has_batch_norm(net):
+        # DDP normalises over the global batch, as the one-device run does: exact DDP (see ddcnn.engine.sync_norm).
+        net = convert_batch_norm(net)
     optimizer = hydra.utils.instantiate(optimizer_cfg if optimizer_cfg is not None else cfg.optimizer)
     module = Classifier(
         net, num_classes=int(cfg.data.num_classes), optimizer=optimizer, scheduler=build_scheduler(cfg, epochs)

@@ -34,3 +34,75 @@ def test_global_and_local_nets_train_with_ddp_on_two_cpu_processes(make_cfg):
     assert run.is_done("global") and (run.stage_dir("global") / "last.ckpt").is_file()
     probs = run.load_probs("global", "test")["probs"]
     assert probs.shape[0] == 100 and torch.allclose(probs.sum(-1), torch.ones(100), atol=1e-5)
+
+
+def test_global_batch_norm_matches_one_batch_norm_over_the_whole_batch():
+    """Two gloo ranks, each with half a batch: outputs, running statistics and input gradients equal one device's."""
+    import torch.multiprocessing as mp
+
+    x = torch.randn(8, 3, 5, 5) * 3 + 1
+    reference = torch.nn.BatchNorm2d(3)
+    with torch.no_grad():
+        reference.weight.uniform_(0.5, 1.5)
+        reference.bias.uniform_(-0.5, 0.5)
+    xr = x.clone().requires_grad_()
+    out = reference(xr)
+    (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_bn_rank, args=(x, reference.state_dict(), results), nprocs=2, join=True)
+    torch.testing.assert_close(torch.cat([results[0]["out"], results[1]["out"]]), out.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([results[0]["grad"], results[1]["grad"]]), xr.grad, atol=1e-4, rtol=1e-4)
+    for key in ("running_mean", "running_var"):
+        torch.testing.assert_close(results[0][key], reference.state_dict()[key], atol=1e-6, rtol=1e-5)
+
+
+def _bn_rank(rank: int, x: torch.Tensor, state: dict, results) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from ddcnn.engine.sync_norm import convert_batch_norm
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    bn = torch.nn.BatchNorm2d(3)
+    bn.load_state_dict({k: v for k, v in state.items()})
+    bn.running_mean.zero_()
+    bn.running_var.fill_(1)
+    bn.num_batches_tracked.zero_()
+    bn = convert_batch_norm(torch.nn.Sequential(bn)).train()
+    part = x[rank * 4 : (rank + 1) * 4].clone().requires_grad_()
+    out = bn(part)
+    index = torch.arange(x.numel()).view_as(x)[rank * 4 : (rank + 1) * 4]
+    (out * index).sum().backward()
+    results[rank] = {
+        "out": out.detach(),
+        "grad": part.grad,
+        "running_mean": bn[0].running_mean.clone(),
+        "running_var": bn[0].running_var.clone(),
+    }
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_global_cnn_follows_the_one_device_run(make_cfg):
+    """Same initial weights, same global batch, batch norm over the global batch: the same optimizer steps.
+
+    Tolerance 1e-5 (absolute and relative) on every weight and buffer after 4 SGD steps with momentum: the two runs
+    differ only in the order of floating-point sums (gradients averaged over 2 ranks, batch statistics reduced over
+    them), about 1e-7 relative per step. SGD rather than AdamW: Adam divides each gradient by its own running
+    magnitude, so a weight whose true gradient is zero (the bias of a convolution followed by batch norm) moves by
+    +-lr on rounding noise alone, in either run; that is the optimizer's, not DDP's, inexactness.
+    """
+    common = ("optimizer=sgd", "trainer.limit_train_batches=4", "methods.global_ddp.num_devices=2")  # 4 batches of 32
+    train(make_cfg("stage=global", *common))
+    train(make_cfg("stage=global_ddp", *common))
+    run = RunDir(make_cfg().paths.run_dir)
+    meta = run.meta("global_ddp")
+    assert meta["num_devices"] == 2 and meta["batch_per_device"] == 16
+    one = torch.load(run.stage_dir("global") / "net.pt", weights_only=True)
+    ddp = torch.load(run.stage_dir("global_ddp") / "net.pt", weights_only=True)
+    assert one.keys() == ddp.keys() and int(one["features.1.num_batches_tracked"]) == 4
+    for key in one:
+        torch.testing.assert_close(ddp[key], one[key], atol=1e-5, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
