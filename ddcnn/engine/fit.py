@@ -423,7 +423,7 @@ def fit(
     epochs = int(max_epochs if max_epochs is not None else cfg.trainer.max_epochs)
     if settings["num_devices"] > 1 and has_batch_norm(net):
         # DDP normalises over the global batch, as the one-device run does: exact DDP (see ddcnn.engine.sync_norm).
-        net = convert_batch_norm(net)
+        net = convert_batch_norm(net, device)
     optimizer = hydra.utils.instantiate(optimizer_cfg if optimizer_cfg is not None else cfg.optimizer)
     module = Classifier(
         net, num_classes=int(cfg.data.num_classes), optimizer=optimizer, scheduler=build_scheduler(cfg, epochs)

@@ -56,8 +56,11 @@ def has_batch_norm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
-def convert_batch_norm(module: nn.Module) -> nn.Module:
-    """``module`` with every ``BatchNorm{1,2,3}d`` replaced by a :class:`GlobalBatchNorm` holding its state."""
+def convert_batch_norm(module: nn.Module, device: str | torch.device | None = None) -> nn.Module:
+    """``module`` with every ``BatchNorm{1,2,3}d`` synchronised over the DDP ranks, its state kept: on CUDA as
+    ``torch.nn.SyncBatchNorm`` (its fused kernels), elsewhere as :class:`GlobalBatchNorm`."""
+    if device is not None and torch.device(device).type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, GlobalBatchNorm):
         new = GlobalBatchNorm(
             module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
@@ -66,5 +69,5 @@ def convert_batch_norm(module: nn.Module) -> nn.Module:
         new.train(module.training)
         return new
     for name, child in module.named_children():
-        setattr(module, name, convert_batch_norm(child))
+        setattr(module, name, convert_batch_norm(child, device))
     return module
