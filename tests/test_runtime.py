@@ -118,3 +118,29 @@ def test_a_slurm_sweep_over_subdomains_shares_one_run_directory(tmp_path, overri
     added = [o for o in config.hydra.overrides.task if o.startswith("paths.run_dir=")]
     expected = [f"paths.run_dir={tmp_path / 'sweep'}"] if shared else [o for o in overrides if o.startswith("paths.")]
     assert added == expected
+
+
+def test_ddcnn_slurm_gives_the_array_and_the_final_job_one_run_generation(tmp_path):
+    """With force=true the final job then finds the array's local nets done in this generation: never retrains them."""
+    from ddcnn.cli import slurm_commands
+
+    local, final = slurm_commands(tmp_path / "run", ["force=true", "decomposition=2x2"], launcher="local_slurm")
+    generations = [[a for a in cmd if a.startswith("run_generation=")] for cmd in (local, final)]
+    assert len(generations[0]) == 1 and generations[0] == generations[1]
+    assert "force=true" in local and "force=true" in final
+    explicit = slurm_commands(tmp_path / "run", ["run_generation=g7"], launcher="local_slurm")
+    assert all(a != "run_generation=" and not a.startswith("run_generation=slurm-") for cmd in explicit for a in cmd)
+
+
+def test_force_skips_a_stage_recomputed_in_this_generation(make_cfg):
+    from ddcnn.pipeline import train
+    from ddcnn.rundir import RunDir
+
+    train(make_cfg("stage=local", "subdomain=0"))
+    run = RunDir(make_cfg().paths.run_dir)
+    first = run.done_generation("local", 0)
+    train(make_cfg("stage=local", "subdomain=0", "force=true", "run_generation=attempt-2"))
+    assert run.done_generation("local", 0) == "attempt-2" != first
+    stamp = (run.stage_dir("local", 0) / "done").stat().st_mtime_ns
+    train(make_cfg("stage=local", "subdomain=0", "force=true", "run_generation=attempt-2"))  # a peer of attempt 2
+    assert (run.stage_dir("local", 0) / "done").stat().st_mtime_ns == stamp

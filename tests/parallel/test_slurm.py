@@ -77,7 +77,7 @@ def test_a_local_job_requeued_mid_training_resumes_and_completes(tmp_path):
     # Long enough (60 short epochs) to be caught mid-training; last.ckpt is written after every epoch.
     cmd = [
         TRAIN, "-m", "hydra/launcher=local_slurm", "stage=local", "subdomain=0,1", f"hydra.sweep.dir={run_dir}",
-        *_tiny(**{"trainer.max_epochs": "60", "trainer.limit_train_batches": "2"}),
+        *_tiny(**{"trainer.max_epochs": "60", "trainer.limit_train_batches": "2", "engine.checkpoint_every_s": "0"}),
     ]  # fmt: skip
     sweep = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -118,3 +118,30 @@ def test_srun_tasks_share_the_subdomains_and_rank_zero_finishes_the_run(tmp_path
     results = json.loads((run_dir / "results.json").read_text())
     assert results["accuracy"]["cnn_dnn"] is not None
     assert sorted(p.name for p in (run_dir / "hydra").iterdir()) == ["rank0", "rank1"]
+
+
+def test_srun_with_force_retrains_every_subdomain_once_and_the_coarse_dnn_reads_only_new_outputs(tmp_path):
+    run_dir = tmp_path / "run"
+
+    def srun(*extra: str, tag: str) -> None:
+        cmd = [
+            "srun", "-n", "2", "--kill-on-bad-exit=1", "--time=10", TRAIN, "stage=all", f"paths.run_dir={run_dir}",
+            f"hydra.run.dir={run_dir}/hydra/{tag}${{oc.env:SLURM_PROCID}}", *_tiny(), *extra,
+        ]  # fmt: skip
+        _run(cmd, cwd=tmp_path)
+
+    srun(tag="first")
+    run = RunDir(run_dir)
+    before = {i: run.meta("local", i)["generation"] for i in range(4)}
+    srun("force=true", tag="forced")
+    metas = [run.meta("local", i) for i in range(4)]
+    generations = {m["generation"] for m in metas}
+    assert len(generations) == 1 and generations.isdisjoint(before.values()), (before, generations)
+    assert run.meta("coarse")["generation"] in generations  # the coarse DNN of the same attempt
+    # Exactly once per sub-domain: one "local i: test acc" line over both ranks' logs of the forced run.
+    logs = "".join(p.read_text() for p in (run_dir / "hydra").glob("forced*/*.log"))
+    for i in range(4):
+        assert logs.count(f"local {i}: test acc") == 1, logs[-3000:]
+    # The coarse DNN trained after the last new local net was done, on their outputs.
+    newest_local = max((run.stage_dir("local", i) / "done").stat().st_mtime for i in range(4))
+    assert (run.stage_dir("coarse") / "done").stat().st_mtime >= newest_local
