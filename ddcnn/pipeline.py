@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -88,6 +89,22 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     if stage not in ("all", *STAGES):
         raise ValueError(f"unknown stage {stage!r}; choose one of: all, {', '.join(STAGES)}.")
     optional = enabled_stages(cfg) if stage == "all" else [stage] if stage in OPTIONAL_STAGES else []
+    pool = None
+    if stage in ("all", "local"):
+        from ddcnn.parallel.workers import start_workers_early
+
+        # Worker processes start now: their start-up overlaps the loading of the data below.
+        n = math.prod(int(g) for g in cfg.decomposition.grid)
+        early = [i for i in _subdomains(cfg, n) if 0 <= i < n]
+        pool = start_workers_early(cfg, run_dir if run_dir is not None else cfg.paths.run_dir, early)
+    try:
+        return _train(cfg, run_dir, stage, optional, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _train(cfg: DictConfig, run_dir, stage: str, optional: list[str], pool) -> dict:
     ctx = build_context(cfg, run_dir, claim=False)
     indices = _subdomains(cfg, ctx.decomposition.num_subdomains) if stage in ("all", "local") else []
     bad = [i for i in indices if not 0 <= i < ctx.decomposition.num_subdomains]
@@ -105,7 +122,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
         # In this process, in parallel.workers processes, or this srun task's share: ddcnn.parallel decides.
         from ddcnn.parallel.workers import run_local_stage, stops_after_local
 
-        out["local"] = run_local_stage(ctx, indices)
+        out["local"] = run_local_stage(ctx, indices, pool)
         if stage == "all" and stops_after_local(cfg):
             log.info("srun task: local share finished; rank 0 runs the remaining stages")
             return out

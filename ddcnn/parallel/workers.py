@@ -101,8 +101,10 @@ def stops_after_local(cfg: DictConfig) -> bool:
     return task is not None and task.rank != 0
 
 
-def run_local_stage(ctx, indices: list[int]) -> list[dict]:
+def run_local_stage(ctx, indices: list[int], pool: _Pool | None = None) -> list[dict]:
     """Train local nets ``indices`` of ``ctx`` where the configuration and the environment say (see module doc).
+
+    ``pool``: workers :func:`start_workers_early` started before the data was loaded.
 
     Returns:
         The metadata of the local nets this process trained or found finished (every one of ``indices``,
@@ -138,7 +140,7 @@ def run_local_stage(ctx, indices: list[int]) -> list[dict]:
         return [ctx.run.meta("local", i) for i in indices]
     workers = int(pcfg.get("workers", 1) or 1)
     if workers > 1:
-        return run_local_parallel(cfg, ctx.run.root, indices, workers, data=ctx.data)
+        return run_local_parallel(cfg, ctx.run.root, indices, workers, data=ctx.data, pool=pool)
     device = process_device(cfg)
     metas = []
     for i in indices:
@@ -257,6 +259,10 @@ def _worker_main(
         from ddcnn.context import build_context, build_local_net
         from ddcnn.parallel.schedule import calibrate
 
+        if isinstance(data, str) and data == _FROM_QUEUE:
+            # Started before the parent had the data: import the training side now, while the parent loads it.
+            registry.load("local")
+            data = task_q.get()
         ctx = build_context(OmegaConf.create(cfg_dict), run_dir, data=data)
         images_per_s = None
         if int(calibration.get("steps", 0)) > 0:
@@ -288,6 +294,10 @@ def _worker_main(
     result_q.put(("finished", rank, None))
 
 
+# The data argument of a worker started before the parent loaded the data: it comes through the task queue.
+_FROM_QUEUE = "from-queue"
+
+
 class _Pool:
     """The parent's view of the worker processes: start them, read their messages, notice deaths."""
 
@@ -303,6 +313,8 @@ class _Pool:
     ) -> None:
         import torch.multiprocessing as mp
 
+        self.wall_start = time.perf_counter()
+        self.handed = not (isinstance(data, str) and data == _FROM_QUEUE)  # the workers have (or load) their data
         self.heartbeat_timeout_s = float(heartbeat_timeout_s)
         # Before its first heartbeat a worker is still starting (interpreter, torch, unpickling the data).
         self.startup_timeout_s = max(float(startup_timeout_s), self.heartbeat_timeout_s)
@@ -385,6 +397,9 @@ class _Pool:
         yield msg
 
     def close(self) -> None:
+        if not self.handed:  # started early, and the caller failed before it had data for them: nothing to wait for
+            for p in self.procs:
+                p.kill()
         for p in self.procs:
             p.join(timeout=10)
         for p in self.procs:  # only ours, by handle: a worker stuck after its last message
@@ -393,7 +408,55 @@ class _Pool:
                 p.join(timeout=5)
 
 
-def run_local_parallel(cfg: DictConfig, run_dir: str | Path, indices: list[int], workers: int, data=None) -> list[dict]:
+def _todo(cfg: DictConfig, run: RunDir, indices: list[int]) -> list[int]:
+    """The sub-domains of ``indices`` that must train (not done, or done in an earlier generation with force)."""
+    force = bool(cfg.get("force", False))
+    generation = run_generation(cfg)
+    return [
+        i
+        for i in dict.fromkeys(indices)
+        if not run.is_done("local", i) or (force and run.done_generation("local", i) != generation)
+    ]
+
+
+def _pool_settings(cfg: DictConfig, workers: int, todo: list[int]) -> tuple[list[WorkerDevice], dict, dict, dict]:
+    pcfg = _parallel_cfg(cfg)
+    devices = plan_workers(
+        min(workers, len(todo)), str(pcfg.get("accelerator", "auto")), pcfg.get("threads_per_worker")
+    )
+    calibration = {"steps": int(pcfg.get("calibration_steps", 5) or 0), "batch_size": int(cfg.data.batch_size)}
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    cfg_dict.setdefault("trainer", {})["enable_progress_bar"] = False  # P progress bars on one terminal garble
+    timeouts = {
+        "heartbeat_timeout_s": float(pcfg.get("heartbeat_timeout_s", 300) or 300),
+        "startup_timeout_s": float(pcfg.get("startup_timeout_s", 600) or 600),
+    }
+    return devices, calibration, cfg_dict, timeouts
+
+
+def start_workers_early(cfg: DictConfig, run_dir: str | Path, indices: list[int]) -> _Pool | None:
+    """Start the worker processes of the local stage before the caller loads the data, or ``None`` when this
+    process will not use workers (``parallel.workers`` <= 1, an ``srun`` task, nothing to train).
+
+    Each worker's start-up (Python, torch, Lightning, the stage modules) then overlaps the parent's loading and
+    preparing of the data; :func:`run_local_parallel` hands them the data through their queues.
+    """
+    pcfg = _parallel_cfg(cfg)
+    workers = int(pcfg.get("workers", 1) or 1)
+    if workers <= 1 or srun_task(str(pcfg.get("mode", "auto"))) is not None:
+        return None
+    todo = _todo(cfg, RunDir(run_dir), indices)
+    if not todo:
+        return None
+    devices, calibration, cfg_dict, timeouts = _pool_settings(cfg, workers, todo)
+    pool = _Pool(devices, cfg_dict, Path(run_dir), calibration, _FROM_QUEUE, **timeouts)
+    pool.calibration, pool.todo = calibration, todo
+    return pool
+
+
+def run_local_parallel(
+    cfg: DictConfig, run_dir: str | Path, indices: list[int], workers: int, data=None, pool: _Pool | None = None
+) -> list[dict]:
     """Train local nets ``indices`` in ``workers`` processes, each owning one device; see the module doc.
 
     Each worker builds its own context from ``data`` (the caller's prepared data, whose tensors move to shared
@@ -409,29 +472,21 @@ def run_local_parallel(cfg: DictConfig, run_dir: str | Path, indices: list[int],
         LocalStageFailed: When some sub-domains failed (after the others finished).
     """
     run = RunDir(run_dir)
-    wall_start = time.perf_counter()
-    force = bool(cfg.get("force", False))
-    generation = run_generation(cfg)  # set now: the workers inherit it through the environment
-    todo = [
-        i
-        for i in dict.fromkeys(indices)
-        if not run.is_done("local", i) or (force and run.done_generation("local", i) != generation)
-    ]
-    if not todo:
-        log.info("local nets %s: all finished earlier, skipped (force=true recomputes)", list(indices))
-        return [run.meta("local", i) for i in indices]
-    pcfg = _parallel_cfg(cfg)
-    devices = plan_workers(
-        min(workers, len(todo)), str(pcfg.get("accelerator", "auto")), pcfg.get("threads_per_worker")
-    )
-    calibration = {"steps": int(pcfg.get("calibration_steps", 5) or 0), "batch_size": int(cfg.data.batch_size)}
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    cfg_dict.setdefault("trainer", {})["enable_progress_bar"] = False  # P progress bars on one terminal garble
+    wall_start = time.perf_counter() if pool is None else pool.wall_start
+    if pool is not None:  # started before the data was loaded: hand it over now
+        todo, calibration, devices = pool.todo, pool.calibration, pool.devices
+        for q in pool.task_qs:
+            q.put(data)
+        pool.handed = True
+    else:
+        todo = _todo(cfg, run, indices)
+        if not todo:
+            log.info("local nets %s: all finished earlier, skipped (force=true recomputes)", list(indices))
+            return [run.meta("local", i) for i in indices]
+        devices, calibration, cfg_dict, timeouts = _pool_settings(cfg, workers, todo)
+        pool = _Pool(devices, cfg_dict, run.root, calibration, data, **timeouts)
     log.info("local stage: %d sub-domains on %s", len(todo), ", ".join(d.describe() for d in devices))
     session = _Session(devices, todo, run)
-    timeout = float(pcfg.get("heartbeat_timeout_s", 300) or 300)
-    startup = float(pcfg.get("startup_timeout_s", 600) or 600)
-    pool = _Pool(devices, cfg_dict, run.root, calibration, data, heartbeat_timeout_s=timeout, startup_timeout_s=startup)
     try:
         for kind, rank, payload in pool.messages():
             session.handle(kind, rank, payload, pool)
