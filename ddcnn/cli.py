@@ -142,6 +142,57 @@ def slurm_commands(run_dir: str | Path, overrides: list[str], launcher: str = "s
     return [local, final]
 
 
+def one_job_script(
+    run_dir: str | Path,
+    overrides: list[str],
+    nodes: int = 1,
+    ntasks_per_node: int = 1,
+    gpus_per_task: int = 0,
+    sbatch: list[str] = (),
+) -> str:
+    """The batch script of a whole run in one allocation: ``srun`` starts one ``ddcnn-train`` per task.
+
+    The tasks share the local nets (sub-domain ``i`` on task ``i % G``); rank 0 trains the coarse DNN and the global
+    CNN; every task joins the stages that train across the allocation (``global_ddp`` with DDP on the G tasks, world
+    size and ranks from SLURM); rank 0 evaluates. ``--requeue``: a requeued job resumes every stage from its last
+    checkpoint and skips what is done.
+    """
+    run_dir = Path(run_dir).resolve()
+    tasks = int(nodes) * int(ntasks_per_node)
+    generation = (
+        []
+        if any(o.split("=", 1)[0].lstrip("+") == "run_generation" for o in overrides)
+        else [f"run_generation=slurm-{uuid.uuid4().hex[:12]}"]
+    )
+    train = [
+        *_ddcnn_train(),
+        "stage=all",
+        f"paths.run_dir={run_dir}",
+        f"hydra.run.dir={run_dir}/hydra/rank${{oc.env:SLURM_PROCID}}",
+        *generation,
+        *overrides,
+    ]
+    given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    if tasks > 1:  # the fair baseline: the global CNN with DDP on the same G devices
+        for key, value in (("methods.enabled.global_ddp", "true"), ("methods.global_ddp.num_devices", tasks)):
+            if key not in given:
+                train.append(f"{key}={value}")
+    lines = [
+        "#!/bin/bash",
+        "#SBATCH --job-name=ddcnn",
+        f"#SBATCH --nodes={int(nodes)}",
+        f"#SBATCH --ntasks-per-node={int(ntasks_per_node)}",
+        *([f"#SBATCH --gpus-per-task={int(gpus_per_task)}"] if gpus_per_task else []),
+        "#SBATCH --requeue",
+        f"#SBATCH --output={run_dir}/slurm/%j.out",
+        *(f"#SBATCH {arg}" for arg in sbatch),
+        "set -euo pipefail",
+        # Every task's failure ends the step: a rank that died would leave the others waiting in DDP.
+        "srun --kill-on-bad-exit=1 " + shlex.join(train),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def slurm_main(argv: list[str] | None = None) -> None:
     """``ddcnn-slurm RUN_DIR [--launcher slurm] [--print] [hydra overrides ...]``: a whole run on SLURM."""
     parser = argparse.ArgumentParser(
@@ -152,9 +203,31 @@ def slurm_main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("run_dir", help="the run directory every job writes into (shared file system)")
     parser.add_argument("--launcher", default="slurm", help="config of conf/hydra/launcher/ (default: slurm)")
-    parser.add_argument("--print", action="store_true", help="print the two commands instead of running them")
+    parser.add_argument("--print", action="store_true", help="print the commands (or the script) instead of running")
+    one = parser.add_argument_group(
+        "one allocation (--one-job)",
+        "the whole comparison in one job: the local nets sharded over the tasks, the coarse DNN and the global CNN on "
+        "rank 0, the global CNN with DDP on all tasks (docs/slurm.md: when to pick which)",
+    )
+    one.add_argument("--one-job", action="store_true", help="submit one job with srun instead of an array")
+    one.add_argument("--nodes", type=int, default=1)
+    one.add_argument("--ntasks-per-node", type=int, default=1, help="one task per device (GPU or CPU share)")
+    one.add_argument("--gpus-per-task", type=int, default=0)
+    one.add_argument("--sbatch", action="append", default=[], help="another sbatch option, e.g. --sbatch=--time=120")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every job, e.g. decomposition=4x4")
     args = parser.parse_intermixed_args(argv)
+    if args.one_job:
+        script = one_job_script(
+            args.run_dir, args.overrides, args.nodes, args.ntasks_per_node, args.gpus_per_task, args.sbatch
+        )
+        path = Path(args.run_dir).resolve() / "slurm" / "one_job.sh"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(script)
+        command = ["sbatch", "--wait", str(path)]
+        print(f"+ {shlex.join(command)}\n{script}", flush=True)
+        if not args.print and subprocess.call(command) != 0:
+            parser.exit(1, f"ddcnn-slurm: the job failed (see {path.parent}/*.out); fix it and submit again.\n")
+        return
     try:
         commands = slurm_commands(args.run_dir, args.overrides, args.launcher)
     except Exception as err:  # a bad override: Hydra's message says which

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, ListConfig, open_dict
 
 from ddcnn import registry
 from ddcnn.context import Context, build_context
-from ddcnn.runtime import run_generation
+from ddcnn.runtime import run_generation, srun_task
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,17 @@ def run_evaluate(ctx: Context) -> dict:
     return results
 
 
+def _wait_for_rank_zero(ctx: Context, stages: list[str], poll_s: float = 1.0) -> None:
+    """Block until rank 0 finished ``stages`` in this run generation (with ``force=true``; else finished at all)."""
+    generation = ctx.cfg.get("run_generation") if ctx.cfg.get("force", False) else None
+
+    def finished(name: str) -> bool:
+        return ctx.run.is_done(name) and (generation is None or ctx.run.done_generation(name) == generation)
+
+    while not all(finished(name) for name in stages):
+        time.sleep(poll_s)
+
+
 def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     """Run ``cfg.stage`` (``all`` or one of :data:`STAGES`) in ``run_dir`` (default ``cfg.paths.run_dir``).
 
@@ -118,19 +129,23 @@ def _train(cfg: DictConfig, run_dir, stage: str, optional: list[str], pool) -> d
     device = cfg.get("device")
     out: dict = {}
     start = time.perf_counter()
+    task = srun_task(str((cfg.get("parallel") or {}).get("mode", "auto")))
+    rank = task.rank if task is not None else 0
     if stage in ("all", "local"):
         # In this process, in parallel.workers processes, or this srun task's share: ddcnn.parallel decides.
-        from ddcnn.parallel.workers import run_local_stage, stops_after_local
+        from ddcnn.parallel.workers import run_local_stage
 
         out["local"] = run_local_stage(ctx, indices, pool)
-        if stage == "all" and stops_after_local(cfg):
-            log.info("srun task: local share finished; rank 0 runs the remaining stages")
-            return out
-    for name in ("coarse", "global"):
-        if stage in ("all", name):
-            out[name] = registry.run(name, ctx, device)
-    for name in optional:
-        out[name] = registry.run(name, ctx, device)
+    later = [name for name in ("coarse", "global") if stage in ("all", name)] + optional
+    for k, name in enumerate(later):
+        # Under srun -n G, rank 0 trains the one-device stages; every task joins those the registry marks "all".
+        if rank == 0 or registry.get(name).ranks == "all":
+            if rank != 0:  # join when rank 0 gets there, not before (DDP's rendezvous would time out meanwhile)
+                _wait_for_rank_zero(ctx, [n for n in later[:k] if registry.get(n).ranks == "zero"])
+            out[name] = registry.run(name, ctx, device, rank=rank)
+    if rank != 0:
+        log.info("srun task %d: its share finished; rank 0 finishes the run", rank)
+        return out
     if stage in ("all", "evaluate"):
         results = run_evaluate(ctx)
         from ddcnn.report.results import results_markdown

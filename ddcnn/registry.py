@@ -62,6 +62,8 @@ class Stage:
         optional: Whether it is a method of the family that ``methods.enabled.<name>`` turns on for ``stage=all``.
         row: Its row in the results table, or ``None`` (the local nets have one row each, made by the report).
         summary: One line for ``--help`` texts and the docs.
+        ranks: Under ``srun -n G``: ``"zero"`` (rank 0 trains it while the others are done or wait) or ``"all"``
+            (every task joins: one training with DDP across the G tasks, world size and ranks from SLURM).
     """
 
     name: str
@@ -71,6 +73,7 @@ class Stage:
     optional: bool
     row: ResultRow | None
     summary: str
+    ranks: str = "zero"
 
 
 _N = "N"
@@ -166,6 +169,7 @@ STAGES: tuple[Stage, ...] = (
         True,
         ResultRow("global_ddp", "global CNN, DDP", None, ("global_ddp",), "meta:num_devices", 8),
         "the global CNN trained with DDP on several devices",
+        ranks="all",
     ),
 )
 
@@ -187,8 +191,11 @@ def load(name: str) -> Callable[..., dict]:
     return importlib.import_module(get(name).module).run
 
 
-def run(name: str, ctx, device=None, **kwargs) -> dict:
+def run(name: str, ctx, device=None, rank: int = 0, **kwargs) -> dict:
     """Run stage ``name`` as the one owner of its folder (:meth:`ddcnn.rundir.RunDir.lock`): a second process for the
-    same stage waits, then finds the work done and skips it."""
+    same stage waits, then finds the work done and skips it. The peers (``rank > 0``) of a stage that every
+    ``srun`` task joins take no lock: rank 0 holds it for the step, and they train with it."""
+    if rank > 0:
+        return load(name)(ctx, device, **kwargs)
     with ctx.run.lock(name, kwargs.get("subdomain")):
         return load(name)(ctx, device, **kwargs)

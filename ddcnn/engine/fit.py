@@ -74,6 +74,8 @@ class FitResult:
         resumed_from_epoch: The epoch of the checkpoint this process resumed from, or ``None``.
         best_epoch: The epoch whose weights were selected.
         startup_s: Process start-up the training paid outside ``time_s`` (DDP: spawning the ranks), 0 otherwise.
+        global_rank: This process's rank in the training (0 unless DDP across the tasks of an ``srun`` step).
+        world_size: The processes that trained it together (DDP), 1 otherwise.
     """
 
     net: nn.Module
@@ -82,6 +84,8 @@ class FitResult:
     resumed_from_epoch: int | None
     best_epoch: int | None
     startup_s: float = 0.0
+    global_rank: int = 0
+    world_size: int = 1
 
 
 # --- settings ------------------------------------------------------------------------------------
@@ -93,7 +97,10 @@ def engine_settings(cfg: DictConfig) -> dict:
         "monitor_mode": str(node.get("monitor_mode", "max")),
         "num_devices": int(node.get("num_devices", 1) or 1),
         "checkpoint_every_s": float(node.get("checkpoint_every_s", 0.0) or 0.0),
+        "ddp_launcher": str(node.get("ddp_launcher", "spawn") or "spawn"),
     }
+    if out["ddp_launcher"] not in ("spawn", "slurm"):
+        raise ValueError(f"engine.ddp_launcher must be 'spawn' or 'slurm', got {out['ddp_launcher']!r}.")
     if out["monitor_mode"] not in ("max", "min"):
         raise ValueError(f"engine.monitor_mode must be 'max' or 'min', got {out['monitor_mode']!r}.")
     if out["monitor"] not in ("val_acc", "val_loss", "train_acc", "train_loss"):
@@ -107,15 +114,28 @@ def engine_settings(cfg: DictConfig) -> dict:
     return out
 
 
-def device_kwargs(device: str | torch.device | None, num_devices: int = 1) -> dict:
+def device_kwargs(device: str | torch.device | None, num_devices: int = 1, launcher: str = "spawn") -> dict:
     """Trainer arguments for one training on ``device``, or on ``num_devices`` devices from it with DDP.
 
-    Several devices use ``ddp_spawn``: Lightning's plain ``ddp`` launcher re-runs the command line, which
-    hangs under Hydra multirun. On CPU the processes talk over gloo.
+    ``launcher="spawn"``: this process spawns the ranks (``ddp_spawn``: Lightning's plain ``ddp`` launcher re-runs the
+    command line, which hangs under Hydra multirun). ``launcher="slurm"``: the ranks are the tasks of this ``srun``
+    step, one device each; world size, ranks and nodes come from SLURM. On CPU the processes talk over gloo.
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     if num_devices < 1:
         raise ValueError(f"engine.num_devices must be >= 1, got {num_devices}.")
+    if num_devices > 1 and launcher == "slurm":
+        import os
+
+        nodes = int(os.environ.get("SLURM_NNODES") or os.environ.get("SLURM_JOB_NUM_NODES") or 1)
+        per_node = max(1, num_devices // nodes)
+        return {
+            "accelerator": "gpu" if device.type == "cuda" else "cpu",
+            "devices": per_node,
+            "num_nodes": nodes,
+            "strategy": "ddp",
+            "use_distributed_sampler": False,
+        }
     if device.type == "cuda":
         first = device.index or 0
         kwargs = {"accelerator": "gpu", "devices": list(range(first, first + num_devices))}
@@ -127,7 +147,7 @@ def device_kwargs(device: str | torch.device | None, num_devices: int = 1) -> di
     return kwargs
 
 
-def slurm_plugins(num_devices: int = 1) -> list:
+def slurm_plugins(num_devices: int = 1, launcher: str = "spawn") -> list:
     """Trainer plugins under SLURM: Lightning must not requeue (submitit owns that) nor take tasks for ranks.
 
     A single-device training in a one-task job gets ``SLURMEnvironment(auto_requeue=False)``; a task of a
@@ -140,6 +160,8 @@ def slurm_plugins(num_devices: int = 1) -> list:
         return []
     from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 
+    if num_devices > 1 and launcher == "slurm":  # DDP across the tasks of this srun step
+        return [SLURMEnvironment(auto_requeue=False)]
     ntasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS") or 1)
     if ntasks > 1 or num_devices > 1 or os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive"):
         return [LightningEnvironment()]
@@ -256,7 +278,10 @@ class PeriodicCheckpoint(Callback):
             return
         now = time.perf_counter()
         final = trainer.current_epoch + 1 >= (trainer.max_epochs or 0)
-        if final or now - self._last_write >= self.every_s:
+        due = final or now - self._last_write >= self.every_s
+        if trainer.world_size > 1:  # saving is collective under DDP: every rank follows rank 0's clock
+            due = bool(trainer.strategy.broadcast(due, src=0))
+        if due:
             for logger in trainer.loggers:  # the epochs in the checkpoint are in metrics.csv too
                 logger.save()
             trainer.save_checkpoint(self.path, weights_only=False)
@@ -367,7 +392,7 @@ def build_trainer(
     """
     tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     settings = engine_settings(cfg)
-    tcfg.update(device_kwargs(device, settings["num_devices"]))
+    tcfg.update(device_kwargs(device, settings["num_devices"], settings["ddp_launcher"]))
     if max_epochs is not None:
         tcfg["max_epochs"] = int(max_epochs)
     callbacks = list(callbacks)
@@ -382,7 +407,7 @@ def build_trainer(
         callbacks=callbacks,
         logger=logger,
         enable_checkpointing=False,  # PeriodicCheckpoint writes last.ckpt; BestWeights keeps the best in memory
-        plugins=[AtomicCheckpointIO(), *slurm_plugins(settings["num_devices"])],
+        plugins=[AtomicCheckpointIO(), *slurm_plugins(settings["num_devices"], settings["ddp_launcher"])],
         enable_model_summary=False,
         num_sanity_val_steps=0,
         **tcfg,
@@ -417,9 +442,9 @@ def fit(
         The network with its best weights and the stage's training time over all processes that worked on it.
     """
     L.seed_everything(seed, workers=True, verbose=False)
-    if srun_task("auto") is not None and engine_settings(cfg)["num_devices"] == 1:
-        independent_ranks()
     settings = engine_settings(cfg)
+    if srun_task("auto") is not None and not (settings["num_devices"] > 1 and settings["ddp_launcher"] == "slurm"):
+        independent_ranks()
     epochs = int(max_epochs if max_epochs is not None else cfg.trainer.max_epochs)
     if settings["num_devices"] > 1 and has_batch_norm(net):
         # DDP normalises over the global batch, as the one-device run does: exact DDP (see ddcnn.engine.sync_norm).
@@ -449,7 +474,8 @@ def fit(
             f"run the same command again: it resumes from the last checkpoint.",
         ) from err
     startup = 0.0
-    if settings["num_devices"] > 1:
+    spawned = settings["num_devices"] > 1 and settings["ddp_launcher"] == "spawn"
+    if spawned:
         # ddp_spawn trained in other processes: their callbacks' states come back only in the final last.ckpt.
         wall = time.perf_counter() - start
         states = torch.load(last, map_location="cpu", weights_only=False).get("callbacks", {})
@@ -458,12 +484,13 @@ def fit(
         trained, earlier = float(saved.get("elapsed_s", wall)), float(saved.get("earlier_s", 0.0))
         startup = max(0.0, wall - (trained - earlier))  # spawning the ranks, process-group set-up, tear-down
         clock.earlier_s, clock.start = trained, time.perf_counter()
-    clock_time, earlier = clock.elapsed(), clock.earlier_s if settings["num_devices"] == 1 else earlier
+    clock_time, earlier = clock.elapsed(), earlier if spawned else clock.earlier_s
     if best.best_state is not None:
         module.net.load_state_dict(best.best_state)
     elif (folder / "best.ckpt").is_file():  # a run directory written before the best weights moved into last.ckpt
         module.load_state_dict(torch.load(folder / "best.ckpt", map_location="cpu", weights_only=False)["state_dict"])
-    return FitResult(module.net, clock_time, earlier, resumed, best.best_epoch, startup)
+    rank = 0 if spawned else int(trainer.global_rank)
+    return FitResult(module.net, clock_time, earlier, resumed, best.best_epoch, startup, rank, int(trainer.world_size))
 
 
 # --- prediction and artifacts --------------------------------------------------------------------

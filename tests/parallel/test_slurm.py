@@ -145,3 +145,57 @@ def test_srun_with_force_retrains_every_subdomain_once_and_the_coarse_dnn_reads_
     # The coarse DNN trained after the last new local net was done, on their outputs.
     newest_local = max((run.stage_dir("local", i) / "done").stat().st_mtime for i in range(4))
     assert (run.stage_dir("coarse") / "done").stat().st_mtime >= newest_local
+
+
+def _ddp_overrides(**replace: str) -> list[str]:
+    # SGD and whole batches: the DDP weights can then be compared with the one-device run (tests/engine/test_ddp.py).
+    return _tiny(**{"optimizer": "sgd", "trainer.limit_train_batches": "4", **replace})
+
+
+def test_one_allocation_runs_the_comparison_with_slurm_launched_ddp(tmp_path):
+    """srun with 2 tasks: local nets sharded, coarse + global CNN on rank 0, global_ddp across both tasks."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        "srun", "-N", "1", "--ntasks-per-node=2", "--kill-on-bad-exit=1", "--time=10", TRAIN, "stage=all",
+        "methods.enabled.global_ddp=true", "methods.global_ddp.num_devices=2", f"paths.run_dir={run_dir}",
+        f"hydra.run.dir={run_dir}/hydra/rank${{oc.env:SLURM_PROCID}}", *_ddp_overrides(),
+    ]  # fmt: skip
+    _run(cmd, cwd=tmp_path)
+    run = RunDir(run_dir)
+    meta = run.meta("global_ddp")
+    assert meta["num_devices"] == 2 and meta["world_size"] == 2 and meta["ddp_launcher"] == "slurm"
+    assert meta["slurm"]["ntasks"] == 2 and meta["batch_per_device"] == 16
+    results = json.loads((run_dir / "results.json").read_text())
+    (row,) = [r for r in results["methods"] if r["key"] == "global_ddp"]
+    assert row["devices"] == 2 and row["projected_time_s"] > 0 and row["accuracy"] is not None
+    import torch
+
+    one = torch.load(run.stage_dir("global") / "net.pt", weights_only=True)
+    ddp = torch.load(run.stage_dir("global_ddp") / "net.pt", weights_only=True)
+    for key in one:
+        torch.testing.assert_close(ddp[key], one[key], atol=1e-5, rtol=1e-5)
+
+
+def test_a_requeued_one_job_run_resumes_the_ddp_baseline(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = _ddp_overrides(
+        **{"trainer.max_epochs": "12", "trainer.limit_train_batches": "2", "engine.checkpoint_every_s": "0"}
+    )
+    _run(
+        [str(BIN / "ddcnn-slurm"), str(run_dir), "--one-job", "--ntasks-per-node", "2", "--print", *overrides], tmp_path
+    )
+    script = run_dir / "slurm" / "one_job.sh"
+    job = _run(["sbatch", "--parsable", str(script)], cwd=tmp_path).stdout.strip().split(";")[0]
+    folder = RunDir(run_dir).stage_dir("global_ddp")
+    try:
+        _wait_for(lambda: (folder / "last.ckpt").is_file(), 600, "the DDP baseline's first checkpoint", poll=0.05)
+        assert not (folder / "done").exists(), "global_ddp finished before it could be requeued"
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
+        _wait_for(lambda: "JobState=PENDING" in _scontrol("show", "job", job), 120, "the requeued job to be pending")
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=60)
+        _wait_for(lambda: (run_dir / "results.json").is_file(), 600, "the requeued job to finish the run")
+    finally:
+        subprocess.run(["scancel", job], timeout=60)
+    meta = RunDir(run_dir).meta("global_ddp")
+    assert meta["resumed_from_epoch"] is not None, "the DDP baseline restarted instead of resuming"
+    assert meta["slurm"]["restart_count"] >= 1 and meta["world_size"] == 2
