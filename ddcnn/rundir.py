@@ -66,6 +66,8 @@ NON_RESULT_KEYS = (
     "trainer.devices",
     "device",
     "engine.checkpoint_every_s",
+    "coarse.checkpoint_every",
+    "coarse.num_threads",
     "optimized_metric",
     "run_generation",
     "logger",

@@ -37,6 +37,7 @@ from torch import nn
 from ddcnn.engine.checkpoint_io import AtomicCheckpointIO
 from ddcnn.engine.classifier import Classifier
 from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
+from ddcnn.engine.tensor_fit import scheduler_factory
 from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_text, is_space_or_permission
 from ddcnn.rundir import SPLITS
 from ddcnn.runtime import srun_task
@@ -180,18 +181,9 @@ def independent_ranks() -> None:
 
 
 def build_scheduler(cfg: DictConfig, stage_epochs: int):
-    """The configured learning-rate schedule (a partial: ``optimizer -> LRScheduler``), or ``None``.
-
-    A ``T_max: null`` (cosine annealing) becomes the epochs of the stage that trains: the local nets, the coarse DNN
-    and the optional stages each anneal over their own ``max_epochs``.
-    """
-    node = cfg.get("scheduler")
-    if not node:
-        return None
-    spec = OmegaConf.to_container(node, resolve=True)
-    if "T_max" in spec and spec["T_max"] is None:
-        spec["T_max"] = stage_epochs
-    return hydra.utils.instantiate(spec)
+    """The configured learning-rate schedule (a partial: ``optimizer -> LRScheduler``), or ``None``; ``T_max: null``
+    becomes the epochs of the stage that trains (:func:`ddcnn.engine.tensor_fit.scheduler_factory`)."""
+    return scheduler_factory(cfg.get("scheduler"), stage_epochs)
 
 
 # --- callbacks -----------------------------------------------------------------------------------

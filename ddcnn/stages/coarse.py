@@ -1,16 +1,21 @@
-"""The ``coarse`` stage: the coarse DNN trained on the saved local outputs (train split), selected on val."""
+"""The ``coarse`` stage: the coarse DNN trained on the saved local outputs (train split), selected on val.
+
+A plain PyTorch loop trains it (:func:`ddcnn.engine.tensor_fit.fit_tensors`, ``coarse.batch_size`` rows per step,
+``coarse.num_threads`` CPU threads); it resumes from ``last.ckpt`` like the Lightning stages, and its ``meta.json``
+times include the training time of processes that were interrupted.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 
-import lightning as L
 import torch
 
 from ddcnn.context import Context, build_coarse_net
 from ddcnn.data.datamodule import TensorDataModule
-from ddcnn.engine.fit import fit
+from ddcnn.engine.fit import FitResult, engine_settings
+from ddcnn.engine.tensor_fit import EVAL_CHUNK, fit_tensors, torch_threads
 from ddcnn.rundir import SPLITS
 from ddcnn.stages.common import finish_stage, skip, stage_seed
 
@@ -46,13 +51,32 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
     kind = str(kind or ctx.cfg.coarse.get("input", "probs"))
     x, y = coarse_inputs(ctx, kind)
     seed = stage_seed(ctx, stage)
-    dm = TensorDataModule(x, y, int(ctx.cfg.coarse.batch_size), seed=seed)
+    coarse, settings = ctx.cfg.coarse, engine_settings(ctx.cfg)
     start = time.perf_counter()
-    L.seed_everything(seed, workers=True, verbose=False)
+    torch.manual_seed(seed)
     net = build_coarse_net(ctx.cfg, n, ctx.data.num_classes)
-    result = fit(
-        ctx.cfg, net, dm, folder, device, seed, start, int(ctx.cfg.coarse.max_epochs), ctx.cfg.coarse.optimizer
-    )
-    meta = finish_stage(ctx, stage, result.net, dm, device, seed, start, result, input=kind)
+    # A plain PyTorch loop on the in-memory tensors: through Lightning, the thousands of small steps of an MLP cost
+    # more than a local net (ddcnn.engine.tensor_fit).
+    with torch_threads(coarse.get("num_threads")):
+        fitted = fit_tensors(
+            net,
+            x,
+            y,
+            folder,
+            optimizer=coarse.optimizer,
+            scheduler=ctx.cfg.get("scheduler"),
+            max_epochs=int(coarse.max_epochs),
+            batch_size=coarse.get("batch_size"),
+            seed=seed,
+            monitor=settings["monitor"],
+            monitor_mode=settings["monitor_mode"],
+            checkpoint_every=int(coarse.get("checkpoint_every") or coarse.max_epochs),
+            device=device,
+        )
+        dm = TensorDataModule(x, y, eval_batch_size=EVAL_CHUNK, seed=seed)  # predictions only
+        result = FitResult(
+            fitted.net, fitted.fit_time_s, fitted.previous_time_s, fitted.resumed_from_epoch, fitted.best_epoch
+        )
+        meta = finish_stage(ctx, stage, fitted.net, dm, device, seed, start, result, input=kind)
     log.info("%s (on %s): test acc %.4f in %.1f s", stage, kind, meta["accuracy"]["test"], meta["time_s"])
     return meta

@@ -1,0 +1,192 @@
+"""Projected CNN-DNN speedup with the coarse DNN trained by ``ddcnn.engine.tensor_fit`` (issue 12).
+
+Runs three rows through the real pipeline, each as a fresh ``ddcnn-train`` process in its own run directory
+(a temporary folder unless ``--keep``), and reads their ``results.json``:
+
+- ``digits``: the default run (scikit-learn digits, 2x2, overlap 2);
+- ``mnist 2x2``: ``data=mnist data.train_subset=10000 trainer.max_epochs=2`` (2x2, overlap 2);
+- ``mnist 4x4``: the same with ``decomposition=4x4 decomposition.overlap=1``.
+
+Per row it prints the global CNN's time, the slowest local net's, the coarse DNN's, the projected speedup
+(``results.json`` ``projected_speedup`` = global / (slowest local + coarse)), the ratio ``projected speedup /
+(global / slowest local)`` (1 would be a free coarse DNN) and the CNN-DNN test accuracy. Then it times the coarse
+stage alone (``run_coarse``, predictions and artifacts included) on full MNIST with 4x4 sub-domains: 54000 training
+rows of 16x10 synthetic local probabilities, ``--repeats`` times.
+
+Targets (PASS/FAIL each): ratio >= 0.9 on both MNIST rows (the coarse DNN costs at most a ninth of the slowest local
+net); digits projected speedup >= 1.6 with CNN-DNN accuracy >= 0.95 (this also needs the local stage's fixed costs
+cut, which is other work); the coarse stage alone on full MNIST 4x4 under 2 s (median of the repeats).
+
+Times are of a shared machine: run it quiet, and repeat it before trusting a ratio near its target. A burst of load
+during one local net inflates the slowest local time and with it the ratio; the column ``coarse/median`` (the
+coarse DNN against the median local net) is the figure such a burst hardly moves.
+
+    python bench/speedup.py                     # about 5 minutes on a quiet 2-core machine
+    python bench/speedup.py --rows mnist_4x4 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import ROOT, SHARED_DATA, config, quiet
+
+# This checkout's ddcnn, not whichever one the environment installed (the subprocesses get the same PYTHONPATH).
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from omegaconf import open_dict  # noqa: E402
+
+ROWS = {
+    "digits": [],
+    "mnist_2x2": ["data=mnist", "data.train_subset=10000", "trainer.max_epochs=2"],
+    "mnist_4x4": [
+        "data=mnist",
+        "data.train_subset=10000",
+        "trainer.max_epochs=2",
+        "decomposition=4x4",
+        "decomposition.overlap=1",
+    ],
+}
+# The evaluate stage's figures and TorchScript export change no time in results.json; they only cost bench time.
+COMMON = ["trainer.enable_progress_bar=false", "report.plots=false", "report.export=false"]
+RATIO_TARGET, DIGITS_SPEEDUP_TARGET, DIGITS_ACC_TARGET, COARSE_ALONE_TARGET_S = 0.9, 1.6, 0.95, 2.0
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "DDCNN_DATA": os.environ.get("DDCNN_DATA", str(SHARED_DATA))}
+
+
+def run_row(name: str, run_dir: Path, seed: int) -> dict:
+    """One ``ddcnn-train`` process in ``run_dir``; its ``results.json``."""
+    code = "import sys; from ddcnn.cli import train_main; sys.argv[0] = 'ddcnn-train'; train_main()"
+    cmd = [sys.executable, "-c", code, *ROWS[name], *COMMON, f"seed={seed}", f"hydra.run.dir={run_dir}"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    results = json.loads((run_dir / "results.json").read_text())
+    results["wall_s"] = time.perf_counter() - start
+    return results
+
+
+def _synthetic_locals(ctx, gen: torch.Generator) -> None:
+    """Local 'probabilities' of the real shape and labels, as if the local stage had finished."""
+    from ddcnn.io import atomic_torch_save
+
+    n, k = ctx.decomposition.num_subdomains, ctx.data.num_classes
+    sharpness = torch.linspace(0.3, 3.0, n)  # weak corner sub-domains, strong central ones
+    for i in range(n):
+        folder = ctx.run.make_stage_dir("local", i)
+        for split, labels in ctx.data.y.items():
+            logits = torch.randn(len(labels), k, generator=gen) * 1.5
+            logits += sharpness[i] * torch.nn.functional.one_hot(labels, k)
+            atomic_torch_save(
+                {"logits": logits, "probs": logits.softmax(-1), "labels": labels}, folder / f"probs_{split}.pt"
+            )
+        ctx.run.mark_done("local", i, {"stage": "local", "subdomain": i, "synthetic": True})
+
+
+def time_coarse_alone(repeats: int, tmp: Path) -> list[dict]:
+    """``run_coarse`` on full MNIST 4x4 (synthetic local probabilities), ``repeats`` times; their metadata."""
+    from ddcnn import registry
+    from ddcnn.context import build_context
+
+    cfg = config(["data=mnist", f"data.path={SHARED_DATA / 'mnist.npz'}", "decomposition=4x4"], tmp / "coarse_alone")
+    ctx = build_context(cfg)
+    _synthetic_locals(ctx, torch.Generator().manual_seed(0))
+    metas = []
+    for rep in range(repeats):
+        with open_dict(ctx.cfg):
+            ctx.cfg.force = rep > 0
+        metas.append(registry.run("coarse", ctx))
+        print(
+            f"  coarse alone, repeat {rep}: {metas[-1]['time_s']:.2f} s (fit {metas[-1]['fit_time_s']:.2f} s), "
+            f"{len(ctx.data.y['train'])} train rows of {ctx.decomposition.num_subdomains}x{ctx.data.num_classes}",
+            flush=True,
+        )
+    return metas
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="timings of the coarse stage alone (default 3)")
+    parser.add_argument("--no-coarse-alone", action="store_true", help="skip the full-MNIST coarse timing")
+    parser.add_argument("--keep", type=Path, help="keep the run directories here")
+    args = parser.parse_args()
+    quiet()
+    names = [r for r in args.rows.split(",") if r]
+    unknown = sorted(set(names) - set(ROWS))
+    if unknown:
+        sys.exit(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    if not (SHARED_DATA / "mnist.npz").is_file() and (set(names) - {"digits"} or not args.no_coarse_alone):
+        sys.exit(f"{SHARED_DATA / 'mnist.npz'} is missing; use --rows digits --no-coarse-alone")
+
+    with tempfile.TemporaryDirectory(prefix="ddcnn-bench-speedup-") as tmp:
+        base = args.keep or Path(tmp)
+        results = {}
+        for name in names:
+            results[name] = run_row(name, base / f"{name}_seed{args.seed}", args.seed)
+            print(f"{name}: finished in {results[name]['wall_s']:.0f} s", flush=True)
+        metas = [] if args.no_coarse_alone else time_coarse_alone(args.repeats, base)
+
+    print(f"\nseed {args.seed}; times in s from results.json (time_s), one run each")
+    header = (
+        f"{'row':10s} {'global':>7s} {'local max':>9s} {'local median':>12s} {'coarse':>7s} {'coarse/max':>10s} "
+        f"{'coarse/median':>13s} {'speedup':>8s} {'ratio':>6s} {'CNN-DNN acc':>11s}"
+    )
+    print(header)
+    checks = []
+    for name, r in results.items():
+        t = r["time_s"]
+        ideal = t["global"] / t["local_max"]
+        ratio = r["projected_speedup"] / ideal
+        median = statistics.median(t["local"])
+        print(
+            f"{name:10s} {t['global']:7.1f} {t['local_max']:9.2f} {median:12.2f} {t['coarse']:7.3f} "
+            f"{t['coarse'] / t['local_max']:10.3f} {t['coarse'] / median:13.3f} {r['projected_speedup']:7.2f}x "
+            f"{ratio:6.3f} {r['accuracy']['cnn_dnn']:11.4f}"
+        )
+        if name == "digits":
+            ok = r["projected_speedup"] >= DIGITS_SPEEDUP_TARGET and r["accuracy"]["cnn_dnn"] >= DIGITS_ACC_TARGET
+            checks.append(
+                (
+                    f"digits: projected speedup {r['projected_speedup']:.2f}x >= {DIGITS_SPEEDUP_TARGET}x and CNN-DNN "
+                    f"accuracy {r['accuracy']['cnn_dnn']:.4f} >= {DIGITS_ACC_TARGET} (also needs the local stage's "
+                    f"fixed-cost cuts)",
+                    ok,
+                )
+            )
+        else:
+            checks.append((f"{name}: ratio {ratio:.3f} >= {RATIO_TARGET}", ratio >= RATIO_TARGET))
+    if metas:
+        median = statistics.median(m["time_s"] for m in metas)
+        checks.append(
+            (
+                f"coarse stage alone, full MNIST 4x4 (54000 x 16x10): median {median:.2f} s of {len(metas)} "
+                f"(min {min(m['time_s'] for m in metas):.2f}) < {COARSE_ALONE_TARGET_S} s",
+                median < COARSE_ALONE_TARGET_S,
+            )
+        )
+    print()
+    for text, ok in checks:
+        print(f"{_verdict(ok)}  {text}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,423 @@
+"""Training a small classifier on in-memory tensors with a plain PyTorch loop (the coarse DNN's trainer).
+
+The coarse DNN is an MLP on a few thousand rows of ``N * K`` numbers: through Lightning, its thousands of
+small steps cost more in framework calls than in arithmetic, and more than a local CNN. :func:`fit_tensors`
+trains such a network with nothing but PyTorch, in large (or full) batches, and keeps what the stages
+promise: selection on validation (``trainer.monitor`` / ``trainer.monitor_mode``), an atomic ``last.ckpt``
+from which a killed run resumes to exactly the weights an uninterrupted run reaches, and a
+``logs/metrics.csv`` with every epoch that :func:`ddcnn.report.plots.read_metrics_csv` reads.
+
+Everything random depends only on ``(seed, epoch)``: the shuffling of epoch ``e`` comes from a generator
+seeded from both, and so does the seed of the global generators (dropout) during that epoch, which are
+restored afterwards (:func:`torch.random.fork_rng`). A resumed run therefore repeats the interrupted epochs
+exactly, whatever the checkpoint interval.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from ddcnn.io import atomic_torch_save, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FitResult",
+    "fit_tensors",
+    "build_optimizer",
+    "build_scheduler",
+    "torch_threads",
+    "CHECKPOINT_FORMAT",
+    "METRIC_COLUMNS",
+]
+
+# Stored in every checkpoint: a last.ckpt of another trainer (an older Lightning run) is not resumed from.
+CHECKPOINT_FORMAT = "ddcnn.tensor_fit/1"
+# logs/metrics.csv: one row per epoch (0-based, as Lightning's CSVLogger counts), ``step`` = optimizer steps so far.
+METRIC_COLUMNS = ("epoch", "step", "lr", "train_loss", "train_acc", "val_loss", "val_acc")
+# Rows per forward pass when evaluating; bounds the memory of a hidden layer over a large split.
+EVAL_CHUNK = 65_536
+# The settings an exact resume depends on: a checkpoint written under others is refused.
+_RESUME_SETTINGS = ("seed", "batch_size", "max_epochs", "monitor", "monitor_mode", "n_train")
+
+
+@dataclass
+class FitResult:
+    """What :func:`fit_tensors` returns.
+
+    Attributes:
+        net: The trained network with the weights of the best validation epoch (on the training device).
+        best_epoch: That epoch (0-based).
+        best_metric: Its value of the monitored metric.
+        history: Per epoch, the row written to ``logs/metrics.csv``.
+        fit_time_s: Training time of every process that worked on this training, this one included (work after the
+            last checkpoint of a killed process is lost and not counted).
+        previous_time_s: The part of ``fit_time_s`` spent by earlier processes (0 for an uninterrupted training).
+        resumed_from_epoch: The last finished epoch of the checkpoint this process resumed from, else ``None``.
+    """
+
+    net: nn.Module
+    best_epoch: int
+    best_metric: float
+    history: list[dict[str, float]] = field(default_factory=list)
+    fit_time_s: float = 0.0
+    previous_time_s: float = 0.0
+    resumed_from_epoch: int | None = None
+
+
+def _spec(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def build_optimizer(node: Any, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer of a Hydra ``_partial_`` node (``{_target_: torch.optim.AdamW, _partial_: true, lr: ...}``).
+
+    A callable ``params -> Optimizer`` is accepted as well.
+    """
+    factory = hydra.utils.instantiate(_spec(node)) if isinstance(node, Mapping | DictConfig) else node
+    if not callable(factory):
+        raise ValueError(
+            f"the optimizer setting must be a Hydra node with _partial_: true (e.g. coarse.optimizer) or a callable, "
+            f"got {node!r}."
+        )
+    return factory(params)
+
+
+def scheduler_factory(node: Any, max_epochs: int) -> Callable[[torch.optim.Optimizer], Any] | None:
+    """The learning-rate schedule of a Hydra ``_partial_`` node as ``optimizer -> LRScheduler``, or ``None``.
+
+    ``None`` or an empty node means a constant rate. ``T_max: null`` (cosine annealing) becomes ``max_epochs``: every
+    training (local nets, coarse DNN, optional stages) anneals over its own epochs.
+    """
+    if not node:
+        return None
+    spec = _spec(node)
+    if isinstance(spec, Mapping):
+        spec = dict(spec)
+        if "T_max" in spec and spec["T_max"] is None:
+            spec["T_max"] = max_epochs
+        spec = hydra.utils.instantiate(spec)
+    return spec
+
+
+def build_scheduler(
+    node: Any, optimizer: torch.optim.Optimizer, max_epochs: int
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The schedule of ``node`` (:func:`scheduler_factory`) on ``optimizer``, stepped once per epoch."""
+    factory = scheduler_factory(node, max_epochs)
+    return None if factory is None else factory(optimizer)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` intra-op CPU threads, then restore the previous number (``None``: unchanged).
+
+    A small MLP gains nothing from a second thread, and on a CPU that other processes share, threads that wait for
+    each other at every one of its many small operations made the coarse DNN several times slower (measured: one
+    epoch of 10000 rows at batch 1024 took 0.16 s with one thread, 1.0 s with two, on two busy cores).
+    """
+    previous = torch.get_num_threads()
+    if threads is not None:
+        if int(threads) < 1:
+            raise ValueError(f"the number of CPU threads must be >= 1 (or null to keep {previous}), got {threads!r}.")
+        torch.set_num_threads(int(threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    # The formula of the local nets' batch sampler (ddcnn.data.datamodule._EpochBatchSampler).
+    return torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch))
+
+
+def _seed_global_rng(seed: int, device: torch.device) -> None:
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+
+
+def _check_tensors(x: Mapping[str, torch.Tensor], y: Mapping[str, torch.Tensor]) -> None:
+    for split in ("train", "val"):
+        if split not in x or split not in y:
+            raise ValueError(
+                f"fit_tensors needs x and y for the splits 'train' and 'val', got {sorted(x)}/{sorted(y)}."
+            )
+    for split in x:
+        if len(x[split]) != len(y[split]):
+            raise ValueError(f"{split}: {len(x[split])} inputs but {len(y[split])} labels.")
+        if len(x[split]) == 0:
+            raise ValueError(f"{split}: no samples; the {split} split must not be empty.")
+
+
+@torch.inference_mode()
+def _evaluate(net: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``net`` (in eval mode) over all of ``x``."""
+    net.eval()
+    loss = torch.zeros((), device=x.device)
+    correct = torch.zeros((), device=x.device, dtype=torch.long)
+    for xb, yb in zip(x.split(chunk), y.split(chunk), strict=True):
+        logits = net(xb)
+        loss += F.cross_entropy(logits, yb, reduction="sum")
+        correct += (logits.argmax(-1) == yb).sum()
+    return float(loss) / len(y), int(correct) / len(y)
+
+
+def _better(value: float, best: float | None, mode: str) -> bool:
+    """Strictly better than ``best`` (ties keep the earlier epoch, NaN never wins), as Lightning's ModelCheckpoint."""
+    if math.isnan(value):
+        return False
+    if best is None or math.isnan(best):
+        return True
+    return value > best if mode == "max" else value < best
+
+
+def _cpu_state(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in net.state_dict().items()}
+
+
+def _metrics_csv(history: list[dict[str, float]]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=METRIC_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in history:
+        writer.writerow({k: (repr(float(v)) if k not in ("epoch", "step") else int(v)) for k, v in row.items()})
+    return out.getvalue()
+
+
+def _load_checkpoint(path: Path, settings: Mapping[str, Any]) -> dict | None:
+    """The resumable state in ``path``, ``None`` when there is none (or only another trainer's checkpoint)."""
+    if not path.is_file():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        log.warning("%s was not written by ddcnn.engine.tensor_fit; training starts from scratch", path)
+        return None
+    saved = state.get("settings", {})
+    differ = {k: (saved.get(k), settings[k]) for k in _RESUME_SETTINGS if saved.get(k) != settings[k]}
+    if differ:
+        shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in differ.items())
+        raise ValueError(
+            f"{path} belongs to a training with other settings ({shown}); resuming it would not give the result of "
+            f"either. Restore those settings to resume, or delete {path} (force=true for a stage) to start over."
+        )
+    return state
+
+
+def fit_tensors(
+    net: nn.Module,
+    x: Mapping[str, torch.Tensor],
+    y: Mapping[str, torch.Tensor],
+    folder: str | Path,
+    *,
+    optimizer: Any,
+    max_epochs: int,
+    scheduler: Any = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    monitor: str = "val_acc",
+    monitor_mode: str = "max",
+    checkpoint_every: int = 1,
+    device: str | torch.device | None = None,
+    eval_batch_size: int = EVAL_CHUNK,
+    on_epoch_end: Callable[[int, Mapping[str, float]], None] | None = None,
+) -> FitResult:
+    """Train classifier ``net`` on ``x["train"], y["train"]`` with cross-entropy, selecting on ``x["val"]``.
+
+    Resumes from ``folder/last.ckpt`` when it exists (and was written by this function under the same settings);
+    otherwise starts afresh and removes a stale ``folder/logs/metrics.csv``. At the end, ``folder/best.ckpt`` holds the
+    selected weights (keys ``format``, ``epoch``, ``monitor``, ``metric``, ``net``). Only the ``train`` and ``val``
+    splits are used; others in ``x`` are ignored.
+
+    Args:
+        net: Maps a batch of ``x`` rows to class logits ``(B, K)``; trained in place (and moved to ``device``).
+        x, y: Inputs and integer labels per split.
+        folder: Where ``last.ckpt`` and ``logs/metrics.csv`` go (created if missing).
+        optimizer: A Hydra ``_partial_`` node of an optimizer, e.g. ``cfg.coarse.optimizer``, or a callable
+            ``params -> Optimizer``.
+        max_epochs: Passes over the training rows.
+        scheduler: A Hydra ``_partial_`` node ``optimizer -> LRScheduler`` (``T_max: null`` = ``max_epochs``) stepped
+            after every epoch, a callable, or ``None``. ``ReduceLROnPlateau`` is stepped with the monitored metric.
+        batch_size: Rows per optimizer step; ``None`` or 0 means the whole training split (full-batch steps).
+        seed: Seeds the shuffling and dropout of every epoch, together with the epoch index.
+        monitor: The metric that selects the returned weights: ``val_acc``, ``val_loss``, ``train_acc`` or
+            ``train_loss``.
+        monitor_mode: ``max`` or ``min``.
+        checkpoint_every: Write ``last.ckpt`` and ``logs/metrics.csv`` after every this many epochs, and always after
+            the last one.
+        device: Where to train (default CPU); the tensors are moved there once.
+        eval_batch_size: Rows per forward pass when evaluating on the validation split.
+        on_epoch_end: Called as ``on_epoch_end(epoch, metrics_row)`` after each epoch, once its checkpoint (if any) is
+            written; an exception it raises stops the training as a kill at that moment would.
+
+    Returns:
+        The network with its best weights and the training's history and times (:class:`FitResult`).
+
+    Raises:
+        ValueError: For a bad setting (naming it), or a ``last.ckpt`` written under other settings.
+    """
+    start = time.perf_counter()
+    if int(max_epochs) < 1:
+        raise ValueError(f"max_epochs must be >= 1, got {max_epochs!r}.")
+    if int(checkpoint_every) < 1:
+        raise ValueError(f"checkpoint_every must be >= 1 (epochs between checkpoints), got {checkpoint_every!r}.")
+    if monitor_mode not in ("max", "min"):
+        raise ValueError(f"monitor_mode must be 'max' or 'min', got {monitor_mode!r}.")
+    if monitor not in METRIC_COLUMNS[3:]:
+        raise ValueError(f"monitor must be one of {list(METRIC_COLUMNS[3:])}, got {monitor!r}.")
+    if batch_size is not None and int(batch_size) < 0:
+        raise ValueError(f"batch_size must be a positive number of rows, or 0/null for full batches, got {batch_size}.")
+    if int(eval_batch_size) < 1:
+        raise ValueError(f"eval_batch_size must be >= 1, got {eval_batch_size!r}.")
+    _check_tensors(x, y)
+    max_epochs, checkpoint_every = int(max_epochs), int(checkpoint_every)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    folder = Path(folder)
+    last, best, metrics_path = folder / "last.ckpt", folder / "best.ckpt", folder / "logs" / "metrics.csv"
+
+    x_train, y_train = x["train"].to(device), y["train"].to(device).long()
+    x_val, y_val = x["val"].to(device), y["val"].to(device).long()
+    n_train = len(y_train)
+    batch = n_train if not batch_size else min(int(batch_size), n_train)
+    settings = {
+        "seed": int(seed),
+        "batch_size": batch,
+        "max_epochs": max_epochs,
+        "monitor": monitor,
+        "monitor_mode": monitor_mode,
+        "n_train": n_train,
+    }
+
+    net = net.to(device)
+    opt = build_optimizer(optimizer, net.parameters())
+    sched = build_scheduler(scheduler, opt, max_epochs)
+    history: list[dict[str, float]] = []
+    best_state, best_metric, best_epoch = None, None, -1
+    first_epoch, previous_time, resumed_from, step = 0, 0.0, [], 0
+    state = _load_checkpoint(last, settings)
+    if state is not None:
+        net.load_state_dict(state["net"])
+        opt.load_state_dict(state["optimizer"])
+        if sched is not None and state.get("scheduler") is not None:
+            sched.load_state_dict(state["scheduler"])
+        history = list(state["history"])
+        best_state, best_metric, best_epoch = state["best"]["net"], state["best"]["metric"], state["best"]["epoch"]
+        first_epoch, previous_time = int(state["epoch"]) + 1, float(state["fit_time_s"])
+        resumed_from = [*state.get("resumed_from", []), int(state["epoch"])]
+        step = int(history[-1]["step"]) if history else 0
+        log.info("%s: resuming from %s (after epoch %d)", folder, last, state["epoch"])
+    else:  # outputs of an earlier training of this folder (force=true) must not pass for this one's
+        metrics_path.unlink(missing_ok=True)
+        best.unlink(missing_ok=True)
+
+    def save(epoch: int) -> None:
+        checkpoint = {
+            "format": CHECKPOINT_FORMAT,
+            "epoch": epoch,
+            "settings": settings,
+            "net": _cpu_state(net),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict() if sched is not None else None,
+            "best": {"epoch": best_epoch, "metric": best_metric, "monitor": monitor, "net": best_state},
+            "history": history,
+            "fit_time_s": previous_time + time.perf_counter() - start,
+            "resumed_from": resumed_from,
+        }
+        atomic_torch_save(checkpoint, last)
+        atomic_write_text(metrics_path, _metrics_csv(history))
+
+    devices = [device] if device.type == "cuda" else []
+    x_epoch = y_epoch = None
+    with torch.random.fork_rng(devices=devices):  # seeded per epoch below; the caller's generators stay as they were
+        for epoch in range(first_epoch, max_epochs):
+            gen = _epoch_generator(seed, epoch)
+            if batch < n_train:
+                # One gather of the whole split per epoch into buffers allocated once (a fresh allocation of tens
+                # of MB faults its pages in every epoch, which cost as much as the gather); batches are then views.
+                order = torch.randperm(n_train, generator=gen).to(device)
+                if x_epoch is None:
+                    x_epoch, y_epoch = torch.empty_like(x_train), torch.empty_like(y_train)
+                torch.index_select(x_train, 0, order, out=x_epoch)
+                torch.index_select(y_train, 0, order, out=y_epoch)
+            else:
+                x_epoch, y_epoch = x_train, y_train
+            _seed_global_rng(int(torch.randint(2**62, (1,), generator=gen)), device)
+            lr = float(opt.param_groups[0]["lr"])
+            net.train()
+            loss_sum = torch.zeros((), device=device)
+            correct = torch.zeros((), device=device, dtype=torch.long)
+            for xb, yb in zip(x_epoch.split(batch), y_epoch.split(batch), strict=True):
+                logits = net(xb)
+                loss = F.cross_entropy(logits, yb)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                loss_sum += loss.detach() * len(yb)
+                correct += (logits.detach().argmax(-1) == yb).sum()
+                step += 1
+            val_loss, val_acc = _evaluate(net, x_val, y_val, int(eval_batch_size))
+            row = {
+                "epoch": epoch,
+                "step": step,
+                "lr": lr,
+                "train_loss": float(loss_sum) / n_train,
+                "train_acc": int(correct) / n_train,
+                "val_loss": val_loss,
+                "val_acc": val_acc,
+            }
+            history.append(row)
+            if _better(row[monitor], best_metric, monitor_mode):
+                best_state, best_metric, best_epoch = _cpu_state(net), row[monitor], epoch
+            if sched is not None:
+                if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    sched.step(row[monitor])
+                else:
+                    sched.step()
+            if (epoch + 1) % checkpoint_every == 0 or epoch == max_epochs - 1:
+                save(epoch)
+            if on_epoch_end is not None:
+                on_epoch_end(epoch, row)
+
+    if best_state is None:
+        raise ValueError(
+            f"{monitor} was NaN in every epoch of the training in {folder}: it diverged. Lower the learning rate, "
+            f"then run again with force=true."
+        )
+    if first_epoch < max_epochs or not best.is_file():
+        atomic_torch_save(
+            {
+                "format": CHECKPOINT_FORMAT,
+                "epoch": best_epoch,
+                "monitor": monitor,
+                "metric": best_metric,
+                "net": best_state,
+            },
+            best,
+        )
+    net.load_state_dict(best_state)
+    return FitResult(
+        net=net,
+        best_epoch=int(best_epoch),
+        best_metric=float(best_metric),
+        history=history,
+        fit_time_s=previous_time + time.perf_counter() - start,
+        previous_time_s=previous_time,
+        resumed_from_epoch=resumed_from[-1] if resumed_from else None,
+    )

@@ -1,0 +1,252 @@
+"""The coarse DNN's plain PyTorch trainer (ddcnn/engine/tensor_fit.py) and the coarse stage that uses it.
+
+Interruptions are injected from the ``on_epoch_end`` hook: an exception raised there stops the training the way a
+kill at that moment would (the last checkpoint stays, nothing after it is saved).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ddcnn.stages.coarse as stages
+from ddcnn.engine.tensor_fit import CHECKPOINT_FORMAT, FitResult, fit_tensors
+from ddcnn.models.coarse import CoarseMLP
+from ddcnn.pipeline import train
+from ddcnn.report.plots import read_metrics_csv
+from ddcnn.rundir import RunDir
+
+N, K = 3, 5  # sub-domains and an odd class count, so that a hard-coded 10 cannot pass
+ADAMW = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 3e-2, "weight_decay": 1e-4}
+COSINE = {"_target_": "torch.optim.lr_scheduler.CosineAnnealingLR", "_partial_": True, "T_max": None}
+
+
+class Interrupt(Exception):
+    """Stands for a kill of the training process."""
+
+
+def _data(seed: int = 0, flip_val: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Local 'probabilities' ``(n, N, K)`` whose mean points to the label; ``flip_val`` gives val other labels."""
+    gen = torch.Generator().manual_seed(seed)
+    x, y = {}, {}
+    for split, n in (("train", 200), ("val", 60), ("test", 60)):
+        labels = torch.randint(K, (n,), generator=gen)
+        logits = torch.randn(n, N, K, generator=gen) + 2.0 * nn.functional.one_hot(labels, K)[:, None]
+        x[split] = logits.softmax(-1)
+        y[split] = (labels + 1) % K if flip_val and split == "val" else labels
+    return x, y
+
+
+def _net(seed: int = 0) -> CoarseMLP:
+    torch.manual_seed(seed)
+    return CoarseMLP(N, K, hidden=(16,), dropout=0.2)
+
+
+def _fit(folder: Path, **kwargs) -> FitResult:
+    x, y = kwargs.pop("data", None) or _data()
+    settings = {"optimizer": ADAMW, "max_epochs": 8, "batch_size": 32, "seed": 7, "scheduler": COSINE}
+    return fit_tensors(kwargs.pop("net", None) or _net(), x, y, folder, **(settings | kwargs))
+
+
+def _assert_same_weights_dict(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def _assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    _assert_same_weights_dict(a.state_dict(), b.state_dict())
+
+
+@pytest.mark.parametrize(("monitor", "mode"), [("val_acc", "max"), ("val_loss", "min")])
+def test_returns_the_weights_of_the_best_validation_epoch(tmp_path, monitor, mode):
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    net = _net()
+
+    def record(epoch, row):
+        seen[epoch] = {k: v.clone() for k, v in net.state_dict().items()}
+
+    # Validation labels disagree with training labels: the better the net learns, the worse it validates.
+    result = _fit(tmp_path, net=net, data=_data(flip_val=True), monitor=monitor, monitor_mode=mode, on_epoch_end=record)
+    values = [row[monitor] for row in result.history]
+    best = values.index(max(values) if mode == "max" else min(values))  # the first of equal values
+    assert result.best_epoch == best < len(values) - 1, "the test needs a best epoch before the last"
+    assert result.best_metric == values[best]
+    for key, value in result.net.state_dict().items():
+        assert torch.equal(value, seen[best][key]), key
+    saved = torch.load(tmp_path / "best.ckpt", weights_only=False)
+    assert saved["epoch"] == best and saved["monitor"] == monitor
+
+
+def test_full_batch_and_large_batch_steps(tmp_path):
+    full = _fit(tmp_path / "full", batch_size=None, max_epochs=3)
+    assert [row["step"] for row in full.history] == [1, 2, 3]  # one step per epoch
+    large = _fit(tmp_path / "large", batch_size=64, max_epochs=2)
+    assert [row["step"] for row in large.history] == [4, 8]  # ceil(200 / 64) steps per epoch
+
+
+@pytest.mark.parametrize("checkpoint_every", [1, 3])
+def test_interrupted_training_resumes_to_exactly_the_uninterrupted_weights(tmp_path, checkpoint_every):
+    reference = _fit(tmp_path / "reference", checkpoint_every=checkpoint_every)
+
+    def stop_at_4(epoch, row):
+        if epoch == 4:
+            raise Interrupt
+
+    folder = tmp_path / "interrupted"
+    with pytest.raises(Interrupt):
+        _fit(folder, checkpoint_every=checkpoint_every, on_epoch_end=stop_at_4)
+    saved = torch.load(folder / "last.ckpt", weights_only=False)
+    expected_last = 4 if checkpoint_every == 1 else 2  # the hook runs after the epoch's checkpoint (if any)
+    assert saved["format"] == CHECKPOINT_FORMAT and saved["epoch"] == expected_last
+    assert len(read_metrics_csv(folder / "logs" / "metrics.csv")["epoch"]) == expected_last + 1
+
+    # A new process: a fresh network (the same initial weights are not needed, the checkpoint holds the weights).
+    resumed = _fit(folder, net=_net(seed=123), checkpoint_every=checkpoint_every)
+    assert resumed.resumed_from_epoch == expected_last
+    _assert_same_weights(resumed.net, reference.net)
+    assert resumed.best_epoch == reference.best_epoch
+    assert resumed.history == reference.history
+    final = torch.load(folder / "last.ckpt", weights_only=False)
+    _assert_same_weights_dict(final["net"], torch.load(tmp_path / "reference" / "last.ckpt", weights_only=False)["net"])
+
+    # logs/metrics.csv: every epoch once, with the uninterrupted run's values.
+    got = read_metrics_csv(folder / "logs" / "metrics.csv")
+    want = read_metrics_csv(tmp_path / "reference" / "logs" / "metrics.csv")
+    assert got["epoch"].tolist() == list(range(8))
+    for column in ("train_loss", "train_acc", "val_loss", "val_acc", "lr"):
+        assert got[column].tolist() == want[column].tolist(), column
+
+
+def test_resuming_a_finished_training_trains_nothing(tmp_path):
+    first = _fit(tmp_path)
+    again = _fit(tmp_path, net=_net(seed=5))
+    assert again.resumed_from_epoch == 7
+    _assert_same_weights(again.net, first.net)
+
+
+def test_fit_time_adds_up_the_work_of_every_process(tmp_path):
+    def slow_then_stop(epoch, row):
+        time.sleep(0.1)
+        if epoch == 3:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        _fit(tmp_path, on_epoch_end=slow_then_stop)
+    # The checkpoint after epoch 3 was written before that epoch's sleep: it holds at least three sleeps.
+    first_part = torch.load(tmp_path / "last.ckpt", weights_only=False)["fit_time_s"]
+    assert first_part >= 0.3
+
+    start = time.perf_counter()
+    resumed = _fit(tmp_path, on_epoch_end=lambda epoch, row: time.sleep(0.05))  # epochs 4..7
+    second_wall = time.perf_counter() - start
+    assert resumed.previous_time_s == pytest.approx(first_part)
+    assert 0.2 <= resumed.fit_time_s - resumed.previous_time_s <= second_wall
+    assert resumed.fit_time_s == pytest.approx(first_part + (resumed.fit_time_s - resumed.previous_time_s))
+
+
+def test_a_checkpoint_of_other_settings_is_refused_and_a_foreign_one_ignored(tmp_path):
+    _fit(tmp_path, max_epochs=3)
+    with pytest.raises(ValueError, match=r"other settings \(batch_size: 32 -> 16\)"):
+        _fit(tmp_path, max_epochs=3, batch_size=16)
+    torch.save({"epoch": 2, "state_dict": {}}, tmp_path / "last.ckpt")  # e.g. Lightning's
+    assert _fit(tmp_path, max_epochs=3).resumed_from_epoch is None
+
+
+def test_bad_settings_name_the_argument(tmp_path):
+    with pytest.raises(ValueError, match="monitor_mode must be 'max' or 'min', got 'up'"):
+        _fit(tmp_path, monitor_mode="up")
+    with pytest.raises(ValueError, match="monitor must be one of"):
+        _fit(tmp_path, monitor="acc")
+    with pytest.raises(ValueError, match="checkpoint_every must be >= 1"):
+        _fit(tmp_path, checkpoint_every=0)
+
+
+def test_the_callers_random_state_is_left_alone(tmp_path):
+    net = _net()
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    _fit(tmp_path, net=net, max_epochs=2)  # dropout draws from the global generator, seeded per epoch
+    assert torch.equal(torch.rand(3), expected)
+
+
+# --- the coarse stage -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def local_done(tmp_path_factory):
+    """A tiny run directory whose local nets finished (copied by each test that trains the coarse DNN in it)."""
+    from tests.conftest import compose_config
+
+    run_dir = tmp_path_factory.mktemp("local_done") / "run"
+    train(compose_config(["stage=local", "coarse.max_epochs=6", "coarse.checkpoint_every=2"], run_dir))
+    return run_dir
+
+
+def _coarse_cfg(run_dir: Path, *overrides: str):
+    from tests.conftest import compose_config
+
+    return compose_config(["stage=coarse", "coarse.max_epochs=6", "coarse.checkpoint_every=2", *overrides], run_dir)
+
+
+def test_killed_coarse_stage_resumes_and_matches_an_uninterrupted_one(local_done, tmp_path, monkeypatch):
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    shutil.copytree(local_done, reference)
+    shutil.copytree(local_done, interrupted)
+    train(_coarse_cfg(reference))
+
+    real = stages.fit_tensors
+
+    def killed_after_epoch_4(*args, **kwargs):
+        def hook(epoch, row):
+            time.sleep(0.05)
+            if epoch == 4:
+                raise Interrupt
+
+        return real(*args, **kwargs, on_epoch_end=hook)
+
+    monkeypatch.setattr(stages, "fit_tensors", killed_after_epoch_4)
+    with pytest.raises(Interrupt):
+        train(_coarse_cfg(interrupted))
+    run = RunDir(interrupted)
+    assert not run.is_done("coarse")
+    monkeypatch.setattr(stages, "fit_tensors", real)
+    train(_coarse_cfg(interrupted))
+
+    meta, ref_meta = run.meta("coarse"), RunDir(reference).meta("coarse")
+    assert meta["resumed_from_epoch"] == 3 and ref_meta["resumed_from_epoch"] is None  # checkpoints after 1, 3, 5
+    # The first process's time up to its checkpoint after epoch 3 (three of its sleeps) is carried into the record.
+    assert meta["time_s_earlier_processes"] >= 0.15 and meta["fit_time_s"] > meta["time_s_earlier_processes"]
+    assert meta["time_s"] >= meta["fit_time_s"]
+    assert meta["accuracy"] == ref_meta["accuracy"] and meta["best_epoch"] == ref_meta["best_epoch"]
+    for split in ("train", "val", "test"):
+        a, b = run.load_probs("coarse", split), RunDir(reference).load_probs("coarse", split)
+        assert torch.equal(a["logits"], b["logits"]), split
+    _assert_same_weights_dict(
+        torch.load(run.stage_dir("coarse") / "net.pt"), torch.load(RunDir(reference).stage_dir("coarse") / "net.pt")
+    )
+    curves = read_metrics_csv(run.stage_dir("coarse") / "logs" / "metrics.csv")
+    assert curves["epoch"].tolist() == list(range(6))
+
+
+def test_finished_coarse_stage_is_skipped_and_force_retrains_from_scratch(local_done, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(local_done, run_dir)
+    train(_coarse_cfg(run_dir))
+    run = RunDir(run_dir)
+    folder = run.stage_dir("coarse")
+    stamp = (folder / "done").stat().st_mtime_ns
+    train(_coarse_cfg(run_dir))
+    assert (folder / "done").stat().st_mtime_ns == stamp  # not retrained
+
+    time.sleep(0.01)
+    train(_coarse_cfg(run_dir, "force=true"))
+    assert (folder / "done").stat().st_mtime_ns > stamp
+    assert run.meta("coarse")["resumed_from_epoch"] is None  # force: the old last.ckpt was not resumed from
+    assert read_metrics_csv(folder / "logs" / "metrics.csv")["epoch"].tolist() == list(range(6))
+    for name in ("last.ckpt", "probs_train.pt", "probs_val.pt", "probs_test.pt", "net.pt", "meta.json"):
+        assert (folder / name).is_file(), name
