@@ -165,7 +165,7 @@ def _mean_of_runs(runs: list[dict]) -> dict:
         if isinstance(value, float) and all(isinstance(r.get(key), float) for r in runs):
             merged[key] = statistics.fmean(r[key] for r in runs)
     merged["repeats"] = len(runs)
-    merged["step_time_mean_s_runs"] = [r["step_time_mean_s"] for r in runs]
+    merged["step_time_mean_s_runs"] = [r.get("step_time_mean_s") for r in runs]
     for key in ("load_runnable_mean", "load_busy_cores"):
         values = [r[key] for r in runs if r.get(key) is not None]
         merged[key] = statistics.fmean(values) if values else None
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             by_method[method].append({**result, **load.summary()})
             print(
                 f"  [{repeat + 1}/{args.repeats}] {result['method']} done in {time.perf_counter() - began:.1f} s "
-                f"(with process start-up); mean step {_ms(result['step_time_mean_s'])} ms; machine load during "
+                f"(with process start-up); median step {_ms(result['step_time_s'])} ms; machine load during "
                 f"the run: {_load_text(load.summary())}",
                 flush=True,
             )
@@ -266,12 +266,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     single = results[0]
     rows = [_row(r, single["wall_time_s"], data.name) for r in results]
     print(f"\nthreads: {THREAD_POLICY}; {cores} cores; means over {args.repeats} repeat(s)")
-    print("| method | P | test acc. | train wall (s) | step (ms) | speedup | efficiency | machine load |")
+    print("| method | P | test acc. | train wall (s) | median step (ms) | speedup | efficiency | machine load |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['method']} | {r['processes']} | {r['accuracy']:.4f} | {r['wall_time_s']:.2f} | "
-            f"{_ms(r['step_time_mean_s'])} | {r['speedup']:.2f} | {r['parallel_efficiency']:.2f} | {_load_text(r)} |"
+            f"{_ms(r['step_time_s'])} | {r['speedup']:.2f} | {r['parallel_efficiency']:.2f} | {_load_text(r)} |"
         )
     if data.name == "random-cifar":
         print("(random data and labels: the accuracies are chance, only the times mean something)")
