@@ -159,6 +159,22 @@ def test_sgd_steps_match_and_replicas_stay_in_sync(comparison: dict[int, dict], 
         assert comparison[rank][case]["grad_norm"] > 0
 
 
+@pytest.fixture(scope="module")
+def comparison_3_ranks() -> dict[int, dict]:
+    """The paper net over three unequal ranks: gathers from three roots, reduce-scatters with two peers each."""
+    cases = [c for c in CASES if c[0] == "marques_cifar-2d"]
+    return launch(_compare_worker, 3, (cases, (0.5, 0.3, 0.2)), timeout_s=120)
+
+
+def test_three_ranks_match_single_process(comparison_3_ranks: dict[int, dict]) -> None:
+    for rank in range(3):
+        result = comparison_3_ranks[rank]["marques_cifar-2d"]
+        bad = {k: v for k, v in result["errors"].items() if not v <= 1.0}
+        assert not bad, f"rank {rank}: not allclose(rtol={RTOL}, atol={ATOL}), error/tolerance: {bad}"
+        assert result["trained_state"] <= 1.0 and result["divergence"] == 0.0
+    assert comparison_3_ranks[0]["marques_cifar-2d"]["counts"] == {"features.0": [4, 2, 1], "features.3": [6, 3, 2]}
+
+
 # Per split conv: (channel-wise layers absorbed, input gradient all-reduced, output gradient partial).
 LAYOUTS = {
     # conv, ReLU, pool twice: both absorb their ReLU and pool, the second is chained to the first.
