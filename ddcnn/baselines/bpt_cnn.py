@@ -15,7 +15,8 @@ copies of the network on separate data subsets and merges them into a global mod
 * the synchronous variant waits for every worker each round and applies the sample-weighted average of the updates.
 
 The inner layer of the paper (thread-level task parallelism inside each worker) is left to PyTorch's intra-op
-threads: each worker gets an equal share of the cores.
+threads, one per worker by default, as the single-process reference gets (see
+:func:`ddcnn.baselines.launch.threads_per_rank`); pass ``threads`` to give each worker more.
 
 Implementation: rank 0 is the parameter server, ranks ``1..P`` are the workers, exchanging point-to-point
 ``send``/``recv`` messages over gloo (CPU tensors, also when the workers compute on GPUs). Every message carries a
@@ -497,8 +498,8 @@ def train_bpt(
             devices on a machine of equal cores; ``None`` for none.
         device: ``"cpu"``, or ``"cuda"`` to train each worker on a GPU (``cuda:<worker mod #GPUs>``); messages
             still go through gloo on the CPU.
-        threads: CPU threads per worker; ``None`` divides the cores evenly between the workers (the server, mostly
-            waiting, gets one).
+        threads: CPU threads per worker; ``None`` is :func:`ddcnn.baselines.launch.threads_per_rank` (one). The
+            server, mostly waiting, always gets one.
         timeout_s: Deadline of the whole run and of every message.
 
     Returns:

@@ -31,7 +31,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-__all__ = ["RankInfo", "backend_for", "device_for", "launch", "process_group", "threads_per_rank"]
+__all__ = [
+    "THREAD_POLICY",
+    "RankInfo",
+    "available_cores",
+    "backend_for",
+    "device_for",
+    "launch",
+    "process_group",
+    "threads_per_rank",
+]
 
 # Gloo picks the interface the host name resolves to, which in containers can be unreachable; every rank runs on this
 # machine, so the loopback interface always works.
@@ -77,10 +86,30 @@ def device_for(device: str, rank: int) -> torch.device:
     return dev
 
 
+# The thread policy of every baseline and of the single-process reference they are measured against.
+THREAD_POLICY = "1 intra-op thread per computing process"
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the platform has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def threads_per_rank(num_ranks: int) -> int:
-    """CPU threads for each of ``num_ranks`` busy processes, so that together they use every core once."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(num_ranks, 1))
+    """CPU threads of each of ``num_ranks`` computing processes: one, whatever ``num_ranks`` and the core count.
+
+    The single-process reference gets one thread too (:data:`THREAD_POLICY`), so a speedup with ``P`` processes is
+    that of ``P`` cores over one core on every machine. Dividing the cores instead (``cores // P`` threads per rank
+    against one thread for the reference) made the speedups fair only where the cores equal ``P``, and mixed the
+    scaling of a method with that of the library's intra-op threads. With more processes than
+    :func:`available_cores` they share cores, and the speedups say nothing about the method.
+
+    Raises:
+        ValueError: If ``num_ranks`` is not positive.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be positive, got {num_ranks}.")
+    return 1
 
 
 @contextlib.contextmanager

@@ -133,6 +133,7 @@ def train_epochs(
     spec: TrainSpec,
     device: torch.device | str = "cpu",
     after_backward: Callable[[], None] | None = None,
+    cpu_times: list[float] | None = None,
 ) -> list[float]:
     """Train ``net`` for ``spec.epochs`` epochs; return the wall time of every step (forward, backward, update).
 
@@ -143,6 +144,8 @@ def train_epochs(
         spec: Epochs, batch size and the seed of the batch order.
         device: Where the batches go.
         after_backward: Called between backward and the update (e.g. to synchronise gradients).
+        cpu_times: If given, the CPU seconds of this process (all its threads) in every step are appended to it.
+            Unlike the wall time, they hardly grow when other processes share the cores.
     """
     net.train()
     step_times: list[float] = []
@@ -151,7 +154,7 @@ def train_epochs(
     for batches in epochs:
         for idx in batches:
             set_lr(optimizer, spec.lr_at(len(step_times) / total))
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             xb, yb = x[idx].to(device), y[idx].to(device)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(net(xb), yb)
@@ -160,6 +163,8 @@ def train_epochs(
                 after_backward()
             optimizer.step()
             step_times.append(time.perf_counter() - start)
+            if cpu_times is not None:
+                cpu_times.append(time.process_time() - cpu_start)
     return step_times
 
 
@@ -191,7 +196,8 @@ def train_single(
 
     Returns:
         ``method``, ``processes`` (1), ``accuracy`` (test), ``wall_time_s`` (training only), ``step_time_s``
-        (median), ``step_time_mean_s``, ``steps`` and the trained ``state_dict``.
+        (median), ``step_time_mean_s``, ``cpu_time_per_step_s`` (mean CPU seconds of a step; the means leave the
+        warm-up steps out), ``steps`` and the trained ``state_dict``.
     """
     previous = torch.get_num_threads()
     if threads is not None:
@@ -201,7 +207,8 @@ def train_single(
         model = copy.deepcopy(net)
         optimizer = make_optimizer(model.parameters(), spec)
         start = time.perf_counter()
-        step_times = train_epochs(model, optimizer, x_train, y_train, spec)
+        cpu_times: list[float] = []
+        step_times = train_epochs(model, optimizer, x_train, y_train, spec, cpu_times=cpu_times)
         wall = time.perf_counter() - start
         accuracy = evaluate(model, x_test, y_test, spec.eval_batch_size)
     finally:
@@ -214,5 +221,6 @@ def train_single(
         "steps": len(step_times),
         "threads": torch.get_num_threads() if threads is None else threads,
         **timing_summary(step_times),
+        "cpu_time_per_step_s": timing_summary(cpu_times)["step_time_mean_s"],
         "state_dict": model.state_dict(),
     }

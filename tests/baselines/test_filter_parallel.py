@@ -26,6 +26,7 @@ from ddcnn.baselines.filter_parallel import (
 )
 from ddcnn.baselines.launch import RankInfo, launch, process_group
 from ddcnn.baselines.loop import TrainSpec, train_single
+from ddcnn.baselines.nets import marques_cifar
 from ddcnn.models import resnet_tiny, vgg_tiny
 
 NUM_CLASSES = 5  # odd, so a hard-coded 10 classes cannot pass
@@ -33,7 +34,8 @@ SHARES = (0.7, 0.3)
 SGD_STEPS = 3
 RTOL, ATOL = 1e-4, 1e-6
 
-# (name, builder, input shape): a 2D VGG, a 2D ResNet with projection shortcuts, a 3D VGG.
+# (name, builder, input shape): a 2D VGG, a 2D ResNet with projection shortcuts, a 3D VGG, and the CIFAR-10 network
+# of Marques et al. (2 convs of 500 and 1500 filters) shrunk to tiny widths, in 2D and 3D.
 CASES = [
     ("vgg_tiny-2d", functools.partial(vgg_tiny, 2, 1, NUM_CLASSES), (6, 1, 12, 12)),
     (
@@ -43,6 +45,16 @@ CASES = [
         (6, 2, 10, 10),
     ),
     ("vgg_tiny-3d", functools.partial(vgg_tiny, 3, 1, NUM_CLASSES), (4, 1, 6, 6, 6)),
+    (
+        "marques_cifar-2d",
+        functools.partial(marques_cifar, 2, 3, NUM_CLASSES, widths=(7, 11), image_size=20),
+        (6, 3, 20, 20),
+    ),
+    (
+        "marques_cifar-3d",
+        functools.partial(marques_cifar, 3, 1, NUM_CLASSES, widths=(5, 6), kernel_size=3, image_size=10),
+        (4, 1, 10, 10, 10),
+    ),
 ]
 
 
@@ -75,15 +87,10 @@ def _compare_worker(info: RankInfo, cases: list, shares: tuple[float, ...]) -> N
             F.cross_entropy(out_par, y).backward()
 
             errors = {"output": _max_error(out_par, out_ref), "input_grad": _max_error(x_par.grad, x_ref.grad)}
-            par_params = dict(parallel.named_parameters())
+            # Gathered into one model, every rank's slices of every gradient must be the single model's gradient.
+            gathered = dict(to_single_model(parallel).named_parameters())
             for pname, p_ref in reference.named_parameters():
-                module, _, leaf = pname.rpartition(".")
-                if module in convs:
-                    conv = convs[module]
-                    grad = par_params[f"{module}.local.{leaf}"].grad
-                    errors[pname] = _max_error(grad, p_ref.grad[conv.start : conv.stop])
-                else:
-                    errors[pname] = _max_error(par_params[pname].grad, p_ref.grad)
+                errors[pname] = _max_error(gathered[pname].grad, p_ref.grad)
             # The replicated layers' gradients agree across ranks before any synchronisation (same inputs).
             grads_before = [p.grad.clone() for p in parallel.parameters()]
             replicated = torch.cat([p.grad.reshape(-1) for p in replicated_parameters(parallel)])
@@ -108,8 +115,10 @@ def _compare_worker(info: RankInfo, cases: list, shares: tuple[float, ...]) -> N
             trained = max(_max_error(v, state_ref[k]) for k, v in single.state_dict().items() if v.is_floating_point())
             report[name] = {
                 "errors": errors,
+                "same_names": sorted(single.state_dict()) == sorted(state_ref),
                 "trained_state": trained,
                 "counts": {n: list(m.counts) for n, m in convs.items()},
+                "layers": {n: (len(m.post), m.reduce_input_grad, m.partial_output_grad) for n, m in convs.items()},
                 "num_convs_ref": sum(isinstance(m, torch.nn.modules.conv._ConvNd) for m in reference.modules()),
                 "divergence": replicated_divergence(parallel),
                 "grad_gap_between_ranks": float((high - low).max() / replicated.abs().max()),
@@ -148,6 +157,47 @@ def test_sgd_steps_match_and_replicas_stay_in_sync(comparison: dict[int, dict], 
         assert comparison[rank][case]["divergence"] == 0.0
         assert comparison[rank][case]["grad_gap_between_ranks"] < 1e-6
         assert comparison[rank][case]["grad_norm"] > 0
+
+
+@pytest.fixture(scope="module")
+def comparison_3_ranks() -> dict[int, dict]:
+    """The paper net over three unequal ranks: gathers from three roots, reduce-scatters with two peers each."""
+    cases = [c for c in CASES if c[0] == "marques_cifar-2d"]
+    return launch(_compare_worker, 3, (cases, (0.5, 0.3, 0.2)), timeout_s=120)
+
+
+def test_three_ranks_match_single_process(comparison_3_ranks: dict[int, dict]) -> None:
+    for rank in range(3):
+        result = comparison_3_ranks[rank]["marques_cifar-2d"]
+        bad = {k: v for k, v in result["errors"].items() if not v <= 1.0}
+        assert not bad, f"rank {rank}: not allclose(rtol={RTOL}, atol={ATOL}), error/tolerance: {bad}"
+        assert result["trained_state"] <= 1.0 and result["divergence"] == 0.0
+    assert comparison_3_ranks[0]["marques_cifar-2d"]["counts"] == {"features.0": [4, 2, 1], "features.3": [6, 3, 2]}
+
+
+# Per split conv: (channel-wise layers absorbed, input gradient all-reduced, output gradient partial).
+LAYOUTS = {
+    # conv, ReLU, pool twice: both absorb their ReLU and pool, the second is chained to the first.
+    "marques_cifar-2d": {"features.0": (2, True, True), "features.3": (2, False, False)},
+    # conv, norm, ReLU, pool twice.
+    "vgg_tiny-2d": {"features.0": (3, True, True), "features.4": (3, False, False)},
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_sequential_convs_absorb_channelwise_layers_and_chain(comparison: dict[int, dict], case: str) -> None:
+    assert comparison[0][case]["layers"] == LAYOUTS[case]
+    assert comparison[0][case]["same_names"]
+
+
+def test_resnet_convs_outside_sequentials_are_not_chained(comparison: dict[int, dict]) -> None:
+    """Block convs feed residual sums: never chained; a projection shortcut (conv, norm) absorbs its norm."""
+    layers = comparison[0]["resnet_tiny-2d"]["layers"]
+    assert all(reduce and not partial for _, reduce, partial in layers.values())
+    shortcuts = {name: absorbed for name, (absorbed, _, _) in layers.items() if "downsample" in name}
+    assert shortcuts and set(shortcuts.values()) == {1}
+    assert all(absorbed == 0 for name, (absorbed, _, _) in layers.items() if name not in shortcuts)
+    assert comparison[0]["resnet_tiny-2d"]["same_names"]
 
 
 def test_split_channels() -> None:

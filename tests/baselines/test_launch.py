@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddcnn.baselines.launch import RankInfo, launch, process_group
+from ddcnn.baselines.launch import RankInfo, launch, process_group, threads_per_rank
 
 
 def _fail_on_rank_1(info: RankInfo) -> None:
@@ -50,3 +50,11 @@ def test_a_run_past_its_deadline_is_killed() -> None:
         launch(_hang, 1, timeout_s=3)
     assert time.monotonic() - start < 15
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 64])
+def test_every_computing_process_gets_one_thread_whatever_the_cores(num_ranks: int) -> None:
+    """The single-process reference runs on one thread: a rank with more would make speedups unfair."""
+    assert threads_per_rank(num_ranks) == 1
+    with pytest.raises(ValueError, match="num_ranks"):
+        threads_per_rank(0)
