@@ -35,7 +35,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from ddcnn.io import atomic_write_text
-from ddcnn.report.results import METHODS, method_rows
+from ddcnn.report.results import METHODS, TIMING_RULE, method_rows
 from ddcnn.rundir import NON_RESULT_KEYS, flatten
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ CSV_COLUMNS = (
     "num_subdomains",
     "overlap",
     "settings",
+    "timing_context",
     "method",
     "method_key",
     "seeds",
@@ -102,6 +103,24 @@ class Run:
     overlap: tuple[int, ...]
     seed: int
     rows: list[dict] = field(default_factory=list)
+
+    @property
+    def timing_context(self) -> str:
+        """Where this run's compared times were measured, in words; ``mixed (...)`` when they do not share one context,
+        ``unknown`` for runs written before contexts were recorded. Runs of different contexts are never averaged."""
+        timing = self.results.get("timing")
+        if not timing:
+            return "unknown"
+        if not timing.get("comparable", True):
+            return "mixed (" + ", ".join(sorted(timing.get("differences", {}))) + ")"
+        contexts = list((timing.get("contexts") or {}).values())
+        if not contexts:
+            return "unknown"
+        c = contexts[0]
+        trainings = c.get("concurrent_trainings", 1)
+        return (
+            f"{c.get('device')}, {c.get('torch_threads')} thread(s), {trainings} training(s) at once, {c.get('host')}"
+        )
 
     @property
     def grid_label(self) -> str:
@@ -237,12 +256,14 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
         for run in group:
             label = _settings_label(run, keys)
             for row in run.rows:
-                key = (run.backbone, math.prod(run.grid), run.grid_label, run.overlap_label, label, row["key"])
+                # The timing context is part of the group: times measured in different contexts never average.
+                context = run.timing_context
+                key = (run.backbone, math.prod(run.grid), run.grid_label, run.overlap_label, label, context, row["key"])
                 cells.setdefault(key, []).append((run, row))
         order = list(METHODS)
         rows = []
-        for key in sorted(cells, key=lambda k: (*k[:5], order.index(k[5]) if k[5] in order else len(order))):
-            backbone, n, grid, overlap, label, method = key
+        for key in sorted(cells, key=lambda k: (*k[:6], order.index(k[6]) if k[6] in order else len(order))):
+            backbone, n, grid, overlap, label, context, method = key
             entries = cells[key]
             acc = [float(row["accuracy"]) for _, row in entries]
             balanced = _mean_std([row.get("balanced_accuracy") for _, row in entries])
@@ -255,6 +276,7 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
                     "num_subdomains": n,
                     "overlap": overlap,
                     "settings": label,
+                    "timing_context": context,
                     "method": METHODS.get(method, entries[0][1].get("name", method)),
                     "method_key": method,
                     "seeds": len({run.seed for run, _ in entries}),
@@ -295,7 +317,11 @@ def _accuracy(row: Mapping, key: str = "accuracy") -> str:
 def table_markdown(rows: Sequence[Mapping]) -> str:
     """The Markdown table of one dataset's :func:`comparison_rows` (accuracy in percent)."""
     with_settings = any(r["settings"] for r in rows)
+    contexts = {r.get("timing_context") for r in rows}
+    with_context = len(contexts) > 1 or any(str(c).startswith("mixed") for c in contexts)
     head = ["backbone", "grid", "overlap", *(["settings"] if with_settings else []), "method", "seeds"]
+    if with_context:
+        head.insert(len(head) - 2, "timing context")
     head += [
         "test accuracy (%)",
         "balanced acc. (%)",
@@ -308,7 +334,8 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["backbone"], r["grid"], r["overlap"], *([r["settings"]] if with_settings else []), r["method"]]
+        cells = [r["backbone"], r["grid"], r["overlap"], *([r["settings"]] if with_settings else [])]
+        cells += [*([str(r.get("timing_context"))] if with_context else []), r["method"]]
         cells += [
             str(r["seeds"]),
             _accuracy(r),
@@ -467,7 +494,10 @@ def write_report(
         "seed shows no ±). Times are training times in seconds on the machine that ran each stage: sequential = "
         "every stage the method needs one after another on one device; projected = on the devices it can use "
         "(N local nets in parallel, then the coarse DNN and any further training; 1 device for the global CNN and "
-        "the end-to-end CNN-DNN); speedup = global CNN time / projected time.",
+        "the end-to-end CNN-DNN); speedup = global CNN time / projected time. " + TIMING_RULE + " Runs whose times "
+        "were measured in different contexts (device, threads, trainings sharing the machine, host) are never "
+        "averaged together; a `timing context` column appears when a table holds more than one, and `mixed (...)` "
+        "marks a run whose own compared times come from different contexts.",
         "",
     ]
     for dataset, rows in tables.items():
