@@ -14,7 +14,7 @@ import torch
 
 from ddcnn.context import Context, build_coarse_net
 from ddcnn.data.datamodule import TensorDataModule
-from ddcnn.engine.fit import FitResult, engine_settings
+from ddcnn.engine.fit import FitResult, build_loggers, engine_settings
 from ddcnn.engine.tensor_fit import EVAL_CHUNK, fit_tensors, torch_threads
 from ddcnn.rundir import SPLITS
 from ddcnn.stages.common import finish_stage, skip, stage_seed
@@ -36,6 +36,15 @@ def coarse_inputs(ctx: Context, kind: str) -> tuple[dict[str, torch.Tensor], dic
                 f"stage with force=true."
             )
     return x, y
+
+
+def _log_history(ctx: Context, folder, history: list[dict]) -> None:
+    """The coarse DNN's epochs to the loggers of the ``logger`` group (its CSV log is written by the trainer)."""
+    for logger in build_loggers(ctx.cfg, folder):
+        for row in history:
+            metrics = {k: float(v) for k, v in row.items() if k not in ("epoch", "step") and v is not None}
+            logger.log_metrics({**metrics, "epoch": float(row["epoch"])}, step=int(row["epoch"]))
+        logger.finalize("success")
 
 
 def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = None) -> dict:
@@ -73,6 +82,7 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
             checkpoint_every=int(coarse.get("checkpoint_every") or coarse.max_epochs),
             device=device,
         )
+        _log_history(ctx, folder, fitted.history)
         dm = TensorDataModule(x, y, eval_batch_size=EVAL_CHUNK, seed=seed)  # predictions only
         result = FitResult(
             fitted.net, fitted.fit_time_s, fitted.previous_time_s, fitted.resumed_from_epoch, fitted.best_epoch
