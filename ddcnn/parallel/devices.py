@@ -94,10 +94,16 @@ def process_device(cfg, local_rank: int = 0) -> str:
     """The device of a process that trains in place (``parallel.workers=1``, a SLURM task, an ``srun`` rank).
 
     ``cfg.device`` as given, except that a bare ``cuda`` picks ``cuda:<local_rank % GPUs>`` so that the
-    ``srun`` tasks of one node spread over its GPUs. ``parallel.threads_per_worker``, when set, is applied.
+    ``srun`` tasks of one node spread over its GPUs. ``parallel.threads_per_worker``, when set, is applied; else the
+    tasks of one ``srun`` step on a node take ``--cpus-per-task`` threads each, or an equal share of the cores.
     """
     device = str(cfg.get("device") or "cpu")
     threads = cfg.get("parallel", {}).get("threads_per_worker")
+    per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").split("(")[0].split(",")[0]
+    if threads is None and per_node.isdigit() and int(per_node) > 1:
+        # Tasks of one srun step share the node: each takes its CPUs (--cpus-per-task) or an equal share, never all
+        # of them (G tasks x all cores oversubscribes and OpenMP's spinning makes every task many times slower).
+        threads = int(os.environ.get("SLURM_CPUS_PER_TASK") or max(1, available_cores() // int(per_node)))
     if device == "cuda" and torch.cuda.is_available():
         device = f"cuda:{local_rank % torch.cuda.device_count()}"
     configure_process(device, None if threads is None else int(threads))
