@@ -41,7 +41,7 @@ from ddcnn.runtime import WORKERS_ENV, quiet_process, run_generation, shard, sru
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalStageFailed", "run_local_stage", "run_local_parallel", "stops_after_local", "wait_for_local"]
+__all__ = ["LocalStageFailed", "run_local_stage", "run_local_parallel", "wait_for_local"]
 
 ERROR_LOG = "error.log"
 # Seconds per local net that do not scale with its size (Trainer set-up, checkpoint and prediction files).
@@ -95,12 +95,6 @@ def _train_one(ctx, subdomain: int, device: str, where: str) -> tuple[dict | Non
 
 
 # --- dispatch ------------------------------------------------------------------------------------
-def stops_after_local(cfg: DictConfig) -> bool:
-    """True for an ``srun`` task other than rank 0: rank 0 alone goes on to the coarse stage."""
-    task = srun_task(str(_parallel_cfg(cfg).get("mode", "auto")))
-    return task is not None and task.rank != 0
-
-
 def run_local_stage(ctx, indices: list[int], pool: _Pool | None = None) -> list[dict]:
     """Train local nets ``indices`` of ``ctx`` where the configuration and the environment say (see module doc).
 

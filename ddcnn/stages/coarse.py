@@ -8,7 +8,6 @@ times include the training time of processes that were interrupted.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -61,7 +60,6 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
     x, y = coarse_inputs(ctx, kind)
     seed = stage_seed(ctx, stage)
     coarse, settings = ctx.cfg.coarse, engine_settings(ctx.cfg)
-    start = time.perf_counter()
     torch.manual_seed(seed)
     net = build_coarse_net(ctx.cfg, n, ctx.data.num_classes)
     # A plain PyTorch loop on the in-memory tensors: through Lightning, the thousands of small steps of an MLP cost
@@ -87,6 +85,6 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
         result = FitResult(
             fitted.net, fitted.fit_time_s, fitted.previous_time_s, fitted.resumed_from_epoch, fitted.best_epoch
         )
-        meta = finish_stage(ctx, stage, fitted.net, dm, device, seed, start, result, input=kind)
+        meta = finish_stage(ctx, stage, fitted.net, dm, device, seed, result, input=kind)
     log.info("%s (on %s): test acc %.4f in %.1f s", stage, kind, meta["accuracy"]["test"], meta["time_s"])
     return meta

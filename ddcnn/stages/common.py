@@ -78,7 +78,6 @@ def finish_stage(
     dm: TensorDataModule,
     device,
     seed: int,
-    start: float,
     result: FitResult,
     subdomain: int | None = None,
     num_devices: int = 1,
@@ -171,6 +170,6 @@ def train_full_images(
     extra = {"max_epochs": epochs, **extra}
     if before is not None:
         extra["start_accuracy"] = {"val": before}
-    meta = finish_stage(ctx, stage, result.net, dm, device, seed, start, result, **extra)
+    meta = finish_stage(ctx, stage, result.net, dm, device, seed, result, **extra)
     log.info("%s: test acc %.4f in %.1f s", stage, meta["accuracy"]["test"], meta["time_s"])
     return meta

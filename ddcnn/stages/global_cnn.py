@@ -61,7 +61,7 @@ def run(ctx: Context, device=None, stage: str = "global", num_devices: int = 1) 
         if num_devices > 1
         else {}
     )
-    meta = finish_stage(ctx, stage, result.net, dm, device, seed, start, result, num_devices=num_devices, **ddp)
+    meta = finish_stage(ctx, stage, result.net, dm, device, seed, result, num_devices=num_devices, **ddp)
     log.info(
         "%s: test acc %.4f in %.1f s on %d device(s)", stage, meta["accuracy"]["test"], meta["time_s"], num_devices
     )

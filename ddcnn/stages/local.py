@@ -48,7 +48,6 @@ def run(ctx: Context, device=None, subdomain: int = 0) -> dict:
         dm,
         device,
         seed,
-        start,
         result,
         subdomain,
         position=list(dec.position(subdomain)),
