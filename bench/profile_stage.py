@@ -2,6 +2,7 @@
 
     python bench/profile_stage.py                                  # the default digits run, local net 0
     python bench/profile_stage.py data=mnist data.train_subset=10000 trainer.max_epochs=2 --stage coarse
+    python bench/profile_stage.py engine.loop=lightning                  # the same local net through Lightning
 
 Prints the stage's wall time and the cumulative time of: forward + loss, backward, optimizer step, validation,
 checkpoint writes, CSV logging, data loading, and the rest of Lightning's loop (the remainder of ``fit``).
@@ -22,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import config, quiet  # noqa: E402
 
 # (label, predicate on (file, function name)) -- cumulative time of the outermost matching frames.
-PARTS = [
+# Lightning's loop (engine.loop=lightning):
+LIGHTNING_PARTS = [
     ("forward + loss", lambda f, n: n == "_step" and f.endswith("classifier.py")),
     ("backward", lambda f, n: n == "backward" and "torch/_tensor.py" in f),
     ("optimizer step", lambda f, n: n == "step" and "/torch/optim/" in f),
@@ -32,6 +34,16 @@ PARTS = [
     ("data loading", lambda f, n: n == "__next__" and "dataloader.py" in f),
     ("predictions (after fit)", lambda f, n: n == "save_predictions"),
     ("fit (Lightning, total)", lambda f, n: n == "fit" and f.endswith("trainer/trainer.py")),
+]
+# ddcnn's plain loop (engine.loop=plain, the default on one device):
+PLAIN_PARTS = [
+    ("backward", lambda f, n: n == "backward" and "torch/_tensor.py" in f),
+    ("optimizer step", lambda f, n: n == "step" and "/torch/optim/" in f),
+    ("validation", lambda f, n: n == "_evaluate" and f.endswith("tensor_fit.py")),
+    ("checkpoint + metrics.csv writes", lambda f, n: n == "save" and f.endswith("tensor_fit.py")),
+    ("epoch lines / loggers", lambda f, n: n == "__call__" and f.endswith("engine/train.py")),
+    ("predictions (after fit)", lambda f, n: n == "save_predictions"),
+    ("fit (plain loop, total)", lambda f, n: n == "fit_tensors"),
 ]
 
 
@@ -58,15 +70,32 @@ def main() -> None:
         profile.disable()
         wall = time.perf_counter() - start
     stats = pstats.Stats(profile)
-    print(f"stage {args.stage}: wall {wall:.2f} s under cProfile (meta time_s {meta['time_s']:.2f} s)")
-    totals = {label: sum(v[3] for (f, _, n), v in stats.stats.items() if match(f, n)) for label, match in PARTS}
-    # Lightning runs forward and backward inside optimizer.step (the closure): the optimizer's own share is the rest.
-    totals["optimizer step"] -= totals["forward + loss"] + totals["backward"]
-    loop = totals["fit (Lightning, total)"] - sum(
-        totals[k] for k in ("forward + loss", "backward", "optimizer step", "validation loop", "data loading")
-    )
-    for label, total in [*totals.items(), ("Lightning loop, hooks, rest", loop)]:
-        print(f"  {label:28s} {total:7.2f} s  {100 * total / wall:5.1f}%")
+    loop = meta.get("loop", "lightning")
+    parts = PLAIN_PARTS if loop == "plain" else LIGHTNING_PARTS
+    print(f"stage {args.stage} ({loop} loop): wall {wall:.2f} s under cProfile (meta time_s {meta['time_s']:.2f} s)")
+    totals = {label: sum(v[3] for (f, _, n), v in stats.stats.items() if match(f, n)) for label, match in parts}
+    if loop == "plain":
+        total = totals["fit (plain loop, total)"]
+        rest = total - sum(
+            totals[k]
+            for k in (
+                "backward",
+                "optimizer step",
+                "validation",
+                "checkpoint + metrics.csv writes",
+                "epoch lines / loggers",
+            )
+        )
+        rows = [*totals.items(), ("forward + loss, batches, rest", rest)]
+    else:
+        # Lightning runs forward and backward inside optimizer.step (the closure): the optimizer's share is the rest.
+        totals["optimizer step"] -= totals["forward + loss"] + totals["backward"]
+        loop_rest = totals["fit (Lightning, total)"] - sum(
+            totals[k] for k in ("forward + loss", "backward", "optimizer step", "validation loop", "data loading")
+        )
+        rows = [*totals.items(), ("Lightning loop, hooks, rest", loop_rest)]
+    for label, value in rows:
+        print(f"  {label:32s} {value:7.2f} s  {100 * value / wall:5.1f}%")
 
 
 if __name__ == "__main__":

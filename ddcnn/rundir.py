@@ -66,6 +66,7 @@ NON_RESULT_KEYS = (
     "trainer.devices",
     "device",
     "engine.checkpoint_every_s",
+    "engine.loop",  # which loop trained a stage is in its meta.json ("loop")
     "coarse.checkpoint_every",
     "coarse.num_threads",
     "optimized_metric",

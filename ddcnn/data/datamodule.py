@@ -1,6 +1,7 @@
-"""The loaders every stage trains on: in-memory tensors served to Lightning one whole batch at a time.
+"""The loaders every stage trains on: in-memory tensors served one whole batch at a time.
 
-:class:`TensorDataModule` serves the tensors of :func:`ddcnn.data.prepare.prepare` to Lightning. Whole
+:class:`TensorDataModule` holds the tensors of :func:`ddcnn.data.prepare.prepare` for ddcnn's plain loop (which reads
+them directly, :mod:`ddcnn.engine.train`) and serves them to Lightning as data loaders. Whole
 batches are taken by one index operation (no per-sample ``__getitem__`` and collate), which keeps the
 framework overhead of small local nets negligible. An optional ``view`` turns each batch of full images
 into what the network sees, e.g. sub-domain ``i`` of the decomposition, after an optional augmentation of
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import lightning as L
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
 
@@ -122,7 +122,7 @@ class Crop:
         return x[self.box]
 
 
-class TensorDataModule(L.LightningDataModule):
+class TensorDataModule:
     """Serves in-memory ``(x, y)`` tensors of the three splits in shuffled (train) or ordered batches.
 
     Args:
@@ -146,7 +146,6 @@ class TensorDataModule(L.LightningDataModule):
         view: Callable | None = None,
         augment: Callable | None = None,
     ) -> None:
-        super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
         self.data = {s: _BatchTensorDataset(x[s], y[s]) for s in x}

@@ -1,8 +1,9 @@
-"""The Lightning side of every training: Trainer construction, ``fit`` with resume, prediction and saving.
+"""The Lightning side of the engine: Trainer construction and :func:`fit_lightning` with resume.
 
-Every stage that trains a network calls :func:`fit`; it resumes from ``folder/last.ckpt`` and returns the network
-with the weights selected on validation (``engine.monitor`` / ``engine.monitor_mode``). What does not train is kept
-off the critical path:
+Stages call :func:`ddcnn.engine.train.fit`, which trains with this module under DDP and with ``engine.loop=lightning``
+(re-exported here with the prediction helpers, for callers of the former home of ``fit``). It resumes from
+``folder/last.ckpt`` and returns the network with the weights selected on validation (``engine.monitor`` /
+``engine.monitor_mode``). What does not train is kept off the critical path:
 
 - the best weights are kept in memory (:class:`BestWeights`), not written to ``best.ckpt`` at every improvement;
 - ``last.ckpt`` is written when ``engine.checkpoint_every_s`` seconds of training have passed since the previous one
@@ -15,13 +16,11 @@ off the critical path:
 from __future__ import annotations
 
 import csv
-import inspect
 import io
 import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -38,8 +37,17 @@ from ddcnn.engine.checkpoint_io import AtomicCheckpointIO
 from ddcnn.engine.classifier import Classifier
 from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
 from ddcnn.engine.tensor_fit import scheduler_factory
-from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_text, is_space_or_permission
-from ddcnn.rundir import SPLITS
+from ddcnn.engine.train import (
+    FitResult,
+    build_loggers,
+    engine_settings,
+    fit,
+    predict_logits,
+    save_net,
+    save_predictions,
+    stage_name,
+)
+from ddcnn.io import ArtifactWriteError, atomic_write_text, is_space_or_permission
 from ddcnn.runtime import srun_task
 
 log = logging.getLogger(__name__)
@@ -57,64 +65,14 @@ __all__ = [
     "build_trainer",
     "engine_settings",
     "fit",
+    "fit_lightning",
     "predict_logits",
     "save_predictions",
     "save_net",
 ]
 
 
-@dataclass
-class FitResult:
-    """What :func:`fit` returns.
-
-    Attributes:
-        net: The network with the selected (best on validation) weights.
-        time_s: Training time of every process that worked on this stage, this one included (seconds from the
-            stage's start to the end of ``fit``; an earlier process counts up to its last checkpoint).
-        earlier_s: The part of ``time_s`` spent by earlier processes (0 when nothing was resumed).
-        resumed_from_epoch: The epoch of the checkpoint this process resumed from, or ``None``.
-        best_epoch: The epoch whose weights were selected.
-        startup_s: Process start-up the training paid outside ``time_s`` (DDP: spawning the ranks), 0 otherwise.
-        global_rank: This process's rank in the training (0 unless DDP across the tasks of an ``srun`` step).
-        world_size: The processes that trained it together (DDP), 1 otherwise.
-    """
-
-    net: nn.Module
-    time_s: float
-    earlier_s: float
-    resumed_from_epoch: int | None
-    best_epoch: int | None
-    startup_s: float = 0.0
-    global_rank: int = 0
-    world_size: int = 1
-
-
 # --- settings ------------------------------------------------------------------------------------
-def engine_settings(cfg: DictConfig) -> dict:
-    """``cfg.engine`` with defaults: monitor, monitor_mode, num_devices, checkpoint_every_s."""
-    node = cfg.get("engine") or {}
-    out = {
-        "monitor": str(node.get("monitor", "val_acc")),
-        "monitor_mode": str(node.get("monitor_mode", "max")),
-        "num_devices": int(node.get("num_devices", 1) or 1),
-        "checkpoint_every_s": float(node.get("checkpoint_every_s", 0.0) or 0.0),
-        "ddp_launcher": str(node.get("ddp_launcher", "spawn") or "spawn"),
-    }
-    if out["ddp_launcher"] not in ("spawn", "slurm"):
-        raise ValueError(f"engine.ddp_launcher must be 'spawn' or 'slurm', got {out['ddp_launcher']!r}.")
-    if out["monitor_mode"] not in ("max", "min"):
-        raise ValueError(f"engine.monitor_mode must be 'max' or 'min', got {out['monitor_mode']!r}.")
-    if out["monitor"] not in ("val_acc", "val_loss", "train_acc", "train_loss"):
-        raise ValueError(
-            f"engine.monitor must be one of val_acc, val_loss, train_acc, train_loss, got {out['monitor']!r}."
-        )
-    if out["checkpoint_every_s"] < 0:
-        raise ValueError(
-            f"engine.checkpoint_every_s must be >= 0 (0: after every epoch), got {out['checkpoint_every_s']}."
-        )
-    return out
-
-
 def device_kwargs(device: str | torch.device | None, num_devices: int = 1, launcher: str = "spawn") -> dict:
     """Trainer arguments for one training on ``device``, or on ``num_devices`` devices from it with DDP.
 
@@ -340,35 +298,6 @@ class ResumableCSVLogger(CSVLogger):
 
 
 # --- trainer -------------------------------------------------------------------------------------
-def _stage_name(folder: Path) -> str:
-    return f"local {int(folder.name)}" if folder.parent.name == "local" and folder.name.isdigit() else folder.name
-
-
-def build_loggers(cfg: DictConfig, folder: Path) -> list:
-    """The loggers of the ``logger`` config group besides the CSV log (which is always written: the training-curve
-    plots read it), each given this stage's folder (``save_dir``) and name (``run_name``) where it takes them."""
-    out = []
-    for name, spec in (cfg.get("logger") or {}).items():
-        if not spec or "_target_" not in spec:
-            continue  # logger=csv: the CSV log alone
-        try:
-            factory = hydra.utils.instantiate(spec)
-            keywords = getattr(factory, "keywords", {})
-            params = inspect.signature(getattr(factory, "func", factory)).parameters
-            kwargs = {}
-            if "save_dir" in params and "save_dir" not in keywords:
-                kwargs["save_dir"] = str(folder)
-            if "run_name" in params and "run_name" not in keywords:
-                kwargs["run_name"] = _stage_name(folder)
-            out.append(factory(**kwargs))
-        except Exception as err:
-            raise ValueError(
-                f"cannot create logger {name!r} ({spec.get('_target_')}): {err}. Install what it needs (pip install "
-                f"tensorboard, or mlflow-skinny for logger=mlflow) or choose another: logger=csv|tensorboard|mlflow."
-            ) from err
-    return out
-
-
 def build_trainer(
     cfg: DictConfig,
     folder: Path,
@@ -391,7 +320,7 @@ def build_trainer(
     if tcfg.get("enable_progress_bar") is None:
         tcfg["enable_progress_bar"] = sys.stderr.isatty()
         if not tcfg["enable_progress_bar"]:
-            callbacks.append(EpochLine(_stage_name(folder)))
+            callbacks.append(EpochLine(stage_name(folder)))
     logger = [ResumableCSVLogger(save_dir=str(folder), name="logs", version="", keep_through_epoch=resumed_epoch)]
     logger += build_loggers(cfg, folder)
     return L.Trainer(
@@ -406,10 +335,10 @@ def build_trainer(
     )
 
 
-def fit(
+def fit_lightning(
     cfg: DictConfig,
     net: nn.Module,
-    datamodule: L.LightningDataModule,
+    datamodule,
     folder: Path,
     device,
     seed: int,
@@ -417,7 +346,8 @@ def fit(
     max_epochs: int | None = None,
     optimizer_cfg: DictConfig | None = None,
 ) -> FitResult:
-    """Train ``net`` with Lightning into ``folder``, resuming from ``folder/last.ckpt``.
+    """Train ``net`` with Lightning into ``folder``, resuming from ``folder/last.ckpt`` (``engine.loop=lightning``,
+    and DDP; :func:`ddcnn.engine.train.fit` chooses).
 
     Args:
         cfg: The run configuration (``trainer``, ``engine``, ``optimizer``, ``scheduler``, ``data.num_classes``).
@@ -456,7 +386,12 @@ def fit(
     trainer = build_trainer(cfg, folder, device, epochs, callbacks, resumed_epoch=resumed)
     clock.mark_fit()
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.is_file() else None)
+        trainer.fit(
+            module,
+            train_dataloaders=datamodule.train_dataloader(),
+            val_dataloaders=datamodule.val_dataloader(),
+            ckpt_path=str(last) if last.is_file() else None,
+        )
     except OSError as err:
         if isinstance(err, ArtifactWriteError) or not is_space_or_permission(err):
             raise
@@ -482,34 +417,5 @@ def fit(
     elif (folder / "best.ckpt").is_file():  # a run directory written before the best weights moved into last.ckpt
         module.load_state_dict(torch.load(folder / "best.ckpt", map_location="cpu", weights_only=False)["state_dict"])
     rank = 0 if spawned else int(trainer.global_rank)
-    return FitResult(module.net, clock_time, earlier, resumed, best.best_epoch, startup, rank, int(trainer.world_size))
-
-
-# --- prediction and artifacts --------------------------------------------------------------------
-@torch.inference_mode()
-def predict_logits(net: nn.Module, loader, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and labels of every batch of ``loader`` (in order)."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    net = net.to(device).eval()
-    outs, labels = [], []
-    for x, y in loader:
-        outs.append(net(x.to(device)).float().cpu())
-        labels.append(y)
-    return torch.cat(outs), torch.cat(labels)
-
-
-def save_predictions(net: nn.Module, datamodule, folder: Path, device) -> dict[str, float]:
-    """``probs_<split>.pt`` (logits, probabilities, labels) of every split; returns the accuracy per split."""
-    accuracy = {}
-    for split in SPLITS:
-        logits, labels = predict_logits(net, datamodule.loader(split), device)
-        atomic_torch_save(
-            {"logits": logits, "probs": logits.softmax(-1), "labels": labels}, folder / f"probs_{split}.pt"
-        )
-        accuracy[split] = float((logits.argmax(-1) == labels).float().mean())
-    return accuracy
-
-
-def save_net(net: nn.Module, folder: Path) -> None:
-    """``net.pt``: the state dict of the selected weights, on CPU."""
-    atomic_torch_save({k: v.detach().cpu() for k, v in net.state_dict().items()}, folder / "net.pt")
+    world = int(trainer.world_size)
+    return FitResult(module.net, clock_time, earlier, resumed, best.best_epoch, startup, rank, world, "lightning")

@@ -42,6 +42,7 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "torch_threads",
+    "num_batches",
     "CHECKPOINT_FORMAT",
     "METRIC_COLUMNS",
 ]
@@ -52,8 +53,18 @@ CHECKPOINT_FORMAT = "ddcnn.tensor_fit/1"
 METRIC_COLUMNS = ("epoch", "step", "lr", "train_loss", "train_acc", "val_loss", "val_acc")
 # Rows per forward pass when evaluating; bounds the memory of a hidden layer over a large split.
 EVAL_CHUNK = 65_536
-# The settings an exact resume depends on: a checkpoint written under others is refused.
-_RESUME_SETTINGS = ("seed", "batch_size", "max_epochs", "monitor", "monitor_mode", "n_train")
+# The settings an exact resume depends on: a checkpoint written under others is refused (a key missing from both
+# the checkpoint and the current settings counts as equal: limits are recorded only where they are set).
+_RESUME_SETTINGS = (
+    "seed",
+    "batch_size",
+    "max_epochs",
+    "monitor",
+    "monitor_mode",
+    "n_train",
+    "limit_train_batches",
+    "limit_val_batches",
+)
 
 
 @dataclass
@@ -167,17 +178,50 @@ def _check_tensors(x: Mapping[str, torch.Tensor], y: Mapping[str, torch.Tensor])
             raise ValueError(f"{split}: no samples; the {split} split must not be empty.")
 
 
+def num_batches(n_batches: int, limit: int | float | None, what: str) -> int:
+    """The batches an epoch runs under a Lightning-style ``limit`` (``trainer.limit_train_batches``): a whole number
+    caps them, a fraction in (0, 1] keeps that share (at least one), ``None`` keeps all."""
+    if limit is None:
+        return n_batches
+    if isinstance(limit, bool) or not isinstance(limit, int | float) or limit <= 0:
+        raise ValueError(
+            f"{what} must be a positive number of batches or a fraction in (0, 1], or null for all, got {limit!r}."
+        )
+    if isinstance(limit, float):
+        if limit > 1.0:
+            raise ValueError(f"{what} as a fraction must be in (0, 1], got {limit!r}; a whole number caps batches.")
+        return max(1, int(n_batches * limit))
+    return min(n_batches, int(limit))
+
+
 @torch.inference_mode()
-def _evaluate(net: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy of ``net`` (in eval mode) over all of ``x``."""
+def _evaluate(
+    net: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    chunk: int,
+    device: torch.device,
+    view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    max_batches: int | None = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``net`` (in eval mode) over ``x`` (its first ``max_batches`` chunks)."""
     net.eval()
-    loss = torch.zeros((), device=x.device)
-    correct = torch.zeros((), device=x.device, dtype=torch.long)
-    for xb, yb in zip(x.split(chunk), y.split(chunk), strict=True):
-        logits = net(xb)
-        loss += F.cross_entropy(logits, yb, reduction="sum")
+    loss = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device, dtype=torch.long)
+    seen = 0
+    for k, (xb, yb) in enumerate(zip(x.split(chunk), y.split(chunk), strict=True)):
+        if max_batches is not None and k >= max_batches:
+            break
+        if view is not None:
+            xb = view(xb)
+        xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+        with autocast():
+            logits = net(xb.contiguous())
+        loss += F.cross_entropy(logits.float(), yb, reduction="sum")
         correct += (logits.argmax(-1) == yb).sum()
-    return float(loss) / len(y), int(correct) / len(y)
+        seen += len(yb)
+    return float(loss) / seen, int(correct) / seen
 
 
 def _better(value: float, best: float | None, mode: str) -> bool:
@@ -211,7 +255,7 @@ def _load_checkpoint(path: Path, settings: Mapping[str, Any]) -> dict | None:
         log.warning("%s was not written by ddcnn.engine.tensor_fit; training starts from scratch", path)
         return None
     saved = state.get("settings", {})
-    differ = {k: (saved.get(k), settings[k]) for k in _RESUME_SETTINGS if saved.get(k) != settings[k]}
+    differ = {k: (saved.get(k), settings.get(k)) for k in _RESUME_SETTINGS if saved.get(k) != settings.get(k)}
     if differ:
         shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in differ.items())
         raise ValueError(
@@ -235,9 +279,19 @@ def fit_tensors(
     monitor: str = "val_acc",
     monitor_mode: str = "max",
     checkpoint_every: int = 1,
+    checkpoint_every_s: float | None = None,
     device: str | torch.device | None = None,
     eval_batch_size: int = EVAL_CHUNK,
     on_epoch_end: Callable[[int, Mapping[str, float]], None] | None = None,
+    transform: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+    val_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    keep_on_host: bool = False,
+    limit_train_batches: int | float | None = None,
+    limit_val_batches: int | float | None = None,
+    gradient_clip_val: float | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    start: float | None = None,
+    write_best: bool = True,
 ) -> FitResult:
     """Train classifier ``net`` on ``x["train"], y["train"]`` with cross-entropy, selecting on ``x["val"]``.
 
@@ -262,10 +316,25 @@ def fit_tensors(
         monitor_mode: ``max`` or ``min``.
         checkpoint_every: Write ``last.ckpt`` and ``logs/metrics.csv`` after every this many epochs, and always after
             the last one.
-        device: Where to train (default CPU); the tensors are moved there once.
+        checkpoint_every_s: Instead of ``checkpoint_every``: write them after the first epoch that ends this many
+            seconds after the previous write (``0``: after every epoch), and after the last one.
+        device: Where to train (default CPU); the tensors are moved there once (unless ``keep_on_host``).
         eval_batch_size: Rows per forward pass when evaluating on the validation split.
         on_epoch_end: Called as ``on_epoch_end(epoch, metrics_row)`` after each epoch, once its checkpoint (if any) is
             written; an exception it raises stops the training as a kill at that moment would.
+        transform: ``(x_batch, sample_indices, epoch) -> network input`` applied to every training batch (e.g. an
+            augmentation of whole images, then the cut of one sub-domain).
+        val_view: ``x_batch -> network input`` for the validation batches (e.g. the cut of one sub-domain).
+        keep_on_host: Leave the data where it is and move each batch to ``device`` (images, volumes); otherwise the
+            splits move to ``device`` once and every epoch gathers its shuffled rows in one operation (small rows).
+        limit_train_batches, limit_val_batches: Batches per epoch and per validation, as Lightning's Trainer arguments
+            of these names (a whole number caps them, a fraction keeps that share); ``None``: all.
+        gradient_clip_val: Clip the gradients' global 2-norm to this value before every step (``None``: no clipping).
+        autocast_dtype: Run forward passes under ``torch.autocast`` with this dtype (``torch.bfloat16``: Lightning's
+            ``bf16-mixed``); ``None``: full precision.
+        start: ``time.perf_counter()`` at the start of the caller's stage, which the training time counts from
+            (default: the call of this function).
+        write_best: Also write ``best.ckpt`` with the selected weights at the end.
 
     Returns:
         The network with its best weights and the training's history and times (:class:`FitResult`).
@@ -273,7 +342,7 @@ def fit_tensors(
     Raises:
         ValueError: For a bad setting (naming it), or a ``last.ckpt`` written under other settings.
     """
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else float(start)
     if int(max_epochs) < 1:
         raise ValueError(f"max_epochs must be >= 1, got {max_epochs!r}.")
     if int(checkpoint_every) < 1:
@@ -286,16 +355,24 @@ def fit_tensors(
         raise ValueError(f"batch_size must be a positive number of rows, or 0/null for full batches, got {batch_size}.")
     if int(eval_batch_size) < 1:
         raise ValueError(f"eval_batch_size must be >= 1, got {eval_batch_size!r}.")
+    if checkpoint_every_s is not None and float(checkpoint_every_s) < 0:
+        raise ValueError(f"checkpoint_every_s must be >= 0 (0: after every epoch), got {checkpoint_every_s!r}.")
+    if gradient_clip_val is not None and float(gradient_clip_val) <= 0:
+        raise ValueError(f"gradient_clip_val must be > 0 (or null: no clipping), got {gradient_clip_val!r}.")
     _check_tensors(x, y)
     max_epochs, checkpoint_every = int(max_epochs), int(checkpoint_every)
     device = torch.device(device) if device is not None else torch.device("cpu")
     folder = Path(folder)
     last, best, metrics_path = folder / "last.ckpt", folder / "best.ckpt", folder / "logs" / "metrics.csv"
 
-    x_train, y_train = x["train"].to(device), y["train"].to(device).long()
-    x_val, y_val = x["val"].to(device), y["val"].to(device).long()
+    stream = keep_on_host or transform is not None  # batches are cut (and moved) one at a time
+    data_device = x["train"].device if stream else device
+    x_train, y_train = x["train"].to(data_device), y["train"].to(data_device).long()
+    x_val, y_val = x["val"].to(data_device), y["val"].to(data_device).long()
     n_train = len(y_train)
     batch = n_train if not batch_size else min(int(batch_size), n_train)
+    train_batches = num_batches(-(-n_train // batch), limit_train_batches, "limit_train_batches")
+    val_batches = num_batches(-(-len(y_val) // int(eval_batch_size)), limit_val_batches, "limit_val_batches")
     settings = {
         "seed": int(seed),
         "batch_size": batch,
@@ -304,6 +381,15 @@ def fit_tensors(
         "monitor_mode": monitor_mode,
         "n_train": n_train,
     }
+    for key, value in (("limit_train_batches", limit_train_batches), ("limit_val_batches", limit_val_batches)):
+        if value is not None:
+            settings[key] = value
+    if autocast_dtype is not None:
+
+        def autocast() -> contextlib.AbstractContextManager:
+            return torch.autocast(device.type, dtype=autocast_dtype)
+    else:
+        autocast = contextlib.nullcontext
 
     net = net.to(device)
     opt = build_optimizer(optimizer, net.parameters())
@@ -342,43 +428,67 @@ def fit_tensors(
         }
         atomic_torch_save(checkpoint, last)
         atomic_write_text(metrics_path, _metrics_csv(history))
+        last_write[0] = time.perf_counter()
+
+    last_write = [time.perf_counter()]
 
     devices = [device] if device.type == "cuda" else []
     x_epoch = y_epoch = None
     with torch.random.fork_rng(devices=devices):  # seeded per epoch below; the caller's generators stay as they were
         for epoch in range(first_epoch, max_epochs):
             gen = _epoch_generator(seed, epoch)
-            if batch < n_train:
-                # One gather of the whole split per epoch into buffers allocated once (a fresh allocation of tens
-                # of MB faults its pages in every epoch, which cost as much as the gather); batches are then views.
-                order = torch.randperm(n_train, generator=gen).to(device)
-                if x_epoch is None:
-                    x_epoch, y_epoch = torch.empty_like(x_train), torch.empty_like(y_train)
-                torch.index_select(x_train, 0, order, out=x_epoch)
-                torch.index_select(y_train, 0, order, out=y_epoch)
+            order = torch.randperm(n_train, generator=gen) if batch < n_train else None
+            if stream:
+                # Batches of indices; each is cut from the stored split (and transformed) when its step comes.
+                index_batches = (order if order is not None else torch.arange(n_train)).split(batch)
+                batches = ((x_train[idx], y_train[idx], idx) for idx in index_batches[:train_batches])
             else:
-                x_epoch, y_epoch = x_train, y_train
+                if order is not None:
+                    # One gather of the whole split per epoch into buffers allocated once (a fresh allocation of
+                    # tens of MB faults its pages in every epoch, which cost as much as the gather); batches are
+                    # then views.
+                    order = order.to(device)
+                    if x_epoch is None:
+                        x_epoch, y_epoch = torch.empty_like(x_train), torch.empty_like(y_train)
+                    torch.index_select(x_train, 0, order, out=x_epoch)
+                    torch.index_select(y_train, 0, order, out=y_epoch)
+                else:
+                    x_epoch, y_epoch = x_train, y_train
+                pairs = zip(x_epoch.split(batch), y_epoch.split(batch), strict=True)
+                batches = ((xb, yb, None) for k, (xb, yb) in enumerate(pairs) if k < train_batches)
             _seed_global_rng(int(torch.randint(2**62, (1,), generator=gen)), device)
             lr = float(opt.param_groups[0]["lr"])
             net.train()
             loss_sum = torch.zeros((), device=device)
             correct = torch.zeros((), device=device, dtype=torch.long)
-            for xb, yb in zip(x_epoch.split(batch), y_epoch.split(batch), strict=True):
-                logits = net(xb)
-                loss = F.cross_entropy(logits, yb)
+            seen = 0
+            for xb, yb, idx in batches:
+                if transform is not None:
+                    xb = transform(xb, idx, epoch)
+                if stream:
+                    xb = xb.contiguous().to(device, non_blocking=True)
+                    yb = yb.to(device, non_blocking=True)
+                with autocast():
+                    logits = net(xb)
+                loss = F.cross_entropy(logits.float(), yb)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
+                if gradient_clip_val is not None:
+                    torch.nn.utils.clip_grad_norm_(net.parameters(), float(gradient_clip_val))
                 opt.step()
                 loss_sum += loss.detach() * len(yb)
                 correct += (logits.detach().argmax(-1) == yb).sum()
+                seen += len(yb)
                 step += 1
-            val_loss, val_acc = _evaluate(net, x_val, y_val, int(eval_batch_size))
+            val_loss, val_acc = _evaluate(
+                net, x_val, y_val, int(eval_batch_size), device, val_view, val_batches, autocast
+            )
             row = {
                 "epoch": epoch,
                 "step": step,
                 "lr": lr,
-                "train_loss": float(loss_sum) / n_train,
-                "train_acc": int(correct) / n_train,
+                "train_loss": float(loss_sum) / seen,
+                "train_acc": int(correct) / seen,
                 "val_loss": val_loss,
                 "val_acc": val_acc,
             }
@@ -390,7 +500,11 @@ def fit_tensors(
                     sched.step(row[monitor])
                 else:
                     sched.step()
-            if (epoch + 1) % checkpoint_every == 0 or epoch == max_epochs - 1:
+            if checkpoint_every_s is not None:
+                due = time.perf_counter() - last_write[0] >= float(checkpoint_every_s)
+            else:
+                due = (epoch + 1) % checkpoint_every == 0
+            if due or epoch == max_epochs - 1:
                 save(epoch)
             if on_epoch_end is not None:
                 on_epoch_end(epoch, row)
@@ -400,7 +514,7 @@ def fit_tensors(
             f"{monitor} was NaN in every epoch of the training in {folder}: it diverged. Lower the learning rate, "
             f"then run again with force=true."
         )
-    if first_epoch < max_epochs or not best.is_file():
+    if write_best and (first_epoch < max_epochs or not best.is_file()):
         atomic_torch_save(
             {
                 "format": CHECKPOINT_FORMAT,

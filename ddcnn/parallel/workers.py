@@ -214,17 +214,36 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _heartbeat(result_q, rank: int, parent_pid: int, interval_s: float) -> None:
+def _heartbeat(result_q, rank: int, parent_pid: int, interval_s: float, stop: threading.Event) -> None:
     """Tell the parent every ``interval_s`` that this worker lives; a stopped (SIGSTOP) or frozen process stops too.
-    Exits the worker when the parent is gone."""
-    while True:
+    Exits the worker when the parent is gone; returns once ``stop`` is set."""
+    while not stop.is_set():
         if os.getppid() != parent_pid:
             os._exit(1)
         try:
             result_q.put(("alive", rank, None))
         except (OSError, ValueError):
             os._exit(1)
-        time.sleep(interval_s)
+        stop.wait(interval_s)
+
+
+def _exit_now(result_q, heartbeat: threading.Thread, stop: threading.Event) -> None:
+    """End a worker whose work is done and reported, without the interpreter's tear-down.
+
+    Freeing the modules of a process that imported torch and Lightning takes about 2 s of CPU (measured: 2.2 s on
+    this project's 2-core machine), and the parent waits for it on the critical path of the local stage. Everything
+    the worker wrote went through atomic writes and is on disk; what is left to flush (its last messages, its log
+    lines) is flushed here first.
+    """
+    stop.set()
+    heartbeat.join(timeout=5)
+    result_q.close()
+    result_q.join_thread()  # the feeder thread has written every message to the pipe
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def _worker_main(
@@ -244,7 +263,9 @@ def _worker_main(
     """
     rank = wdev.rank
     _die_with_parent(parent_pid)
-    threading.Thread(target=_heartbeat, args=(result_q, rank, parent_pid, heartbeat_s), daemon=True).start()
+    stop = threading.Event()
+    heartbeat = threading.Thread(target=_heartbeat, args=(result_q, rank, parent_pid, heartbeat_s, stop), daemon=True)
+    heartbeat.start()
     try:
         configure_process(wdev)
         _setup_worker_logging(rank)
@@ -286,6 +307,7 @@ def _worker_main(
         else:
             result_q.put(("failed", rank, {**failure, "seconds": seconds}))
     result_q.put(("finished", rank, None))
+    _exit_now(result_q, heartbeat, stop)
 
 
 # The data argument of a worker started before the parent loaded the data: it comes through the task queue.

@@ -7,14 +7,15 @@ times include the training time of processes that were interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
 from ddcnn.context import Context, build_coarse_net
 from ddcnn.data.datamodule import TensorDataModule
-from ddcnn.engine.fit import FitResult, build_loggers, engine_settings
 from ddcnn.engine.tensor_fit import EVAL_CHUNK, fit_tensors, torch_threads
+from ddcnn.engine.train import EpochReporter, FitResult, engine_settings
 from ddcnn.rundir import SPLITS
 from ddcnn.stages.common import finish_stage, skip, stage_seed
 
@@ -37,15 +38,6 @@ def coarse_inputs(ctx: Context, kind: str) -> tuple[dict[str, torch.Tensor], dic
     return x, y
 
 
-def _log_history(ctx: Context, folder, history: list[dict]) -> None:
-    """The coarse DNN's epochs to the loggers of the ``logger`` group (its CSV log is written by the trainer)."""
-    for logger in build_loggers(ctx.cfg, folder):
-        for row in history:
-            metrics = {k: float(v) for k, v in row.items() if k not in ("epoch", "step") and v is not None}
-            logger.log_metrics({**metrics, "epoch": float(row["epoch"])}, step=int(row["epoch"]))
-        logger.finalize("success")
-
-
 def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = None) -> dict:
     """Train the coarse DNN on the saved local probabilities (or logits: ``kind``, default ``coarse.input``).
 
@@ -64,7 +56,10 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
     net = build_coarse_net(ctx.cfg, n, ctx.data.num_classes)
     # A plain PyTorch loop on the in-memory tensors: through Lightning, the thousands of small steps of an MLP cost
     # more than a local net (ddcnn.engine.tensor_fit).
-    with torch_threads(coarse.get("num_threads")):
+    epochs = int(coarse.max_epochs)
+    reporter = EpochReporter(ctx.cfg, folder, epochs)
+    with torch_threads(coarse.get("num_threads")), contextlib.ExitStack() as stack:
+        stack.callback(reporter.close)
         fitted = fit_tensors(
             net,
             x,
@@ -72,15 +67,15 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
             folder,
             optimizer=coarse.optimizer,
             scheduler=ctx.cfg.get("scheduler"),
-            max_epochs=int(coarse.max_epochs),
+            max_epochs=epochs,
             batch_size=coarse.get("batch_size"),
             seed=seed,
             monitor=settings["monitor"],
             monitor_mode=settings["monitor_mode"],
             checkpoint_every=int(coarse.get("checkpoint_every") or coarse.max_epochs),
             device=device,
+            on_epoch_end=reporter,
         )
-        _log_history(ctx, folder, fitted.history)
         dm = TensorDataModule(x, y, eval_batch_size=EVAL_CHUNK, seed=seed)  # predictions only
         result = FitResult(
             fitted.net, fitted.fit_time_s, fitted.previous_time_s, fitted.resumed_from_epoch, fitted.best_epoch

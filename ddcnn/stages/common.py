@@ -17,7 +17,7 @@ from torch import nn
 from ddcnn import registry
 from ddcnn.context import Context, build_augment, count_parameters, subdomain_seed
 from ddcnn.data.datamodule import TensorDataModule
-from ddcnn.engine.fit import FitResult, fit, predict_logits, save_net, save_predictions
+from ddcnn.engine.train import FitResult, fit, predict_logits, save_net, save_predictions
 from ddcnn.rundir import PROB_FILES
 from ddcnn.runtime import execution_context, run_generation, slurm_info
 
@@ -107,6 +107,7 @@ def finish_stage(
         "accuracy": accuracy,
         "params": count_parameters(net),
         "device": str(device or "cpu"),
+        "loop": result.loop,
         **({"num_devices": num_devices} if num_devices > 1 else {}),
         "context": execution_context(device, num_devices),
         "slurm": slurm_info(),

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import time
 
-import lightning as L
-
 from ddcnn.context import Context, build_coarse_net, build_local_net, subdomain_seed
+from ddcnn.engine.train import seed_everything
 from ddcnn.models.cnn_dnn import CNNDNN
 from ddcnn.stages.common import skip, stage_seed, train_full_images
 
@@ -26,9 +25,9 @@ def run(ctx: Context, device=None) -> dict:
     n = ctx.decomposition.num_subdomains
     nets = []
     for i in range(n):
-        L.seed_everything(subdomain_seed(ctx.cfg.seed, i), workers=True, verbose=False)
+        seed_everything(subdomain_seed(ctx.cfg.seed, i))
         nets.append(build_local_net(ctx.cfg, ctx.data))
-    L.seed_everything(stage_seed(ctx, "coarse"), workers=True, verbose=False)
+    seed_everything(stage_seed(ctx, "coarse"))
     coarse = build_coarse_net(ctx.cfg, n, ctx.data.num_classes)
     model = CNNDNN(ctx.decomposition, nets, coarse, str(ctx.cfg.coarse.get("input", "probs")))
     return train_full_images(

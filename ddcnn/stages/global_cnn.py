@@ -6,11 +6,10 @@ import copy
 import logging
 import time
 
-import lightning as L
 from omegaconf import open_dict
 
 from ddcnn.context import Context, build_global_net
-from ddcnn.engine.fit import fit
+from ddcnn.engine.train import fit, seed_everything
 from ddcnn.runtime import srun_task
 from ddcnn.stages.common import batch_size, finish_stage, full_image_data, skip, stage_seed
 
@@ -49,7 +48,7 @@ def run(ctx: Context, device=None, stage: str = "global", num_devices: int = 1) 
     batch = batch_size(ctx.cfg)
     dm = full_image_data(ctx, seed, batch // num_devices)
     start = time.perf_counter()
-    L.seed_everything(seed, workers=True, verbose=False)
+    seed_everything(seed)
     net = build_global_net(ctx.cfg, ctx.data)
     result = fit(cfg, net, dm, folder, device, seed, start)
     if result.global_rank != 0:  # a peer of rank 0 in DDP across srun tasks: rank 0 alone writes the artifacts

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import time
 
-import lightning as L
 import torch
 from torch import nn
 
 from ddcnn.context import Context, build_global_net
+from ddcnn.engine.train import seed_everything
 from ddcnn.stages.common import method_settings, skip, stage_seed, train_full_images
 
 __all__ = ["run", "init_global_transfer"]
@@ -62,7 +62,7 @@ def init_global_transfer(ctx: Context) -> tuple[nn.Module, dict]:
             source[key] = torch.stack([s[key] for s in states]).mean(0)
         else:  # integer buffers (BatchNorm's num_batches_tracked) are counters, not weights: take the first
             source[key] = value
-    L.seed_everything(stage_seed(ctx, "global"), workers=True, verbose=False)  # the global CNN's initial weights
+    seed_everything(stage_seed(ctx, "global"))  # the global CNN's initial weights
     net = build_global_net(ctx.cfg, ctx.data)
     target = net.state_dict()
     copied = {k: v for k, v in source.items() if k in target and target[k].shape == v.shape}

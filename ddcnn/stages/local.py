@@ -5,11 +5,9 @@ from __future__ import annotations
 import logging
 import time
 
-import lightning as L
-
 from ddcnn.context import Context, build_augment, build_local_net, subdomain_seed
 from ddcnn.data.datamodule import Crop, TensorDataModule
-from ddcnn.engine.fit import fit
+from ddcnn.engine.train import fit, seed_everything
 from ddcnn.stages.common import batch_size, finish_stage, skip
 
 log = logging.getLogger(__name__)
@@ -38,7 +36,7 @@ def run(ctx: Context, device=None, subdomain: int = 0) -> dict:
     else:  # augment the whole image, then cut: every local net sees the same augmented image
         dm = TensorDataModule(ctx.data.x, ctx.data.y, batch_size(ctx.cfg), seed=seed, view=Crop(box), augment=augment)
     start = time.perf_counter()
-    L.seed_everything(seed, workers=True, verbose=False)
+    seed_everything(seed)
     net = build_local_net(ctx.cfg, ctx.data)
     result = fit(ctx.cfg, net, dm, folder, device, seed, start)
     meta = finish_stage(

@@ -1,12 +1,17 @@
 """The coarse DNN's plain PyTorch trainer (ddcnn/engine/tensor_fit.py) and the coarse stage that uses it.
 
-Interruptions are injected from the ``on_epoch_end`` hook: an exception raised there stops the training the way a
-kill at that moment would (the last checkpoint stays, nothing after it is saved).
+Interruptions of the trainer are injected from the ``on_epoch_end`` hook: an exception raised there stops the training
+the way a kill at that moment would (the last checkpoint stays, nothing after it is saved). The coarse stage itself is
+killed for real (SIGKILL of a ``ddcnn-train`` process) and resumed.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +19,6 @@ import pytest
 import torch
 from torch import nn
 
-import ddcnn.stages.coarse as stages
 from ddcnn.engine.tensor_fit import CHECKPOINT_FORMAT, FitResult, fit_tensors
 from ddcnn.models.coarse import CoarseMLP
 from ddcnn.pipeline import train
@@ -193,35 +197,49 @@ def _coarse_cfg(run_dir: Path, *overrides: str):
     return compose_config(["stage=coarse", "coarse.max_epochs=6", "coarse.checkpoint_every=2", *overrides], run_dir)
 
 
-def test_killed_coarse_stage_resumes_and_matches_an_uninterrupted_one(local_done, tmp_path, monkeypatch):
-    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    shutil.copytree(local_done, reference)
-    shutil.copytree(local_done, interrupted)
-    train(_coarse_cfg(reference))
+# Long enough to be caught mid-training by a SIGKILL (300 epochs of 64 small steps, a checkpoint every 20 epochs).
+KILL_COARSE = ["coarse.max_epochs=300", "coarse.checkpoint_every=20", "coarse.batch_size=4"]
 
-    real = stages.fit_tensors
 
-    def killed_after_epoch_4(*args, **kwargs):
-        def hook(epoch, row):
-            time.sleep(0.05)
-            if epoch == 4:
-                raise Interrupt
+@pytest.mark.slow
+def test_sigkilled_coarse_stage_resumes_and_matches_an_uninterrupted_one(tmp_path):
+    from tests.conftest import TINY_OVERRIDES, compose_config
 
-        return real(*args, **kwargs, on_epoch_end=hook)
+    base, reference, killed = tmp_path / "base", tmp_path / "reference", tmp_path / "killed"
+    train(compose_config(["stage=local", *KILL_COARSE], base))
+    shutil.copytree(base, reference)
+    shutil.copytree(base, killed)
+    train(compose_config(["stage=coarse", *KILL_COARSE], reference))
 
-    monkeypatch.setattr(stages, "fit_tensors", killed_after_epoch_4)
-    with pytest.raises(Interrupt):
-        train(_coarse_cfg(interrupted))
-    run = RunDir(interrupted)
+    code = "import sys; from ddcnn.cli import train_main; sys.argv[0] = 'ddcnn-train'; train_main()"
+    cmd = [sys.executable, "-c", code, *TINY_OVERRIDES, "stage=coarse", *KILL_COARSE, f"hydra.run.dir={killed}"]
+    last = killed / "coarse" / "last.ckpt"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not last.is_file():
+            assert proc.poll() is None, f"coarse stage ended before its first checkpoint: {proc.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, "no coarse checkpoint within 120 s"
+            time.sleep(0.01)
+        time.sleep(0.1)  # into the next epochs
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    run = RunDir(killed)
     assert not run.is_done("coarse")
-    monkeypatch.setattr(stages, "fit_tensors", real)
-    train(_coarse_cfg(interrupted))
+    epoch_at_kill = int(torch.load(last, map_location="cpu", weights_only=False)["epoch"])
+    assert epoch_at_kill < 299, "the kill came too late to test resuming"
 
+    train(compose_config(["stage=coarse", *KILL_COARSE], killed))
     meta, ref_meta = run.meta("coarse"), RunDir(reference).meta("coarse")
-    assert meta["resumed_from_epoch"] == 3 and ref_meta["resumed_from_epoch"] is None  # checkpoints after 1, 3, 5
-    # The first process's time up to its checkpoint after epoch 3 (three of its sleeps) is carried into the record.
-    assert meta["time_s_earlier_processes"] >= 0.15 and meta["fit_time_s"] > meta["time_s_earlier_processes"]
+    assert meta["resumed_from_epoch"] == epoch_at_kill and ref_meta["resumed_from_epoch"] is None
+    # The killed process's time up to its checkpoint is carried into the record, beside the resumed one's.
+    assert meta["time_s_earlier_processes"] > 0 and meta["fit_time_s"] > meta["time_s_earlier_processes"]
     assert meta["time_s"] >= meta["fit_time_s"]
+    # An exact resume: the same selected epoch, predictions and weights as the uninterrupted run.
     assert meta["accuracy"] == ref_meta["accuracy"] and meta["best_epoch"] == ref_meta["best_epoch"]
     for split in ("train", "val", "test"):
         a, b = run.load_probs("coarse", split), RunDir(reference).load_probs("coarse", split)
@@ -230,7 +248,7 @@ def test_killed_coarse_stage_resumes_and_matches_an_uninterrupted_one(local_done
         torch.load(run.stage_dir("coarse") / "net.pt"), torch.load(RunDir(reference).stage_dir("coarse") / "net.pt")
     )
     curves = read_metrics_csv(run.stage_dir("coarse") / "logs" / "metrics.csv")
-    assert curves["epoch"].tolist() == list(range(6))
+    assert curves["epoch"].tolist() == list(range(300))
 
 
 def test_finished_coarse_stage_is_skipped_and_force_retrains_from_scratch(local_done, tmp_path):
