@@ -1,7 +1,7 @@
 """The Lightning side of the engine: Trainer construction and :func:`fit_lightning` with resume.
 
 Stages call :func:`ddcnn.engine.train.fit`, which trains with this module under DDP and with ``engine.loop=lightning``
-(re-exported here with the prediction helpers, for callers of the former home of ``fit``). It resumes from
+(the prediction helpers of :mod:`ddcnn.engine.common` are re-exported here, their former home). It resumes from
 ``folder/last.ckpt`` and returns the network with the weights selected on validation (``engine.monitor`` /
 ``engine.monitor_mode``). What does not train is kept off the critical path:
 
@@ -35,18 +35,17 @@ from torch import nn
 
 from ddcnn.engine.checkpoint_io import AtomicCheckpointIO
 from ddcnn.engine.classifier import Classifier
-from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
-from ddcnn.engine.tensor_fit import scheduler_factory
-from ddcnn.engine.train import (
+from ddcnn.engine.common import (
     FitResult,
     build_loggers,
     engine_settings,
-    fit,
     predict_logits,
     save_net,
     save_predictions,
     stage_name,
 )
+from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
+from ddcnn.engine.tensor_fit import scheduler_factory
 from ddcnn.io import ArtifactWriteError, atomic_write_text, is_space_or_permission
 from ddcnn.runtime import srun_task
 
@@ -64,7 +63,6 @@ __all__ = [
     "build_scheduler",
     "build_trainer",
     "engine_settings",
-    "fit",
     "fit_lightning",
     "predict_logits",
     "save_predictions",
@@ -349,19 +347,7 @@ def fit_lightning(
     """Train ``net`` with Lightning into ``folder``, resuming from ``folder/last.ckpt`` (``engine.loop=lightning``,
     and DDP; :func:`ddcnn.engine.train.fit` chooses).
 
-    Args:
-        cfg: The run configuration (``trainer``, ``engine``, ``optimizer``, ``scheduler``, ``data.num_classes``).
-        net: The network to train.
-        datamodule: Its data.
-        folder: The stage folder (``last.ckpt``, ``logs/metrics.csv``).
-        device: Where it trains (with ``engine.num_devices > 1``: the first of the DDP devices).
-        seed: Seeds weights-independent randomness (dropout, shuffling).
-        start: ``time.perf_counter()`` at the start of the stage in this process.
-        max_epochs: Overrides ``trainer.max_epochs``.
-        optimizer_cfg: Overrides ``cfg.optimizer``.
-
-    Returns:
-        The network with its best weights and the stage's training time over all processes that worked on it.
+    Arguments and result as :func:`ddcnn.engine.train.fit`.
     """
     L.seed_everything(seed, workers=True, verbose=False)
     settings = engine_settings(cfg)

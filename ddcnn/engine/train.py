@@ -22,16 +22,13 @@ This module, :mod:`ddcnn.engine.tensor_fit` and :mod:`ddcnn.data.datamodule` do 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
 import random
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
-import hydra
 import numpy as np
 import torch
 
@@ -42,9 +39,17 @@ import torch._dynamo  # noqa: F401
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from ddcnn.engine.common import (
+    LOOPS,
+    FitResult,
+    build_loggers,
+    engine_settings,
+    predict_logits,
+    save_net,
+    save_predictions,
+    stage_name,
+)
 from ddcnn.engine.tensor_fit import CHECKPOINT_FORMAT, fit_tensors
-from ddcnn.io import atomic_torch_save
-from ddcnn.rundir import SPLITS
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +68,6 @@ __all__ = [
     "save_net",
 ]
 
-LOOPS = ("auto", "plain", "lightning")
 # Trainer arguments (conf/trainer/) the plain loop implements; any other one that is set needs Lightning.
 PLAIN_TRAINER_KEYS = frozenset(
     {
@@ -78,63 +82,6 @@ PLAIN_TRAINER_KEYS = frozenset(
     }
 )
 _PRECISIONS = {"32": None, "32-true": None, "bf16-mixed": torch.bfloat16}
-
-
-@dataclass
-class FitResult:
-    """What :func:`fit` returns.
-
-    Attributes:
-        net: The network with the selected (best on validation) weights.
-        time_s: Training time of every process that worked on this stage, this one included (seconds from the
-            stage's start to the end of ``fit``; an earlier process counts up to its last checkpoint).
-        earlier_s: The part of ``time_s`` spent by earlier processes (0 when nothing was resumed).
-        resumed_from_epoch: The epoch of the checkpoint this process resumed from, or ``None``.
-        best_epoch: The epoch whose weights were selected.
-        startup_s: Process start-up the training paid outside ``time_s`` (DDP: spawning the ranks), 0 otherwise.
-        global_rank: This process's rank in the training (0 unless DDP across the tasks of an ``srun`` step).
-        world_size: The processes that trained it together (DDP), 1 otherwise.
-        loop: The loop that trained it (``plain`` or ``lightning``).
-    """
-
-    net: nn.Module
-    time_s: float
-    earlier_s: float
-    resumed_from_epoch: int | None
-    best_epoch: int | None
-    startup_s: float = 0.0
-    global_rank: int = 0
-    world_size: int = 1
-    loop: str = "plain"
-
-
-# --- settings ------------------------------------------------------------------------------------
-def engine_settings(cfg: DictConfig) -> dict:
-    """``cfg.engine`` with defaults: loop, monitor, monitor_mode, num_devices, checkpoint_every_s, ddp_launcher."""
-    node = cfg.get("engine") or {}
-    out = {
-        "loop": str(node.get("loop", "auto") or "auto"),
-        "monitor": str(node.get("monitor", "val_acc")),
-        "monitor_mode": str(node.get("monitor_mode", "max")),
-        "num_devices": int(node.get("num_devices", 1) or 1),
-        "checkpoint_every_s": float(node.get("checkpoint_every_s", 0.0) or 0.0),
-        "ddp_launcher": str(node.get("ddp_launcher", "spawn") or "spawn"),
-    }
-    if out["loop"] not in LOOPS:
-        raise ValueError(f"engine.loop must be one of {', '.join(LOOPS)}, got {out['loop']!r}.")
-    if out["ddp_launcher"] not in ("spawn", "slurm"):
-        raise ValueError(f"engine.ddp_launcher must be 'spawn' or 'slurm', got {out['ddp_launcher']!r}.")
-    if out["monitor_mode"] not in ("max", "min"):
-        raise ValueError(f"engine.monitor_mode must be 'max' or 'min', got {out['monitor_mode']!r}.")
-    if out["monitor"] not in ("val_acc", "val_loss", "train_acc", "train_loss"):
-        raise ValueError(
-            f"engine.monitor must be one of val_acc, val_loss, train_acc, train_loss, got {out['monitor']!r}."
-        )
-    if out["checkpoint_every_s"] < 0:
-        raise ValueError(
-            f"engine.checkpoint_every_s must be >= 0 (0: after every epoch), got {out['checkpoint_every_s']}."
-        )
-    return out
 
 
 def _checkpoint_format(path: Path) -> str | None:
@@ -185,37 +132,6 @@ def choose_loop(cfg: DictConfig, folder: Path | None = None) -> tuple[str, str]:
     return loop, "one device" if wanted == "auto" else "engine.loop=plain"
 
 
-def stage_name(folder: Path) -> str:
-    """``local 3`` for ``.../local/03``, else the folder's name (the stage)."""
-    folder = Path(folder)
-    return f"local {int(folder.name)}" if folder.parent.name == "local" and folder.name.isdigit() else folder.name
-
-
-def build_loggers(cfg: DictConfig, folder: Path) -> list:
-    """The loggers of the ``logger`` config group besides the CSV log (which is always written: the training-curve
-    plots read it), each given this stage's folder (``save_dir``) and name (``run_name``) where it takes them."""
-    out = []
-    for name, spec in (cfg.get("logger") or {}).items():
-        if not spec or "_target_" not in spec:
-            continue  # logger=csv: the CSV log alone
-        try:
-            factory = hydra.utils.instantiate(spec)
-            keywords = getattr(factory, "keywords", {})
-            params = inspect.signature(getattr(factory, "func", factory)).parameters
-            kwargs = {}
-            if "save_dir" in params and "save_dir" not in keywords:
-                kwargs["save_dir"] = str(folder)
-            if "run_name" in params and "run_name" not in keywords:
-                kwargs["run_name"] = stage_name(folder)
-            out.append(factory(**kwargs))
-        except Exception as err:
-            raise ValueError(
-                f"cannot create logger {name!r} ({spec.get('_target_')}): {err}. Install what it needs (pip install "
-                f"tensorboard, or mlflow-skinny for logger=mlflow) or choose another: logger=csv|tensorboard|mlflow."
-            ) from err
-    return out
-
-
 def seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's and torch's generators (as Lightning's ``seed_everything``, without Lightning)."""
     seed = int(seed)
@@ -233,25 +149,26 @@ class EpochReporter:
         cfg: The run configuration (``logger``, ``trainer.enable_progress_bar``).
         folder: The stage folder (where the loggers write).
         max_epochs: Epochs of the training.
-        first_epoch: The epoch it starts at (after a resume).
+
+    The bar starts at the first epoch reported (a resumed training's).
     """
 
-    def __init__(self, cfg: DictConfig, folder: Path, max_epochs: int, first_epoch: int = 0) -> None:
+    def __init__(self, cfg: DictConfig, folder: Path, max_epochs: int) -> None:
         self.name, self.max_epochs = stage_name(folder), int(max_epochs)
         self.loggers = build_loggers(cfg, folder)
-        show = (cfg.get("trainer") or {}).get("enable_progress_bar")
+        self.use_bar = (cfg.get("trainer") or {}).get("enable_progress_bar") is not False and sys.stderr.isatty()
         self.bar = None
-        if (sys.stderr.isatty() if show is None else bool(show)) and sys.stderr.isatty():
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=self.max_epochs, initial=first_epoch, desc=self.name, unit="epoch", leave=False)
 
     def __call__(self, epoch: int, row: Mapping[str, float]) -> None:
         metrics = {k: float(v) for k, v in row.items() if k not in ("epoch", "step") and v is not None}
         for logger in self.loggers:
             logger.log_metrics({**metrics, "epoch": float(epoch)}, step=int(epoch))
         shown = {k: v for k, v in sorted(metrics.items()) if k.startswith(("train_", "val_"))}
-        if self.bar is not None:
+        if self.use_bar:
+            if self.bar is None:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=self.max_epochs, initial=epoch, desc=self.name, unit="epoch", leave=False)
             self.bar.set_postfix({k: f"{v:.4f}" for k, v in shown.items()}, refresh=False)
             self.bar.update(1)
         else:
@@ -298,11 +215,7 @@ def _fit_plain(cfg, net, datamodule, folder: Path, device, start: float, epochs:
     data = datamodule.data
     x = {s: data[s].x for s in ("train", "val")}
     y = {s: data[s].y for s in ("train", "val")}
-    last = folder / "last.ckpt"
-    first_epoch = 0
-    if last.is_file():
-        first_epoch = int(torch.load(last, map_location="cpu", weights_only=False).get("epoch", -1)) + 1
-    reporter = EpochReporter(cfg, folder, epochs, first_epoch)
+    reporter = EpochReporter(cfg, folder, epochs)
     status = "failed"
     try:
         with _deterministic(bool(trainer.get("deterministic"))):
@@ -377,33 +290,3 @@ def fit(
         return fit_lightning(cfg, net, datamodule, folder, device, seed, start, epochs, optimizer_cfg)
     seed_everything(seed)
     return _fit_plain(cfg, net, datamodule, folder, device, start, epochs, optimizer_cfg)
-
-
-# --- prediction and artifacts --------------------------------------------------------------------
-@torch.inference_mode()
-def predict_logits(net: nn.Module, loader, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and labels of every batch of ``loader`` (in order)."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    net = net.to(device).eval()
-    outs, labels = [], []
-    for x, y in loader:
-        outs.append(net(x.to(device)).float().cpu())
-        labels.append(y)
-    return torch.cat(outs), torch.cat(labels)
-
-
-def save_predictions(net: nn.Module, datamodule, folder: Path, device) -> dict[str, float]:
-    """``probs_<split>.pt`` (logits, probabilities, labels) of every split; returns the accuracy per split."""
-    accuracy = {}
-    for split in SPLITS:
-        logits, labels = predict_logits(net, datamodule.loader(split), device)
-        atomic_torch_save(
-            {"logits": logits, "probs": logits.softmax(-1), "labels": labels}, folder / f"probs_{split}.pt"
-        )
-        accuracy[split] = float((logits.argmax(-1) == labels).float().mean())
-    return accuracy
-
-
-def save_net(net: nn.Module, folder: Path) -> None:
-    """``net.pt``: the state dict of the selected weights, on CPU."""
-    atomic_torch_save({k: v.detach().cpu() for k, v in net.state_dict().items()}, folder / "net.pt")
