@@ -1,5 +1,9 @@
 """The loaders every stage trains on: in-memory tensors served one whole batch at a time.
 
+The training loop reads batches through one small protocol (:class:`Batches`): it owns the order of the samples
+(from ``(seed, epoch)``, sharded by rank under DDP) and asks the data for the batch of a list of sample indices,
+ready for the network on the training device. :class:`TensorDataModule` implements it for in-memory tensors.
+
 :class:`TensorDataModule` holds the tensors of :func:`ddcnn.data.prepare.prepare` for ddcnn's plain loop (which reads
 them directly, :mod:`ddcnn.engine.train`) and serves them to Lightning as data loaders. Whole
 batches are taken by one index operation (no per-sample ``__getitem__`` and collate), which keeps the
@@ -11,13 +15,49 @@ the whole image.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
 
 from ddcnn.data.prepare import Prepared, prepare
 
-__all__ = ["Prepared", "prepare", "TensorDataModule", "Crop"]
+__all__ = ["Prepared", "prepare", "Batches", "TensorDataModule", "Crop"]
+
+
+@runtime_checkable
+class Batches(Protocol):
+    """What a training loop trains on: batches of given samples, ready for the network on a device.
+
+    The loop decides which samples form a batch (``idx``, a 1-D ``int64`` tensor of sample indices of the split) and
+    where it trains; the implementation reads those samples (only the part of each the network sees), moves them to
+    ``device``, and normalises, augments (training only) and crops them there.
+
+    Attributes:
+        batch_size: Samples per training step.
+        eval_batch_size: Samples per evaluation batch.
+        seed: Seed of the training order (the loop draws epoch ``e``'s permutation from ``(seed, e)``).
+    """
+
+    batch_size: int
+    eval_batch_size: int
+    seed: int
+
+    def size(self, split: str) -> int:
+        """Number of samples of ``split`` (``train``, ``val`` or ``test``)."""
+        ...
+
+    def labels(self, split: str) -> torch.Tensor:
+        """All labels of ``split`` (``int64``, on the host), in sample order."""
+        ...
+
+    def train_batch(self, idx: torch.Tensor, epoch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Network inputs and labels of training samples ``idx`` in epoch ``epoch`` (augmented), on ``device``."""
+        ...
+
+    def eval_batch(self, split: str, idx: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Network inputs and labels of samples ``idx`` of ``split`` (not augmented), on ``device``."""
+        ...
 
 
 class _BatchTensorDataset(Dataset):
@@ -155,6 +195,30 @@ class TensorDataModule:
         self.view = view
         self.augment = augment
 
+    # --- the Batches protocol (what the training loop reads) ---
+    def size(self, split: str) -> int:
+        return len(self.data[split])
+
+    def labels(self, split: str) -> torch.Tensor:
+        return self.data[split].y
+
+    def train_batch(self, idx: torch.Tensor, epoch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        ds = self.data["train"]
+        x, y = ds.x[idx], ds.y[idx]
+        if self.augment is not None:
+            x = self.augment(x, idx, epoch)
+        if self.view is not None:
+            x = self.view(x)
+        return x.contiguous().to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    def eval_batch(self, split: str, idx: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        ds = self.data[split]
+        x, y = ds.x[idx], ds.y[idx]
+        if self.view is not None:
+            x = self.view(x)
+        return x.contiguous().to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    # --- loaders for Lightning's Trainer ---
     def loader(self, split: str, shuffle: bool = False, shard: bool = False) -> DataLoader:
         ds = self.data[split]
         if shuffle:
