@@ -100,7 +100,10 @@ TINY_E2E = [
     "data.test_subset=100",
     "methods.enabled.coarse_alt=false",
 ]
-CHANNELS_LAST_KEY = "engine.channels_last"  # the loop's setting once issue 23's data-path piece adds it
+# The loop's channels-last setting once issue 23's data-path piece adds it: the first of these the config has.
+CHANNELS_LAST_KEYS = ("engine.channels_last", "trainer.channels_last")
+# What a stage's meta.json may record of the engine's GPU policy (top level, or under "engine"/"gpu"/"cuda").
+ENGINE_KEYS = ("channels_last", "memory_format", "tf32", "cudnn_benchmark", "compile", "data_on_device")
 
 
 # --- small helpers --------------------------------------------------------------------------------------------
@@ -335,6 +338,60 @@ def probe_data(cfg, args, device: torch.device) -> tuple[torch.Tensor, torch.Ten
     return parts.contiguous().to(device), labels.view(batches, batch).to(device), dec.sub_shape, source
 
 
+def time_stacking(args, device: torch.device, nets: list[nn.Module], cfg, x, y, precision: str) -> dict:
+    """Net-steps/s of ``nets`` trained one after another and stacked, same work each, after warm-up."""
+    n = len(nets)
+    ctx = autocast(device, precision)
+    base, params, buffers = stack(nets)
+    loss_fn = stacked_loss(base)
+    seq_opts = [make_optimizer(cfg, net.parameters()) for net in nets]
+    stack_opt = make_optimizer(cfg, list(params.values()))
+    row: dict[str, object] = {"precision": precision}
+    if precision != "fp32":
+        row["autocast_in_vmap"] = autocast_reaches_vmap(base, params, buffers, x[0], ctx)
+    train_sequential(nets, seq_opts, x, y, args.probe_warmup, 0, ctx)
+    train_stacked(loss_fn, params, buffers, stack_opt, x, y, args.probe_warmup, 0, ctx)
+    seconds: dict[str, list[float]] = {"sequential": [], "stacked": []}
+    peaks: dict[str, float | None] = {"sequential": None, "stacked": None}
+    step = args.probe_warmup
+    for r in range(args.probe_rounds):
+        # Alternate the order so that a drift of the machine (clocks, other load) hits both alike.
+        for kind in ("sequential", "stacked") if r % 2 == 0 else ("stacked", "sequential"):
+            sync(device)
+            reset_peak(device)
+            start = time.perf_counter()
+            if kind == "sequential":
+                train_sequential(nets, seq_opts, x, y, args.probe_steps, step, ctx)
+            else:
+                train_stacked(loss_fn, params, buffers, stack_opt, x, y, args.probe_steps, step, ctx)
+            sync(device)
+            seconds[kind].append(time.perf_counter() - start)
+            peak = peak_mib(device)
+            peaks[kind] = None if peak is None else max(peak, peaks[kind] or 0.0)
+        step += args.probe_steps
+    seq, stk = min(seconds["sequential"]), min(seconds["stacked"])
+    row.update(
+        sequential_s=seq,
+        stacked_s=stk,
+        sequential_net_steps_per_s=n * args.probe_steps / seq,
+        stacked_steps_per_s=args.probe_steps / stk,
+        stacked_net_steps_per_s=n * args.probe_steps / stk,
+        ratio=seq / stk,
+        sequential_peak_mib=peaks["sequential"],
+        stacked_peak_mib=peaks["stacked"],
+        sequential_s_all=seconds["sequential"],
+        stacked_s_all=seconds["stacked"],
+    )
+    note = "" if row.get("autocast_in_vmap", True) else " (autocast had no effect inside vmap)"
+    log(
+        f"  {precision}: sequential {row['sequential_net_steps_per_s']:.0f} net-steps/s "
+        f"({1e3 * seq / (n * args.probe_steps):.2f} ms/step), stacked {row['stacked_steps_per_s']:.1f} steps/s "
+        f"= {row['stacked_net_steps_per_s']:.0f} net-steps/s; stacked/sequential {row['ratio']:.2f}x{note}; peak "
+        f"{fmt(peaks['sequential'], '.0f')} / {fmt(peaks['stacked'], '.0f')} MiB"
+    )
+    return row
+
+
 def run_stacking(args, device: torch.device) -> dict:
     cfg = compose(["data=mnist", *([f"model={args.probe_model}"] if args.probe_model else [])])
     x, y, sub_shape, source = probe_data(cfg, args, device)
@@ -369,8 +426,8 @@ def run_stacking(args, device: torch.device) -> dict:
     base, params, buffers = stack(nets)
     loss_fn = stacked_loss(base)
     x64 = x.double()
-    train_sequential(nets, [make_optimizer(cfg, net.parameters()) for net in nets], x64, y, args.check_steps, 0,
-                     contextlib.nullcontext)  # fmt: skip
+    seq_opts = [make_optimizer(cfg, net.parameters()) for net in nets]
+    train_sequential(nets, seq_opts, x64, y, args.check_steps, 0, contextlib.nullcontext)
     opt = make_optimizer(cfg, list(params.values()))
     train_stacked(loss_fn, params, buffers, opt, x64, y, args.check_steps, 0, contextlib.nullcontext)
     check = mismatch(nets, params, buffers)
@@ -380,57 +437,19 @@ def run_stacking(args, device: torch.device) -> dict:
         f"  check ({args.check_steps} steps, float64): {'PASS' if check['ok'] else 'FAIL'}, largest difference "
         f"{check['abs_diff']:.2e} ({check['tensor']}), tolerance {CHECK_ATOL:g} + {CHECK_RTOL:g} |w|"
     )
-    del nets, params, buffers, x64
+    del nets, params, buffers, x64, seq_opts, opt
 
     timings = []
     for precision in args.probe_precisions:
-        ctx = autocast(device, precision)
-        nets = fresh_nets(torch.float32)
-        base, params, buffers = stack(nets)
-        loss_fn = stacked_loss(base)
-        seq_opts = [make_optimizer(cfg, net.parameters()) for net in nets]
-        stack_opt = make_optimizer(cfg, list(params.values()))
-        row: dict[str, object] = {"precision": precision}
-        if precision != "fp32":
-            row["autocast_in_vmap"] = autocast_reaches_vmap(base, params, buffers, x[0], ctx)
-        reset_peak(device)
-        train_sequential(nets, seq_opts, x, y, args.probe_warmup, 0, ctx)
-        train_stacked(loss_fn, params, buffers, stack_opt, x, y, args.probe_warmup, 0, ctx)
-        seq_s, stack_s = [], []
-        step = args.probe_warmup
-        for r in range(args.probe_rounds):
-            # Alternate the order so that a drift of the machine (clocks, other load) hits both alike.
-            for kind in ("sequential", "stacked") if r % 2 == 0 else ("stacked", "sequential"):
-                sync(device)
-                start = time.perf_counter()
-                if kind == "sequential":
-                    train_sequential(nets, seq_opts, x, y, args.probe_steps, step, ctx)
-                else:
-                    train_stacked(loss_fn, params, buffers, stack_opt, x, y, args.probe_steps, step, ctx)
-                sync(device)
-                (seq_s if kind == "sequential" else stack_s).append(time.perf_counter() - start)
-            step += args.probe_steps
-        seq, stk = min(seq_s), min(stack_s)
-        row.update(
-            sequential_s=seq,
-            stacked_s=stk,
-            sequential_net_steps_per_s=n * args.probe_steps / seq,
-            stacked_steps_per_s=args.probe_steps / stk,
-            stacked_net_steps_per_s=n * args.probe_steps / stk,
-            ratio=seq / stk,
-            peak_mib=peak_mib(device),
-            sequential_s_all=seq_s,
-            stacked_s_all=stack_s,
-        )
+        try:
+            row = time_stacking(args, device, fresh_nets(torch.float32), cfg, x, y, precision)
+        except Exception as err:
+            if precision == "fp32":
+                raise
+            # bf16 autocast under vmap is the experimental part (pytorch#105442, #184890): an answer, not a failure.
+            row = {"precision": precision, "error": f"{type(err).__name__}: {err}"}
+            log(f"  {precision}: {row['error']}")
         timings.append(row)
-        note = "" if row.get("autocast_in_vmap", True) else " (autocast had no effect inside vmap)"
-        log(
-            f"  {precision}: sequential {row['sequential_net_steps_per_s']:.0f} net-steps/s "
-            f"({1e3 * seq / (n * args.probe_steps):.2f} ms/step), stacked {row['stacked_steps_per_s']:.1f} steps/s "
-            f"= {row['stacked_net_steps_per_s']:.0f} net-steps/s; stacked/sequential {row['ratio']:.2f}x"
-            f"{note}; peak {fmt(row['peak_mib'], '.0f')} MiB"
-        )
-        del nets, params, buffers, seq_opts, stack_opt
     out["timings"] = timings
     return out
 
@@ -554,6 +573,12 @@ def peak_memory_from_meta(meta: dict) -> tuple[float | None, str | None]:
     return None, None
 
 
+def engine_policy(meta: dict) -> dict:
+    """The GPU policy a stage's ``meta.json`` records (``ENGINE_KEYS``), wherever the loop put it."""
+    nodes = [meta, *(meta[k] for k in ("engine", "gpu", "cuda") if isinstance(meta.get(k), dict))]
+    return {k: node[k] for node in nodes for k in ENGINE_KEYS if k in node}
+
+
 def stage_rows(run_dir: Path, cfg, results: dict) -> list[dict]:
     """One row per trained stage of a finished run directory, from its ``meta.json`` files."""
     n_train = int(results.get("data", {}).get("n_train") or 0)
@@ -597,7 +622,7 @@ def stage_rows(run_dir: Path, cfg, results: dict) -> list[dict]:
                 "device": meta.get("device"),
                 "loop": meta.get("loop"),
                 "test_accuracy": (meta.get("accuracy") or {}).get("test"),
-                "engine": {k: meta[k] for k in ("channels_last", "tf32", "cudnn_benchmark", "compile") if k in meta},
+                "engine": engine_policy(meta),
             }
         )
     return rows
@@ -606,15 +631,21 @@ def stage_rows(run_dir: Path, cfg, results: dict) -> list[dict]:
 def run_e2e_row(name: str, args, device: torch.device, base: Path, timeout_s: float) -> dict:
     overrides = row_overrides(name, args, device)
     cfg = compose(overrides)
-    channels_last = has_setting(cfg, CHANNELS_LAST_KEY) and device.type == "cuda"
-    if channels_last:
-        overrides.append(f"{CHANNELS_LAST_KEY}=true")
+    key = next((k for k in CHANNELS_LAST_KEYS if has_setting(cfg, k)), None)
+    if key is not None and device.type == "cuda":
+        overrides.append(f"{key}=true")
         cfg = compose(overrides)
     run_dir = base / name
     out: dict[str, object] = {
         "row": name,
         "overrides": overrides,
-        "channels_last": channels_last if has_setting(cfg, CHANNELS_LAST_KEY) else "not a setting of this ddcnn",
+        "channels_last": (
+            "not a setting of this ddcnn"
+            if key is None
+            else f"{key}=true"
+            if device.type == "cuda"
+            else f"{key} at its default (not on CUDA)"
+        ),
     }
     if cfg.data.name == "mnist" and not Path(str(cfg.data.path)).is_file():
         out.update(status="skipped", reason=f"{cfg.data.path} is missing (set DDCNN_DATA)")
@@ -635,7 +666,8 @@ def run_e2e_row(name: str, args, device: torch.device, base: Path, timeout_s: fl
         return out
     out["wall_s"] = time.perf_counter() - start
     if proc.returncode != 0:
-        out.update(status="failed", returncode=proc.returncode, stderr_tail=proc.stderr[-4000:])
+        last = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or [f"exit {proc.returncode}"]
+        out.update(status="failed", returncode=proc.returncode, reason=last[0][-300:], stderr_tail=proc.stderr[-4000:])
         log(f"  {name}: FAILED (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
         return out
     results = json.loads((run_dir / "results.json").read_text())
@@ -689,12 +721,19 @@ def summary(report: dict) -> list[str]:
             f"\nstacking: {r['nets']} x {r['model']} on {'x'.join(map(str, r['sub_shape']))}, batch {r['batch']}, "
             f"{r['steps_per_net']} steps per net; check {'PASS' if c['ok'] else 'FAIL'} (max diff {c['abs_diff']:.1e})"
         )
-        lines.append(f"  {'precision':9s} {'sequential net-steps/s':>22s} {'stacked net-steps/s':>20s} {'ratio':>7s}")
+        lines.append(
+            f"  {'precision':9s} {'sequential net-steps/s':>22s} {'stacked net-steps/s':>20s} {'ratio':>7s} "
+            f"{'peak MiB seq/stacked':>21s}"
+        )
         for t in r["timings"]:
+            if "error" in t:
+                lines.append(f"  {t['precision']:9s} {t['error'][:90]}")
+                continue
             flag = "" if t.get("autocast_in_vmap", True) else "  (autocast not applied in vmap)"
+            peaks = f"{fmt(t['sequential_peak_mib'], '.0f')}/{fmt(t['stacked_peak_mib'], '.0f')}"
             lines.append(
                 f"  {t['precision']:9s} {t['sequential_net_steps_per_s']:22.0f} {t['stacked_net_steps_per_s']:20.0f} "
-                f"{t['ratio']:6.2f}x{flag}"
+                f"{t['ratio']:6.2f}x {peaks:>21s}{flag}"
             )
     bare = report["sections"].get("bare", {})
     if bare.get("status") == "ok":
@@ -853,6 +892,7 @@ def run_all(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the stacked and bare sections allocate on the current device too
+        device = torch.device("cuda", torch.cuda.current_device())  # "cuda" -> "cuda:0": one name everywhere
     found = math_settings()
     apply_math_policy(device, args.tf32, args.cudnn_benchmark)
     report: dict[str, object] = {
