@@ -33,7 +33,9 @@ def test_tiny_mode_runs_every_section_and_reads_the_stages(gpu_check, tmp_path):
     assert {name: s["status"] for name, s in report["sections"].items()} == dict.fromkeys(gpu_check.SECTIONS, "ok")
 
     stacking = report["sections"]["stacking"]["result"]
-    assert stacking["nets"] == 4 and stacking["check"]["ok"] and stacking["check"]["abs_diff"] < 1e-8
+    check = stacking["check"]
+    assert stacking["nets"] == 4 and check["ok"] and check["compared_grads"]
+    assert check["weight_abs_diff"] < gpu_check.WEIGHT_ATOL and check["grad_rel_diff"] < gpu_check.GRAD_TOL
     assert stacking["timings"][0]["ratio"] > 0
     assert report["sections"]["bare"]["result"]["rows"][0]["images_per_s"] > 0
 
@@ -49,21 +51,10 @@ def test_tiny_mode_runs_every_section_and_reads_the_stages(gpu_check, tmp_path):
         assert stages[name]["device"] == "cpu" and stages[name]["peak_mib"] is None
 
 
-def test_the_equality_check_catches_a_stacked_buffer_that_drifted(gpu_check):
-    from ddcnn.models import vgg_tiny
-
-    torch.manual_seed(0)
-    nets = [vgg_tiny(2, 1, 5).double() for _ in range(3)]
-    _, params, buffers = gpu_check.stack(nets)
-    assert gpu_check.mismatch(nets, params, buffers)["ok"]
-    buffers["features.1.running_mean"][2, 0] += 1e-5  # a running statistic not written back, say
-    worst = gpu_check.mismatch(nets, params, buffers)
-    assert not worst["ok"] and worst["tensor"] == "net 2 features.1.running_mean"
-
-
-def test_stacked_training_is_the_sequential_training(gpu_check):
-    """Two float64 steps of 3 nets with batch norm: the stacked weights and running statistics are the sequential
-    ones (the buffers pass through vmap batched, so batch norm updates each net's own)."""
+def test_stacked_training_is_the_sequential_training_and_the_check_sees_a_difference(gpu_check):
+    """Two float64 steps of 3 nets with batch norm: the stacked weights, running statistics and gradients are the
+    sequential ones (the buffers pass through vmap batched, so batch norm updates each net's own); a running
+    statistic that drifted, or gradients of another scale (which Adam alone would hide), fail the check."""
     from ddcnn.config import compose
     from ddcnn.models import vgg_tiny
 
@@ -74,16 +65,24 @@ def test_stacked_training_is_the_sequential_training(gpu_check):
         nets.append(vgg_tiny(2, 1, 5).double())
     base, params, buffers = gpu_check.stack(nets)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 8, 1, 6, 6, generator=gen, dtype=torch.float64)
+    x = torch.randn(2, 3, 8, 1, 6, 6, generator=gen, dtype=torch.float64)  # (batches, nets, batch, C, H, W)
     y = torch.randint(5, (2, 8), generator=gen)
-    opts = [gpu_check.make_optimizer(cfg, n.parameters()) for n in nets]
-    gpu_check.train_sequential(nets, opts, x, y, 2, 0, gpu_check.autocast(torch.device("cpu"), "fp32"))
+    fp32 = gpu_check.autocast(torch.device("cpu"), "fp32")
+    gpu_check.train_sequential(nets, [gpu_check.make_optimizer(cfg, n.parameters()) for n in nets], x, y, 2, 0, fp32)
     opt = gpu_check.make_optimizer(cfg, list(params.values()))
-    loss = gpu_check.stacked_loss(base)
-    gpu_check.train_stacked(loss, params, buffers, opt, x, y, 2, 0, gpu_check.autocast(torch.device("cpu"), "fp32"))
-    assert gpu_check.mismatch(nets, params, buffers)["ok"]
+    gpu_check.train_stacked(gpu_check.stacked_loss(base), params, buffers, opt, x, y, 2, 0, fp32)
+    check = gpu_check.mismatch(nets, params, buffers)
+    assert check["ok"] and check["compared_grads"]
     assert int(buffers["features.1.num_batches_tracked"][1]) == 2
     assert not torch.equal(buffers["features.1.running_mean"][0], buffers["features.1.running_mean"][1])
+
+    params["head.3.weight"].grad[1] /= 3
+    check = gpu_check.mismatch(nets, params, buffers)
+    assert not check["ok"] and check["grad_tensor"] == "net 1 head.3.weight"
+    params["head.3.weight"].grad[1] *= 3
+    buffers["features.1.running_mean"][2, 0] += 1e-4
+    check = gpu_check.mismatch(nets, params, buffers)
+    assert not check["ok"] and check["weight_tensor"] == "net 2 features.1.running_mean"
 
 
 def test_peak_memory_is_read_from_whatever_key_meta_json_gives_it(gpu_check):
