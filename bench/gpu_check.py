@@ -108,6 +108,23 @@ TINY_E2E = [
     "data.test_subset=100",
     "methods.enabled.coarse_alt=false",
 ]
+# Defaults of the flags that --tiny shrinks: (normal, tiny). The tiny ones run in seconds on a CPU.
+DEFAULTS = {
+    "threads": (0, 1),  # two threads on a loaded 2-core machine made a tiny step 10-20x slower than one
+    "probe_grid": ("4,4", "2,2"),
+    "probe_model": (None, "vgg_tiny"),
+    "probe_batch": (None, 16),
+    "probe_batches": (8, 2),
+    "probe_steps": (100, 1),
+    "probe_warmup": (5, 1),
+    "probe_rounds": (2, 1),
+    "check_steps": (3, 2),
+    "bare_model": (None, "vgg_tiny"),
+    "bare_batch": (None, 16),
+    "bare_images": (20000, 64),
+    "bare_steps": (300, 3),
+    "bare_warmup": (30, 1),
+}
 # The loop's channels-last setting once issue 23's data-path piece adds it: the first of these the config has.
 CHANNELS_LAST_KEYS = ("engine.channels_last", "trainer.channels_last")
 # What a stage's meta.json may record of the engine's GPU policy (top level, or under "engine"/"gpu"/"cuda").
@@ -728,14 +745,19 @@ def run_e2e_row(name: str, args, device: torch.device, base: Path, timeout_s: fl
 def run_e2e(args, device: torch.device, deadline: float) -> dict:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ddcnn-gpu-check-") as tmp:
-        base = Path(args.keep) if args.keep else Path(tmp)
+        # A fresh folder per run even with --keep: a finished stage found in a run directory is skipped, not timed.
+        base = Path(args.keep) / time.strftime("gpu_check_%Y-%m-%d_%H-%M-%S") if args.keep else Path(tmp)
         for name in args.rows:
             left = deadline - time.perf_counter()
             if left <= 5:
                 rows.append({"row": name, "status": "skipped", "reason": "over the time budget"})
                 log(f"  {name}: skipped, over the time budget")
                 continue
-            rows.append(run_e2e_row(name, args, device, base, left))
+            try:
+                rows.append(run_e2e_row(name, args, device, base, left))
+            except Exception as err:  # this row's configuration or its files: the next row still runs
+                rows.append({"row": name, "status": "error", "reason": f"{type(err).__name__}: {err}"})
+                log(f"  {name}: ERROR\n{traceback.format_exc()}")
     return {"rows": rows}
 
 
@@ -807,37 +829,32 @@ def summary(report: dict) -> list[str]:
 # --- main -----------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="CPU, tiny nets and step counts, tiny e2e runs (the test)")
+    p.add_argument("--tiny", action="store_true", help="CPU, tiny nets, step counts and e2e runs, 1 thread (tests)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu; cpu with --tiny)")
     p.add_argument("--out", default="gpu_check.json", help="JSON report (default: ./gpu_check.json)")
     p.add_argument("--budget-s", type=float, default=450.0, help="wall budget checked before each part (450)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--threads",
-        type=int,
-        help="CPU threads: torch's in this process, OMP_NUM_THREADS of the e2e runs (default: leave; 1 with --tiny,\n"
-        "where two threads on a loaded 2-core machine made a tiny step 10-20x slower than one)",
-    )
+    p.add_argument("--threads", type=int, help="torch's CPU threads here, OMP_NUM_THREADS of the e2e runs (0: leave)")
     p.add_argument("--tf32", choices=("on", "off", "keep"), default="on", help="CUDA, in-process sections (on)")
     p.add_argument("--cudnn-benchmark", choices=("on", "off", "keep"), default="on", help="likewise (on)")
     g = p.add_argument_group("stacking probe")
-    g.add_argument("--probe-grid", default="4,4", help="grid of the 28x28 images: one net per sub-domain (4,4)")
-    g.add_argument("--probe-overlap", type=int, default=1)
+    g.add_argument("--probe-grid", help="grid of the 28x28 images: one net per sub-domain (4,4)")
+    g.add_argument("--probe-overlap", type=int, default=1, help="(1)")
     g.add_argument("--probe-model", help="model config (default: the configured local net, vgg_small)")
     g.add_argument("--probe-batch", type=int, help="batch per net (default: data.batch_size of mnist, 128)")
-    g.add_argument("--probe-batches", type=int, default=8, help="distinct batches cycled through (8)")
-    g.add_argument("--probe-steps", type=int, default=100, help="timed steps per net and round (100)")
-    g.add_argument("--probe-warmup", type=int, default=5, help="untimed steps per net first (5)")
-    g.add_argument("--probe-rounds", type=int, default=2, help="timed rounds, order alternating; best counts (2)")
+    g.add_argument("--probe-batches", type=int, help="distinct batches cycled through (8)")
+    g.add_argument("--probe-steps", type=int, help="timed steps per net and round (100)")
+    g.add_argument("--probe-warmup", type=int, help="untimed steps per net first (5)")
+    g.add_argument("--probe-rounds", type=int, help="timed rounds, order alternating; the best counts (2)")
     g.add_argument("--probe-precisions", help="fp32[,bf16] (default: fp32,bf16 on CUDA, fp32 on CPU)")
-    g.add_argument("--check-steps", type=int, default=3, help="float64 steps of the equality check (3)")
+    g.add_argument("--check-steps", type=int, help="float64 steps of the equality check (3)")
     g = p.add_argument_group("bare loop")
     g.add_argument("--bare-model", help="model config (default: the configured one, vgg_small)")
     g.add_argument("--bare-batch", type=int, help="default: data.batch_size of mnist, 128")
-    g.add_argument("--bare-images", type=int, default=20000, help="images held on the device (20000)")
-    g.add_argument("--bare-steps", type=int, default=300, help="timed steps per variant (300)")
-    g.add_argument("--bare-warmup", type=int, default=30, help="untimed steps first (30)")
+    g.add_argument("--bare-images", type=int, help="images held on the device (20000)")
+    g.add_argument("--bare-steps", type=int, help="timed steps per variant (300)")
+    g.add_argument("--bare-warmup", type=int, help="untimed steps first (30)")
     g.add_argument("--bare-variants", help=f"subset of {','.join(BARE_VARIANTS)} (default: all on CUDA, fp32 on CPU)")
     g = p.add_argument_group("end to end")
     g.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
@@ -865,27 +882,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.probe_precisions = listed(args.probe_precisions or default_precisions, ("fp32", "bf16"), "--probe-precisions")
     args.bare_variants = listed(args.bare_variants or default_variants, BARE_VARIANTS, "--bare-variants")
     args.precision = args.precision or ("bf16-mixed" if cuda else "32-true")
-    if args.tiny:  # every flag the user did not give shrinks to seconds on a CPU
-        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
-        tiny = {
-            "--probe-grid": ("probe_grid", "2,2"),
-            "--probe-model": ("probe_model", "vgg_tiny"),
-            "--probe-batch": ("probe_batch", 16),
-            "--probe-batches": ("probe_batches", 2),
-            "--probe-steps": ("probe_steps", 1),
-            "--probe-warmup": ("probe_warmup", 1),
-            "--probe-rounds": ("probe_rounds", 1),
-            "--check-steps": ("check_steps", 2),
-            "--bare-model": ("bare_model", "vgg_tiny"),
-            "--bare-batch": ("bare_batch", 16),
-            "--bare-images": ("bare_images", 64),
-            "--bare-steps": ("bare_steps", 3),
-            "--bare-warmup": ("bare_warmup", 1),
-            "--threads": ("threads", 1),
-        }
-        for flag, (attr, value) in tiny.items():
-            if flag not in given:
-                setattr(args, attr, value)
+    for name, (normal, tiny) in DEFAULTS.items():  # what the user did not give: normal, or tiny with --tiny
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else normal)
     try:
         args.probe_grid = tuple(int(g) for g in str(args.probe_grid).split(","))
     except ValueError:
@@ -995,8 +994,8 @@ def run_all(args: argparse.Namespace) -> int:
                 )
             if name == "e2e":
                 for row in result["rows"]:
-                    if row["status"] == "failed":
-                        report["failures"].append(f"e2e {row['row']} exited {row['returncode']}")
+                    if row["status"] in ("failed", "error"):
+                        report["failures"].append(f"e2e {row['row']} {row['status']}: {row['reason']}")
         log(f"  ({time.perf_counter() - start:.1f} s)")
         if device.type == "cuda":
             torch.cuda.empty_cache()
