@@ -54,9 +54,12 @@ only on a real failure: an e2e run that fails, stacked weights that differ, a se
     python bench/gpu_check.py --tiny                       # CPU, tiny settings, seconds (the test runs this)
     python bench/gpu_check.py --device cpu --sections stacking --probe-steps 20
 
-On the device machine (no package registry there): its image has torch but not hydra-core, omegaconf or
-antlr4: copy them (pure Python) from a virtual environment into an ignored folder of the checkout, e.g.
-``.pydeps/``, copy ``mnist.npz`` to ``data/`` (ignored), carry both, and run
+On this workplace's H200 machine (no package registry there) the image has torch, scikit-learn, scipy, filelock,
+tqdm and PyYAML but not hydra-core, omegaconf or antlr4 (a digits run imports nothing else; nibabel is for NIfTI
+data only). From the checkout that travels, once: ``echo /.pydeps/ >> .git/info/exclude; mkdir -p .pydeps; cp -r
+.venv/lib/python3.*/site-packages/{hydra,omegaconf,antlr4} .pydeps/; cp ../shared/data/mnist.npz data/`` (pure
+Python, about 4 MB, and 11 MB of MNIST; ``data/*`` is ignored), then a run with ``carry=[".pydeps",
+"data/mnist.npz"]``, ``timeout_s`` about 560 and the command
 ``PYTHONPATH=.pydeps DDCNN_DATA=data PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out $OUT/gpu_check.json``.
 """
 
