@@ -22,11 +22,12 @@ What a fit may ask of the loop beyond plain mini-batch steps:
 - **the training clock per epoch**: every row has ``time_s``, the training time of all processes up to the end of
   that epoch (hooks excluded), the x axis of an accuracy-versus-time curve;
 - **divergence detection** (``divergence_restarts`` not ``None``): an epoch has diverged when its mean training loss
-  is not finite or exceeds ``divergence_factor`` times the initial loss (the loss of the first training batch before
-  the first step). With ``divergence_restarts=0`` the fit raises :class:`Diverged`; with ``R > 0`` it starts again
-  from the initial weights with every learning rate multiplied by ``divergence_lr_factor``, at most ``R`` times. The
-  restarts are recorded in the result (``restarts``) and in ``last.ckpt``, so a resumed fit continues the same
-  attempt.
+  is not finite or exceeds ``divergence_factor`` times the larger of the initial loss (the loss of the first training
+  batch before the first step) and ``ln K`` (the loss of a uniform guess over the ``K`` classes: a network that
+  starts better than chance may wander above its initial loss without diverging). With ``divergence_restarts=0`` the
+  fit raises :class:`Diverged`; with ``R > 0`` it starts again from the initial weights with every learning rate
+  multiplied by ``divergence_lr_factor``, at most ``R`` times. The restarts are recorded in the result
+  (``restarts``) and in ``last.ckpt``, so a resumed fit continues the same attempt.
 """
 
 from __future__ import annotations
@@ -288,12 +289,15 @@ def _needs_closure(opt: torch.optim.Optimizer) -> bool:
     return isinstance(opt, torch.optim.LBFGS) or bool(getattr(opt, "needs_closure", False))
 
 
-def _divergence(loss: float, initial: float | None, factor: float) -> str | None:
+def _divergence(loss: float, initial: float | None, num_classes: int, factor: float) -> str | None:
     """Why an epoch with mean training loss ``loss`` diverged (the module doc's rule), or ``None``."""
     if not math.isfinite(loss):
         return f"train_loss {loss}"
-    if initial is not None and math.isfinite(initial) and loss > factor * initial:
-        return f"train_loss {loss:.4g} > {factor:g} x initial {initial:.4g}"
+    chance = math.log(max(num_classes, 2))
+    reference = max(initial, chance) if initial is not None and math.isfinite(initial) else chance
+    if loss > factor * reference:
+        what = f"initial {initial:.4g}" if reference != chance else f"ln K {chance:.4g}"
+        return f"train_loss {loss:.4g} > {factor:g} x {what}"
     return None
 
 
@@ -494,11 +498,12 @@ def fit_tensors(
     best_state, best_metric, best_epoch = None, None, -1
     first_epoch, previous_time, resumed_from, step = 0, 0.0, [], 0
     restarts: list[dict] = []
-    lr_scale, initial_loss = 1.0, None
+    lr_scale, initial_loss, num_classes = 1.0, None, 2
     state = _load_checkpoint(last, settings)
     if state is not None:
         restarts = list(state.get("restarts", []))
         lr_scale, initial_loss = float(state.get("lr_scale", 1.0)), state.get("initial_loss")
+        num_classes = int(state.get("num_classes", num_classes))
         if state.get("initial_state") is not None:
             initial_state = state["initial_state"]
         opt, sched = build(lr_scale)
@@ -537,6 +542,7 @@ def fit_tensors(
             "restarts": restarts,
             "lr_scale": lr_scale,
             "initial_loss": initial_loss,
+            "num_classes": num_classes,
             "initial_state": initial_state,
         }
         atomic_torch_save(checkpoint, last)
@@ -607,13 +613,17 @@ def fit_tensors(
                     yb = yb.to(device, non_blocking=True)
                 loss, logits = train_step(xb, yb)
                 if initial_loss is None:
-                    initial_loss = float(loss)
+                    initial_loss, num_classes = float(loss), int(logits.shape[-1])
                 loss_sum += loss * len(yb)
                 correct += (logits.argmax(-1) == yb).sum()
                 seen += len(yb)
                 step += 1
             train_loss = float(loss_sum) / seen
-            reason = _divergence(train_loss, initial_loss, float(divergence_factor)) if check_divergence else None
+            reason = (
+                _divergence(train_loss, initial_loss, num_classes, float(divergence_factor))
+                if check_divergence
+                else None
+            )
             if reason is not None:
                 where = f"the training in {folder} diverged in epoch {epoch} ({reason})"
                 if len(restarts) >= int(divergence_restarts):
