@@ -210,7 +210,9 @@ def _compose(augment: Callable | None, view: Callable | None) -> Callable | None
     return transform
 
 
-def _fit_plain(cfg, net, datamodule, folder: Path, device, start: float, epochs: int, optimizer_cfg) -> FitResult:
+def _fit_plain(
+    cfg, net, datamodule, folder: Path, device, start: float, epochs: int, optimizer_cfg, after_epoch=None
+) -> FitResult:
     settings = engine_settings(cfg)
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     data = datamodule.data
@@ -236,6 +238,7 @@ def _fit_plain(cfg, net, datamodule, folder: Path, device, start: float, epochs:
                 device=device,
                 eval_batch_size=datamodule.eval_batch_size,
                 on_epoch_end=reporter,
+                after_epoch=after_epoch,
                 transform=_compose(datamodule.augment, datamodule.view),
                 val_view=datamodule.view,
                 keep_on_host=True,
@@ -264,6 +267,7 @@ def fit(
     start: float,
     max_epochs: int | None = None,
     optimizer_cfg: DictConfig | None = None,
+    after_epoch=None,
 ) -> FitResult:
     """Train ``net`` on ``datamodule`` into ``folder``, resuming from ``folder/last.ckpt``; see the module doc.
 
@@ -277,6 +281,8 @@ def fit(
         start: ``time.perf_counter()`` at the start of the stage in this process.
         max_epochs: Overrides ``trainer.max_epochs``.
         optimizer_cfg: Overrides ``cfg.optimizer``.
+        after_epoch: ``(epoch, row, net) -> metrics | None`` after each epoch, outside the training clock (the
+            plain loop: :func:`ddcnn.engine.tensor_fit.fit_tensors`); the Lightning loop does not call it.
 
     Returns:
         The network with its best weights and the stage's training time over all processes that worked on it.
@@ -290,4 +296,4 @@ def fit(
 
         return fit_lightning(cfg, net, datamodule, folder, device, seed, start, epochs, optimizer_cfg)
     seed_everything(seed)
-    return _fit_plain(cfg, net, datamodule, folder, device, start, epochs, optimizer_cfg)
+    return _fit_plain(cfg, net, datamodule, folder, device, start, epochs, optimizer_cfg, after_epoch)
