@@ -95,7 +95,7 @@ ADDED_DEFAULTS: dict[str, Any] = {
     "coarse.divergence_restarts": 3,
     "coarse.linear.enabled": True,
     "coarse.linear.l2_grid": _L2_GRID,
-    "coarse.linear.max_rows": 20000,
+    "coarse.linear.max_rows": 10000,
     "coarse.linear.max_iter": 200,
     "coarse.net.input_norm": "standardize",
     "coarse.net.skip": "mean_prob",

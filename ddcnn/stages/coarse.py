@@ -305,7 +305,7 @@ def _fit_linear_path(
 ) -> str:
     """Step 2: the linear path by convex logistic regression (the convex stacker's fit), or the averaging combiner
     when that does better on validation; returns the candidate it leaves in ``net``: ``linear`` or ``averaging``."""
-    max_rows = _setting(node, "max_rows", 20_000)
+    max_rows = _setting(node, "max_rows", 10_000)
     rows = torch.arange(len(y_train))
     if max_rows and len(rows) > int(max_rows):  # a fixed random subset of the rows: the solve's cost is bounded
         rows = torch.randperm(len(rows), generator=torch.Generator().manual_seed(int(seed)))[: int(max_rows)]

@@ -23,7 +23,19 @@ from ddcnn.rundir import RunDir
 from ddcnn.stages.global_transfer import init_global_transfer
 from tests.conftest import compose_config
 
-OPTIONAL = ("coarse_alt", "e2e", "transfer", "global_transfer", "global_ddp")
+OPTIONAL = (
+    "coarse_alt",
+    "stacker",
+    "local_oof",
+    "coarse_oof",
+    "coarse_val",
+    "e2e",
+    "transfer",
+    "global_transfer",
+    "global_ddp",
+)
+# Stages that train no network by epochs (a convex solve, or a folder of fold trainings): no last.ckpt of their own.
+NO_CHECKPOINT = ("stacker", "local_oof")
 N = 2  # sub-domains of the shared run
 
 
@@ -31,7 +43,8 @@ N = 2  # sub-domains of the shared run
 def finished(tmp_path_factory):
     """A tiny run with every method, and the state each optional stage handed to ``fit``."""
     run_dir = tmp_path_factory.mktemp("all_methods")
-    overrides = ["methods=all", "decomposition.grid=[1,2]", "++report.plots=false", "++report.export=false"]
+    overrides = ["methods=all", "methods.local_oof.folds=2", "decomposition.grid=[1,2]"]
+    overrides += ["++report.plots=false", "++report.export=false"]
     cfg = compose_config(overrides, run_dir)
     started: dict[str, dict[str, torch.Tensor]] = {}
     fit = common.fit
@@ -111,7 +124,10 @@ def test_every_optional_stage_writes_its_artifacts_and_results_rows(finished):
     cfg, run, results, _ = finished
     for stage in OPTIONAL:
         folder = run.stage_dir(stage)
-        for name in ("last.ckpt", "probs_train.pt", "probs_val.pt", "probs_test.pt", "net.pt", "done"):
+        names = ("last.ckpt", "probs_train.pt", "probs_val.pt", "probs_test.pt", "net.pt", "done")
+        if stage in NO_CHECKPOINT:
+            names = ("done",) if stage == "local_oof" else names[1:]
+        for name in names:
             assert (folder / name).is_file(), f"{folder / name} missing"
         assert run.meta(stage)["time_s"] > 0
     assert run.meta("coarse_alt")["input"] == "logits"
@@ -149,8 +165,14 @@ def test_finished_optional_stage_is_skipped(finished):
     assert meta == run.meta("transfer")
 
 
-def test_default_run_enables_only_the_cheap_second_coarse_dnn():
-    assert enabled_stages(compose_config()) == ["coarse_alt"]
+def test_default_run_enables_only_the_cheap_combiners():
+    assert enabled_stages(compose_config()) == ["coarse_alt", "stacker", "coarse_val"]
+    # A method brings the optional stages it needs.
+    assert enabled_stages(compose_config(["methods.enabled.coarse_oof=true"]))[1:4] == [
+        "stacker",
+        "local_oof",
+        "coarse_oof",
+    ]
     assert enabled_stages(compose_config(["methods=all"])) == list(OPTIONAL)
 
 
@@ -170,14 +192,14 @@ def test_transfer_before_the_local_stage_names_what_is_missing(make_cfg):
 
 
 def test_methods_switched_on_later_train_only_the_new_stages(make_cfg):
-    base = ("decomposition.grid=[1,2]", "methods.enabled.coarse_alt=false")
+    base = ("decomposition.grid=[1,2]", "methods.enabled.coarse_alt=false", "methods.local_oof.folds=2")
     train(make_cfg(*base))
     run = RunDir(make_cfg().paths.run_dir)
     assert not run.is_done("coarse_alt") and not run.is_done("transfer")
     markers = [run.stage_dir("local", 0) / "done", run.stage_dir("coarse") / "done"]
     stamps = [m.stat().st_mtime_ns for m in markers]
     # methods.enabled does not change what any stage computes, so the same run directory accepts it.
-    results = train(make_cfg("decomposition.grid=[1,2]", "methods=all"))
+    results = train(make_cfg("decomposition.grid=[1,2]", "methods=all", "methods.local_oof.folds=2"))
     assert [m.stat().st_mtime_ns for m in markers] == stamps  # nothing retrained
     assert all(run.is_done(stage) for stage in OPTIONAL)
     assert all(results["accuracy"][key] is not None for key in METHODS)
