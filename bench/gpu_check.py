@@ -632,12 +632,22 @@ def engine_policy(meta: dict) -> dict:
     return {k: node[k] for node in nodes for k in ENGINE_KEYS if k in node}
 
 
+def coarse_batch_size(meta: dict, cfg) -> int | None:
+    """The batch size a coarse stage trained with: the plan its ``meta.json`` records (``coarse.batch_size=auto``
+    is resolved from the data size), else a number in the configuration."""
+    plan = (meta.get("fit") or {}).get("plan") or {}
+    if plan.get("batch_size"):
+        return int(plan["batch_size"])
+    value = cfg.coarse.get("batch_size")
+    return int(value) if isinstance(value, int) else None
+
+
 def stage_rows(run_dir: Path, cfg, results: dict) -> list[dict]:
     """One row per trained stage of a finished run directory, from its ``meta.json`` files."""
     n_train = int(results.get("data", {}).get("n_train") or 0)
     rows = []
     # Pipeline order: the local nets by index, then the other stages.
-    order = {"coarse": 0, "coarse_alt": 1, "global": 2}
+    order = {"coarse": 0, "coarse_alt": 1, "coarse_val": 2, "coarse_oof": 3, "stacker": 4, "global": 5}
     metas = sorted(
         run_dir.glob("local/*/meta.json"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0
     )
@@ -646,13 +656,15 @@ def stage_rows(run_dir: Path, cfg, results: dict) -> list[dict]:
         meta = json.loads(path.read_text())
         stage = str(meta.get("stage", path.parent.name))
         coarse = stage.startswith("coarse")
-        batch = int((cfg.coarse.get("batch_size") if coarse else None) or cfg.data.batch_size)
+        batch = coarse_batch_size(meta, cfg) if coarse else None
+        batch = int(batch or cfg.data.batch_size)
         fit_s = float(meta.get("fit_time_s") or meta.get("time_s") or 0.0)
         counted = metrics_steps(path.parent)
         if counted is not None:
             epochs, steps = counted
         else:  # from the configuration (the loop may have stopped writing metrics.csv)
-            epochs = int(meta.get("max_epochs") or (cfg.coarse.max_epochs if coarse else cfg.trainer.max_epochs))
+            planned = ((meta.get("fit") or {}).get("plan") or {}).get("max_epochs")
+            epochs = int(meta.get("max_epochs") or planned or (cfg.coarse.max_epochs if coarse else cfg.trainer.max_epochs))
             from ddcnn.engine.tensor_fit import num_batches
 
             limit = None if coarse else cfg.trainer.get("limit_train_batches")

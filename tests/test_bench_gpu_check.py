@@ -42,7 +42,7 @@ def test_tiny_mode_runs_every_section_and_reads_the_stages(gpu_check, tmp_path):
     (row,) = report["sections"]["e2e"]["result"]["rows"]
     assert row["status"] == "ok" and "decomposition=2x2" in row["overrides"]
     stages = {s["stage"]: s for s in row["stages"]}
-    assert list(stages) == ["local 0", "local 1", "local 2", "local 3", "coarse", "global"]
+    assert list(stages) == ["local 0", "local 1", "local 2", "local 3", "coarse", "coarse_val", "stacker", "global"]
     for name in ("local 0", "global"):
         # digits, batch 32, trainer.limit_train_batches=2, 1 epoch: 2 steps of 32 of the 200 training images
         assert (stages[name]["epochs"], stages[name]["steps"], stages[name]["samples_per_epoch"]) == (1, 2, 64)

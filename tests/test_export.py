@@ -95,7 +95,9 @@ def test_exported_model_reproduces_the_pipeline_test_predictions(digits_run):
         logits = model(raw)
     staged = RunDir(digits_run).load_probs("coarse", "test")
     assert probs.shape == staged["probs"].shape == (len(raw), 10)
-    assert torch.allclose(probs, staged["probs"], atol=1e-5)
+    # 1e-4: the coarse DNN standardises its inputs (1/std of near-saturated probabilities reaches ~1e3), which
+    # amplifies the float32 rounding differences of the local nets run on another batch shape.
+    assert torch.allclose(probs, staged["probs"], atol=1e-4)
     assert torch.equal(probs.argmax(-1), staged["probs"].argmax(-1))
     assert torch.allclose(logits.softmax(-1), probs)
 

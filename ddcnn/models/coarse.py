@@ -120,7 +120,10 @@ class CoarseMLP(nn.Module):
         self.has_linear = bool(linear) and len(hidden) > 0
         self.linear = nn.Linear(self.in_features, num_classes) if self.has_linear else nn.Identity()
         # The averaging combiner's weight in the output (fitted with the linear path; 1: the plain combiner).
-        self.skip_scale = nn.Parameter(torch.ones(()), requires_grad=skip == "mean_prob")
+        if skip == "mean_prob":
+            self.skip_scale = nn.Parameter(torch.ones(()))
+        else:  # a buffer, so every parameter is trained; the key stays in the state dict either way
+            self.register_buffer("skip_scale", torch.ones(()))
         self.register_buffer("input_mean", torch.zeros(self.in_features))
         self.register_buffer("input_std", torch.ones(self.in_features))
         if skip == "mean_prob":

@@ -25,7 +25,7 @@ from ddcnn.report.results import METHODS
 from ddcnn.rundir import RunDir
 from tests.conftest import compose_config
 
-DEFAULT_METHODS = ("global", "mean_prob", "majority_vote", "cnn_dnn_probs", "cnn_dnn_logits")
+DEFAULT_METHODS = ("global", "mean_prob", "majority_vote", "cnn_dnn_probs", "cnn_dnn_logits", "cnn_dnn_val", "stacker")
 
 
 @pytest.fixture(scope="module")
