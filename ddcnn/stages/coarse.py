@@ -1,21 +1,21 @@
 """The ``coarse`` stage: the coarse DNN trained on the saved local outputs (train split), selected on val.
 
-A plain PyTorch loop trains it (:func:`ddcnn.engine.tensor_fit.fit_tensors`, ``coarse.batch_size`` rows per step,
-``coarse.num_threads`` CPU threads); it resumes from ``last.ckpt`` like the Lightning stages, and its ``meta.json``
-times include the training time of processes that were interrupted.
+The one training loop trains it (:func:`ddcnn.engine.train.fit`, with the run's precision, clipping and batch limits;
+``coarse.batch_size`` rows per step, ``coarse.num_threads`` CPU threads); it resumes from ``last.ckpt`` like every
+stage, and its ``meta.json`` times include the training time of processes that were interrupted.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import time
 
 import torch
 
 from ddcnn.context import Context, build_coarse_net
 from ddcnn.data.datamodule import TensorDataModule
-from ddcnn.engine.tensor_fit import EVAL_CHUNK, fit_tensors, torch_threads
-from ddcnn.engine.train import EpochReporter, FitResult, engine_settings
+from ddcnn.engine.loop import EVAL_CHUNK, torch_threads
+from ddcnn.engine.train import fit
 from ddcnn.rundir import SPLITS
 from ddcnn.stages.common import finish_stage, skip, stage_seed
 
@@ -51,35 +51,29 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
     kind = str(kind or ctx.cfg.coarse.get("input", "probs"))
     x, y = coarse_inputs(ctx, kind)
     seed = stage_seed(ctx, stage)
-    coarse, settings = ctx.cfg.coarse, engine_settings(ctx.cfg)
+    coarse = ctx.cfg.coarse
     torch.manual_seed(seed)
     net = build_coarse_net(ctx.cfg, n, ctx.data.num_classes)
-    # A plain PyTorch loop on the in-memory tensors: through Lightning, the thousands of small steps of an MLP cost
-    # more than a local net (ddcnn.engine.tensor_fit).
-    epochs = int(coarse.max_epochs)
-    reporter = EpochReporter(ctx.cfg, folder, epochs)
-    with torch_threads(coarse.get("num_threads")), contextlib.ExitStack() as stack:
-        stack.callback(reporter.close)
-        fitted = fit_tensors(
+    # coarse.batch_size rows per step (null or 0: the whole training split), one plain-tensor Batches source.
+    batch = int(coarse.get("batch_size") or 0) or len(y["train"])
+    dm = TensorDataModule(x, y, batch_size=batch, eval_batch_size=EVAL_CHUNK, seed=seed)
+    threads = coarse.get("num_threads")
+    with torch_threads(threads):
+        start = time.perf_counter()
+        result = fit(
+            ctx.cfg,
             net,
-            x,
-            y,
+            dm,
             folder,
-            optimizer=coarse.optimizer,
-            scheduler=ctx.cfg.get("scheduler"),
-            max_epochs=epochs,
-            batch_size=coarse.get("batch_size"),
-            seed=seed,
-            monitor=settings["monitor"],
-            monitor_mode=settings["monitor_mode"],
+            device,
+            seed,
+            start,
+            max_epochs=int(coarse.max_epochs),
+            optimizer_cfg=coarse.optimizer,
+            num_devices=1,
             checkpoint_every=int(coarse.get("checkpoint_every") or coarse.max_epochs),
-            device=device,
-            on_epoch_end=reporter,
         )
-        dm = TensorDataModule(x, y, eval_batch_size=EVAL_CHUNK, seed=seed)  # predictions only
-        result = FitResult(
-            fitted.net, fitted.fit_time_s, fitted.previous_time_s, fitted.resumed_from_epoch, fitted.best_epoch
-        )
-        meta = finish_stage(ctx, stage, fitted.net, dm, device, seed, result, input=kind)
+        by_design = "coarse.num_threads" if threads is not None else None
+        meta = finish_stage(ctx, stage, result.net, dm, device, seed, result, threads_by_design=by_design, input=kind)
     log.info("%s (on %s): test acc %.4f in %.1f s", stage, kind, meta["accuracy"]["test"], meta["time_s"])
     return meta

@@ -32,3 +32,39 @@ def test_a_run_with_workers_says_its_times_come_from_different_contexts(make_cfg
     assert not results["timing"]["comparable"] and "concurrent_trainings" in results["timing"]["differences"]
     md = (Path(cfg.paths.run_dir) / "results.md").read_text()
     assert "different execution contexts" in md and TIMING_RULE in md
+
+
+def test_a_default_run_never_says_its_times_come_from_different_contexts(make_cfg):
+    """The coarse DNN trains on one thread by design (coarse.num_threads): not a difference to warn about."""
+    cfg = make_cfg()
+    results = train(cfg)
+    coarse = json.loads((Path(cfg.paths.run_dir) / "coarse" / "meta.json").read_text())["context"]
+    assert coarse["threads_by_design"] == "coarse.num_threads" and coarse["torch_threads"] == 1
+    assert results["timing"]["comparable"], results["timing"]["differences"]
+    assert "different execution contexts" not in (Path(cfg.paths.run_dir) / "results.md").read_text()
+
+
+def test_threads_chosen_by_design_are_not_a_difference_but_other_threads_and_devices_are():
+    local = {
+        "device": "cuda:1",
+        "device_kind": "cuda (H200)",
+        "torch_threads": 2,
+        "concurrent_trainings": 1,
+        "host": "h",
+    }
+    coarse = {
+        **local,
+        "device": "cpu",
+        "device_kind": "cpu",
+        "torch_threads": 1,
+        "threads_by_design": "coarse.num_threads",
+    }
+    other_gpu = {**local, "device": "cuda:0"}  # another index of the same kind of device
+    timing = timing_contexts({"local 0": local, "local 1": other_gpu, "global": local})
+    assert timing["comparable"]
+    assert set(timing_contexts({"local 0": local, "coarse": coarse})["differences"]) == {"device_kind"}
+    assert set(timing_contexts({"local 0": local, "global": {**local, "torch_threads": 4}})["differences"]) == {
+        "torch_threads"
+    }
+    old = {"device": "cpu", "torch_threads": 2, "concurrent_trainings": 1, "host": "h"}  # recorded before device_kind
+    assert timing_contexts({"local 0": old, "global": {**old, "device_kind": "cpu", "num_devices": 1}})["comparable"]

@@ -1,4 +1,4 @@
-"""The coarse DNN's plain PyTorch trainer (ddcnn/engine/tensor_fit.py) and the coarse stage that uses it.
+"""The one training loop (ddcnn/engine/loop.py) on the coarse DNN's tensors (``fit_tensors``), and the coarse stage.
 
 Interruptions of the trainer are injected from the ``on_epoch_end`` hook: an exception raised there stops the training
 the way a kill at that moment would (the last checkpoint stays, nothing after it is saved). The coarse stage itself is
@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddcnn.engine.tensor_fit import CHECKPOINT_FORMAT, FitResult, fit_tensors
+from ddcnn.engine.loop import CHECKPOINT_FORMAT, FitResult, fit_tensors
 from ddcnn.models.coarse import CoarseMLP
 from ddcnn.pipeline import train
 from ddcnn.report.plots import read_metrics_csv
@@ -55,6 +55,11 @@ def _fit(folder: Path, **kwargs) -> FitResult:
     x, y = kwargs.pop("data", None) or _data()
     settings = {"optimizer": ADAMW, "max_epochs": 8, "batch_size": 32, "seed": 7, "scheduler": COSINE}
     return fit_tensors(kwargs.pop("net", None) or _net(), x, y, folder, **(settings | kwargs))
+
+
+def _untimed(history: list[dict]) -> list[dict]:
+    """The rows without the training clock, which differs between two runs of the same training."""
+    return [{k: v for k, v in row.items() if k != "time_s"} for row in history]
 
 
 def _assert_same_weights_dict(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -115,7 +120,9 @@ def test_interrupted_training_resumes_to_exactly_the_uninterrupted_weights(tmp_p
     assert resumed.resumed_from_epoch == expected_last
     _assert_same_weights(resumed.net, reference.net)
     assert resumed.best_epoch == reference.best_epoch
-    assert resumed.history == reference.history
+    assert _untimed(resumed.history) == _untimed(reference.history)
+    times = [row["time_s"] for row in resumed.history]
+    assert times == sorted(times) and times[-1] <= resumed.fit_time_s  # the clock runs on across the resume
     final = torch.load(folder / "last.ckpt", weights_only=False)
     _assert_same_weights_dict(final["net"], torch.load(tmp_path / "reference" / "last.ckpt", weights_only=False)["net"])
 
@@ -154,12 +161,19 @@ def test_fit_time_adds_up_the_work_of_every_process(tmp_path):
     assert resumed.fit_time_s == pytest.approx(first_part + (resumed.fit_time_s - resumed.previous_time_s))
 
 
-def test_a_checkpoint_of_other_settings_is_refused_and_a_foreign_one_ignored(tmp_path):
+def test_a_checkpoint_of_other_settings_or_of_lightnings_trainer_is_refused_with_what_to_do(tmp_path):
     _fit(tmp_path, max_epochs=3)
     with pytest.raises(ValueError, match=r"other settings \(batch_size: 32 -> 16\)"):
         _fit(tmp_path, max_epochs=3, batch_size=16)
-    torch.save({"epoch": 2, "state_dict": {}}, tmp_path / "last.ckpt")  # e.g. Lightning's
-    assert _fit(tmp_path, max_epochs=3).resumed_from_epoch is None
+    # The layout of Lightning's Trainer (ddcnn's DDP and engine.loop=lightning before the one loop).
+    torch.save({"epoch": 2, "state_dict": {}, "pytorch-lightning_version": "2.5.0"}, tmp_path / "last.ckpt")
+    with pytest.raises(ValueError, match=r"Lightning's Trainer .* Delete .*last.ckpt and run the same command again"):
+        _fit(tmp_path, max_epochs=3)
+    # A checkpoint of the plain loop before the Fabric loop (the same layout) resumes.
+    _fit(tmp_path / "plain", max_epochs=2)
+    old = torch.load(tmp_path / "plain" / "last.ckpt", weights_only=False)
+    torch.save({**old, "format": "ddcnn.tensor_fit/1"}, tmp_path / "plain" / "last.ckpt")
+    assert _fit(tmp_path / "plain", max_epochs=2).resumed_from_epoch == 1
 
 
 def test_bad_settings_name_the_argument(tmp_path):
@@ -198,7 +212,12 @@ def _coarse_cfg(run_dir: Path, *overrides: str):
 
 
 # Long enough to be caught mid-training by a SIGKILL (300 epochs of 64 small steps, a checkpoint every 20 epochs).
-KILL_COARSE = ["coarse.max_epochs=300", "coarse.checkpoint_every=20", "coarse.batch_size=4"]
+KILL_COARSE = [
+    "coarse.max_epochs=300",
+    "coarse.checkpoint_every=20",
+    "coarse.batch_size=4",
+    "trainer.limit_train_batches=null",
+]
 
 
 @pytest.mark.slow
