@@ -790,10 +790,19 @@ def _run_spawned(fabric, training: _Training, prefit_s: float) -> str | None:
         # what it sends): each rank must train its own copy, or every rank's step lands on the same weights.
         for tensor in itertools.chain(training.net.parameters(), training.net.buffers()):
             tensor.data = tensor.data.clone()
-    result = training.run(fabric, prefit_s=prefit_s)
+    path = Path(training.folder) / _SPAWN_RESULT
+    try:
+        result = training.run(fabric, prefit_s=prefit_s)
+    except Exception as err:  # every rank meets the same refusal (a checkpoint, a setting): hand rank 0's over whole
+        if fabric.global_rank != 0:
+            return None
+        try:
+            atomic_torch_save({"error": err}, path)
+        except Exception:
+            atomic_torch_save({"error": RuntimeError(f"{type(err).__name__}: {err}")}, path)
+        return str(path)
     if fabric.global_rank != 0:
         return None
-    path = Path(training.folder) / _SPAWN_RESULT
     atomic_torch_save({"state": _cpu_state(result.net), "result": dataclasses.replace(result, net=None)}, path)
     return str(path)
 
@@ -889,6 +898,9 @@ def fit_batches(
             (default: the call of this function).
         write_best: Also write ``best.ckpt`` with the selected weights at the end.
 
+    With ``launcher="spawn"`` the network, the data and the hooks travel to the ranks by pickling: hooks must then be
+    module-level functions or picklable objects (no lambdas or closures).
+
     Returns:
         The network with its best weights and the training's history and times (:class:`FitResult`). Under DDP
         across ``srun`` tasks every rank returns (``global_rank`` says which); spawned DDP returns rank 0's result.
@@ -978,6 +990,8 @@ def fit_batches(
                 path = Path(fabric.launch(_run_spawned, training, prefit))
             out = torch.load(path, map_location="cpu", weights_only=False)
             path.unlink(missing_ok=True)
+            if "error" in out:  # raised in the ranks (the same in every one): here as there, its message intact
+                raise out["error"]
             result: FitResult = out["result"]
             net.load_state_dict(out["state"])
             # Spawning the ranks (interpreters, imports, the data), their rendezvous and tear-down: start-up, apart.

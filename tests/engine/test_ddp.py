@@ -106,3 +106,21 @@ def test_ddp_global_cnn_follows_the_one_device_run(make_cfg):
     assert one.keys() == ddp.keys() and int(one["features.1.num_batches_tracked"]) == 4
     for key in one:
         torch.testing.assert_close(ddp[key], one[key], atol=1e-5, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.slow
+def test_a_refusal_in_the_spawned_ranks_reaches_the_caller_as_itself(tmp_path):
+    """A last.ckpt of Lightning's Trainer is refused in every rank; the caller gets that ValueError and its message
+    (not a multiprocessing error with a traceback in it), as on one device."""
+    from ddcnn.data.datamodule import TensorDataModule
+    from ddcnn.engine.loop import fit_batches
+
+    x = {s: torch.randn(24, 1, 6, 6) for s in ("train", "val", "test")}
+    y = {s: torch.randint(3, (24,)) for s in x}
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 3))
+    tmp_path.mkdir(exist_ok=True)
+    torch.save({"epoch": 1, "state_dict": {}, "pytorch-lightning_version": "2.5.1"}, tmp_path / "last.ckpt")
+    sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
+    with pytest.raises(ValueError, match=r"Lightning's Trainer .* Delete"):
+        fit_batches(net, TensorDataModule(x, y, 8), tmp_path, optimizer=sgd, max_epochs=1, num_devices=2)
+    assert not (tmp_path / ".spawned_result.pt").exists()
