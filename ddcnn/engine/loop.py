@@ -653,8 +653,9 @@ class _Training:
                     xb, yb = self.data.train_batch(idx, epoch, fabric.device)
                     stepping = (k + 1) % accumulate == 0 or k == len(batches) - 1
                     loss, logits = self.train_step(xb, yb, stepping)
-                    if initial_loss is None:
-                        initial_loss = float(loss)
+                    if initial_loss is None:  # under DDP the global first batch's: every rank decides alike
+                        first = fabric.all_reduce(loss.clone(), reduce_op="mean") if world > 1 else loss
+                        initial_loss = float(first)
                     sums[0] += loss.double() * len(yb)
                     sums[1] += (logits.argmax(-1) == yb).sum()
                     sums[2] += len(yb)

@@ -513,7 +513,7 @@ def test_a_process_that_trains_imports_neither_lightnings_trainer_nor_torchmetri
 import sys
 from tests.conftest import compose_config
 from ddcnn.pipeline import train
-train(compose_config(["stage=all"], {str(tmp_path / "run")!r}))
+train(compose_config(["stage=all", "decomposition.grid=[1,2]"], {str(tmp_path / "run")!r}))
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning", "torchmetrics"))
 assert not loaded, loaded
 assert "lightning_fabric" in sys.modules
