@@ -36,6 +36,7 @@ if "torchmetrics" not in sys.modules and "lightning_fabric" not in sys.modules:
 from lightning_fabric import Fabric  # noqa: E402
 from lightning_fabric.plugins import Precision  # noqa: E402
 from lightning_fabric.plugins.environments import ClusterEnvironment, LightningEnvironment  # noqa: E402
+from lightning_fabric.plugins.environments.lightning import find_free_network_port  # noqa: E402
 from lightning_fabric.plugins.precision import MixedPrecision  # noqa: E402
 from lightning_fabric.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
 
@@ -129,6 +130,24 @@ class SrunEnvironment(ClusterEnvironment):
         return int(os.environ.get("SLURM_NODEID", "0") or 0)
 
 
+class _SpawnEnvironment(LightningEnvironment):
+    """The ranks this process spawns: they live on this machine and meet on ``127.0.0.1`` at a free port, whatever
+    ``MASTER_ADDR``/``MASTER_PORT`` the shell holds (a torchrun habit, another job's), so that neither sends them to
+    another host nor makes two trainings on this machine (workers, each with DDP) meet on one port."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._port = find_free_network_port()
+
+    @property
+    def main_address(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def main_port(self) -> int:
+        return self._port
+
+
 class _TaskDDPStrategy(DDPStrategy):
     """DDP whose rank trains on the one device ddcnn chose for this task (:func:`ddcnn.parallel.devices.process_device`:
     ``cuda:<local rank % visible GPUs>``, or the GPU ``--gpus-per-task`` left visible), not on the local rank's
@@ -199,9 +218,7 @@ def build_fabric(
                 )
         else:
             devices = [device] * num_devices
-        strategy = DDPStrategy(
-            parallel_devices=devices, cluster_environment=LightningEnvironment(), start_method="spawn"
-        )
+        strategy = DDPStrategy(parallel_devices=devices, cluster_environment=_SpawnEnvironment(), start_method="spawn")
         return Fabric(strategy=strategy, plugins=[plugin])
     environment = SrunEnvironment()
     if not environment.detect():

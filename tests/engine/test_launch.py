@@ -91,7 +91,7 @@ def test_fabrics_own_slurm_environment_refuses_the_n_form_which_is_why_ddcnn_has
     build_fabric("cpu", 1, "local")  # a one-device training in such a task is not refused either
 
 
-def test_several_nodes_meet_on_the_first_node_of_the_step(slurm):
+def test_several_nodes_meet_on_the_first_node_of_the_step(slurm, monkeypatch):
     slurm("srun -n 2", rank=3, SLURM_STEP_NUM_TASKS="4", SLURM_NODEID="1", SLURM_LOCALID="1")
     for nodes, first in (
         ("gpu[03-05,9]", "gpu03"),
@@ -101,11 +101,12 @@ def test_several_nodes_meet_on_the_first_node_of_the_step(slurm):
         ("solo", "solo"),
     ):
         assert _first_host(nodes) == first
-    os.environ["SLURM_STEP_NODELIST"] = "gpu[03-04]"
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu[03-04]")
     env = SrunEnvironment()
     assert (env.world_size(), env.global_rank(), env.local_rank(), env.node_rank()) == (4, 3, 1, 1)
     assert env.main_address == "gpu03"
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "10.0.0.1", "23456"  # the user's choice wins
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")  # the user's choice wins
+    monkeypatch.setenv("MASTER_PORT", "23456")
     assert (env.main_address, env.main_port) == ("10.0.0.1", 23456)
 
 
@@ -115,14 +116,24 @@ def test_the_steps_of_one_allocation_meet_on_different_ports_below_the_ephemeral
     assert rendezvous_port("987654", "3") == rendezvous_port("987654", "3")
 
 
-def test_a_ddp_world_that_is_not_the_steps_task_count_is_refused_with_the_fix(slurm):
+def test_a_ddp_world_that_is_not_the_steps_task_count_is_refused_with_the_fix(slurm, monkeypatch):
     slurm("srun -n 2")
     with pytest.raises(ValueError, match="this srun step has 2 tasks: run srun -n 4"):
         build_fabric("cpu", 4, "srun")
     for var in SLURM_VARS:
-        os.environ.pop(var, None)
+        monkeypatch.delenv(var, raising=False)
     with pytest.raises(ValueError, match="not one of several tasks of an srun step"):
         build_fabric("cpu", 2, "srun")
+
+
+def test_spawned_ranks_meet_on_this_machine_whatever_master_addr_says(monkeypatch):
+    """A MASTER_ADDR/MASTER_PORT left in the shell (a torchrun habit, another job) must not send spawned ranks to
+    another host or to one fixed port that two trainings on this machine would share."""
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "23456")
+    envs = [build_fabric("cpu", 2, "spawn").strategy.cluster_environment for _ in range(2)]
+    assert {env.main_address for env in envs} == {"127.0.0.1"}
+    assert envs[0].main_port != 23456 and envs[0].main_port != envs[1].main_port
 
 
 def test_launching_leaves_the_process_as_it_was(monkeypatch):
