@@ -32,11 +32,15 @@ What a fit may ask of the loop beyond plain mini-batch steps:
   time curves. Its time is kept out of the training clock; the metrics it returns join the epoch's row and
   ``logs/metrics.csv``; every row has ``time_s``, the training clock at the end of that epoch;
 - **divergence detection** (``divergence_restarts`` not ``None``): an epoch has diverged when its mean training loss
-  is not finite or exceeds ``divergence_factor`` times the initial loss (the loss of the first training batch before
-  the first step). With ``divergence_restarts=0`` the fit raises :class:`Diverged`; with ``R > 0`` it starts again
-  from the initial weights with every learning rate multiplied by ``divergence_lr_factor``, at most ``R`` times. The
-  restarts are recorded in the result (``restarts``) and in ``last.ckpt``, so a resumed fit continues the same
-  attempt.
+  is not finite or exceeds ``divergence_factor`` times the larger of the initial loss (the loss of the first training
+  batch before the first step; under DDP the global batch's) and ``ln K`` (the loss of a uniform guess over the ``K``
+  classes: a network that starts better than chance may wander above its initial loss without diverging). With
+  ``divergence_restarts=0`` the fit raises :class:`Diverged`; with ``R > 0`` it starts again from the initial weights
+  with every learning rate multiplied by ``divergence_lr_factor``, at most ``R`` times. The restarts are recorded in
+  the result (``restarts``) and in ``last.ckpt``, so a resumed fit continues the same attempt;
+- **early stopping** (``patience``): the fit ends once the monitored metric has not improved for ``patience``
+  epochs (the selected weights are those of the best epoch, as always); the epoch it stopped after is in the result
+  (``stopped_epoch``) and in ``last.ckpt``.
 
 The loop reads every batch through the ``Batches`` protocol (``train_batch``, ``eval_batch``: on the device, ready for
 the network); it prepares no batch itself. The network is set up on the device in one place (:meth:`_Training.setup`)
@@ -114,6 +118,7 @@ _RESUME_SETTINGS = (
     "limit_train_batches",
     "limit_val_batches",
     "divergence_restarts",
+    "patience",
     "world_size",
     "precision",
     "accumulate_grad_batches",
@@ -143,7 +148,7 @@ class FitResult:
     Attributes:
         net: The trained network with the weights of the best validation epoch (on the training device; on CPU after
             spawned DDP).
-        best_epoch: That epoch (0-based).
+        best_epoch: That epoch (0-based; ``None`` for a result that did not come from the loop).
         best_metric: Its value of the monitored metric.
         history: Per epoch, the row written to ``logs/metrics.csv``.
         fit_time_s: Training time of every process that worked on this training, this one included (work after the
@@ -151,6 +156,7 @@ class FitResult:
         previous_time_s: The part of ``fit_time_s`` spent by earlier processes (0 for an uninterrupted training).
         resumed_from_epoch: The last finished epoch of the checkpoint this process resumed from, else ``None``.
         hook_time_s: Time this process spent in the ``after_epoch`` hook, outside ``fit_time_s``.
+        stopped_epoch: The epoch after which early stopping (``patience``) ended the fit, else ``None``.
         restarts: One entry per divergence restart: ``{"epoch", "reason", "lr_scale"}`` (the scale after it).
         initial_loss: The loss of the first training batch before the first step (of the last attempt).
         startup_s: Process start-up this training paid outside ``fit_time_s``: spawning the DDP ranks (interpreters,
@@ -163,13 +169,14 @@ class FitResult:
     """
 
     net: nn.Module | None
-    best_epoch: int
-    best_metric: float
+    best_epoch: int | None = None
+    best_metric: float | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     fit_time_s: float = 0.0
     previous_time_s: float = 0.0
     resumed_from_epoch: int | None = None
     hook_time_s: float = 0.0
+    stopped_epoch: int | None = None
     restarts: list[dict] = field(default_factory=list)
     initial_loss: float | None = None
     startup_s: float = 0.0
@@ -316,12 +323,15 @@ def _needs_closure(opt: torch.optim.Optimizer) -> bool:
     return isinstance(opt, torch.optim.LBFGS) or bool(getattr(opt, "needs_closure", False))
 
 
-def _divergence(loss: float, initial: float | None, factor: float) -> str | None:
+def _divergence(loss: float, initial: float | None, num_classes: int, factor: float) -> str | None:
     """Why an epoch with mean training loss ``loss`` diverged (the module doc's rule), or ``None``."""
     if not math.isfinite(loss):
         return f"train_loss {loss}"
-    if initial is not None and math.isfinite(initial) and loss > factor * initial:
-        return f"train_loss {loss:.4g} > {factor:g} x initial {initial:.4g}"
+    chance = math.log(max(num_classes, 2))
+    reference = max(initial, chance) if initial is not None and math.isfinite(initial) else chance
+    if loss > factor * reference:
+        what = f"initial {initial:.4g}" if reference != chance else f"ln K {chance:.4g}"
+        return f"train_loss {loss:.4g} > {factor:g} x {what}"
     return None
 
 
@@ -571,6 +581,7 @@ class _Training:
             "limit_train_batches": self.limit_train_batches,
             "limit_val_batches": self.limit_val_batches,
             "divergence_restarts": self.divergence_restarts,
+            "patience": self.patience,
             "world_size": world if world > 1 else None,
             "precision": self.precision if self.precision != "32-true" else None,
             "accumulate_grad_batches": self.accumulate_grad_batches if self.accumulate_grad_batches > 1 else None,
@@ -585,11 +596,14 @@ class _Training:
         best_state, best_metric, best_epoch = None, None, -1
         first_epoch, resumed_from, step = 0, [], 0
         restarts: list[dict] = []
-        lr_scale, initial_loss = 1.0, None
+        stopped_epoch: int | None = None
+        lr_scale, initial_loss, num_classes = 1.0, None, 2
         state = _load_checkpoint(last, settings)
         if state is not None:
             restarts = list(state.get("restarts", []))
             lr_scale, initial_loss = float(state.get("lr_scale", 1.0)), state.get("initial_loss")
+            num_classes = int(state.get("num_classes", num_classes))
+            stopped_epoch = state.get("stopped_epoch")
             if state.get("initial_state") is not None:
                 initial_state = state["initial_state"]
             self.module.load_state_dict(state["net"])
@@ -628,7 +642,9 @@ class _Training:
                 "restarts": restarts,
                 "lr_scale": lr_scale,
                 "initial_loss": initial_loss,
+                "num_classes": num_classes,
                 "initial_state": initial_state,
+                "stopped_epoch": stopped_epoch,
             }
             atomic_torch_save(checkpoint, last)
             atomic_write_text(metrics_path, _metrics_csv(history))
@@ -638,10 +654,10 @@ class _Training:
         devices = [fabric.device] if fabric.device.type == "cuda" else []
         epoch = first_epoch
         with torch.random.fork_rng(devices=devices), _deterministic(self.deterministic):
-            if epoch < self.max_epochs:
+            if epoch < self.max_epochs and stopped_epoch is None:
                 with clock.outside("warmup"):
                     self.warm_up(epoch)
-            while epoch < self.max_epochs:
+            while epoch < self.max_epochs and stopped_epoch is None:
                 batches = self.epoch_batches(epoch)
                 lr = float(self.raw_opt.param_groups[0]["lr"])
                 self.model.train()
@@ -655,7 +671,7 @@ class _Training:
                     loss, logits = self.train_step(xb, yb, stepping)
                     if initial_loss is None:  # under DDP the global first batch's: every rank decides alike
                         first = fabric.all_reduce(loss.clone(), reduce_op="mean") if world > 1 else loss
-                        initial_loss = float(first)
+                        initial_loss, num_classes = float(first), int(logits.shape[-1])
                     sums[0] += loss.double() * len(yb)
                     sums[1] += (logits.argmax(-1) == yb).sum()
                     sums[2] += len(yb)
@@ -669,7 +685,11 @@ class _Training:
                 if world > 1:
                     sums = fabric.all_reduce(sums, reduce_op="sum")
                 train_loss = float(sums[0] / sums[2])
-                reason = _divergence(train_loss, initial_loss, self.divergence_factor) if check_divergence else None
+                reason = (
+                    _divergence(train_loss, initial_loss, num_classes, self.divergence_factor)
+                    if check_divergence
+                    else None
+                )
                 if reason is not None:
                     where = f"the training in {folder} diverged in epoch {epoch} ({reason})"
                     if len(restarts) >= int(self.divergence_restarts):
@@ -726,9 +746,19 @@ class _Training:
                     due = time.perf_counter() - last_write >= float(self.checkpoint_every_s)
                 else:
                     due = (epoch + 1) % self.checkpoint_every == 0
-                due = due or epoch == self.max_epochs - 1
                 if world > 1:  # every rank follows rank 0's clock
                     due = bool(fabric.broadcast(due, src=0))
+                if self.patience is not None and epoch - best_epoch >= self.patience and epoch < self.max_epochs - 1:
+                    stopped_epoch = epoch  # the same on every rank: the monitored metric is the all-reduced one
+                    if rank == 0:
+                        log.debug(
+                            "%s: no improvement of %s for %d epochs, stopping after epoch %d",
+                            folder,
+                            self.monitor,
+                            self.patience,
+                            epoch,
+                        )
+                due = due or epoch == self.max_epochs - 1 or stopped_epoch is not None
                 if due and rank == 0:
                     save(epoch)
                 if due:
@@ -769,6 +799,7 @@ class _Training:
             previous_time_s=clock.previous,
             resumed_from_epoch=resumed_from[-1] if resumed_from else None,
             hook_time_s=left_out["hook"],
+            stopped_epoch=stopped_epoch,
             restarts=restarts,
             initial_loss=initial_loss,
             startup_s=left_out["startup"],
@@ -838,6 +869,7 @@ def fit_batches(
     divergence_restarts: int | None = None,
     divergence_factor: float = 2.0,
     divergence_lr_factor: float = 0.1,
+    patience: int | None = None,
     start: float | None = None,
     write_best: bool = True,
 ) -> FitResult:
@@ -895,6 +927,8 @@ def fit_batches(
             rates times ``divergence_lr_factor``, at most ``R`` times (see the module doc for the rule).
         divergence_factor: An epoch whose mean training loss exceeds this multiple of the initial loss diverged.
         divergence_lr_factor: What each restart multiplies the learning rates by.
+        patience: Stop once the monitored metric has not improved for this many epochs (``None``: train
+            ``max_epochs``).
         start: ``time.perf_counter()`` at the start of the caller's stage, which the training time counts from
             (default: the call of this function).
         write_best: Also write ``best.ckpt`` with the selected weights at the end.
@@ -941,6 +975,8 @@ def fit_batches(
         num_batches(1, value, name)
     if divergence_restarts is not None and int(divergence_restarts) < 0:
         raise ValueError(f"divergence_restarts must be >= 0 or null (no check), got {divergence_restarts!r}.")
+    if patience is not None and (isinstance(patience, bool) or int(patience) < 1):
+        raise ValueError(f"patience must be a positive number of epochs or null (no early stopping), got {patience!r}.")
     if float(divergence_factor) <= 1.0:
         raise ValueError(f"divergence_factor must be > 1, got {divergence_factor!r}.")
     if not 0.0 < float(divergence_lr_factor) < 1.0:
@@ -978,6 +1014,7 @@ def fit_batches(
         divergence_restarts=None if divergence_restarts is None else int(divergence_restarts),
         divergence_factor=float(divergence_factor),
         divergence_lr_factor=float(divergence_lr_factor),
+        patience=None if patience is None else int(patience),
         start=start,
         write_best=bool(write_best),
         threads=threads,

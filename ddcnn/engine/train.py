@@ -27,7 +27,7 @@ from ddcnn.engine.loggers import EpochReporter
 from ddcnn.engine.loop import FitResult, fit_batches
 from ddcnn.engine.settings import engine_settings, trainer_settings
 
-__all__ = ["FitResult", "fit", "seed_everything"]
+__all__ = ["FitResult", "fit", "loop_settings", "seed_everything"]
 
 
 def seed_everything(seed: int) -> None:
@@ -37,6 +37,24 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def loop_settings(cfg: DictConfig) -> dict[str, Any]:
+    """The :func:`~ddcnn.engine.loop.fit_batches` arguments that come from the run's ``trainer`` settings and apply to
+    every training of the run, the coarse DNN's included: precision, clipping, gradient accumulation, batch limits,
+    deterministic algorithms, step logging."""
+    trainer = trainer_settings(cfg)
+    keys = (
+        "precision",
+        "gradient_clip_val",
+        "gradient_clip_algorithm",
+        "accumulate_grad_batches",
+        "limit_train_batches",
+        "limit_val_batches",
+        "deterministic",
+        "log_every_n_steps",
+    )
+    return {key: trainer[key] for key in keys}
 
 
 def fit(
@@ -80,6 +98,7 @@ def fit(
     epochs = int(max_epochs if max_epochs is not None else trainer["max_epochs"])
     seed_everything(seed)
     settings: dict[str, Any] = {
+        **loop_settings(cfg),
         "optimizer": optimizer_cfg if optimizer_cfg is not None else cfg.optimizer,
         "scheduler": cfg.get("scheduler"),
         "max_epochs": epochs,
@@ -90,14 +109,6 @@ def fit(
         "device": device,
         "num_devices": int(num_devices if num_devices is not None else engine["num_devices"]),
         "launcher": launcher,
-        "precision": trainer["precision"],
-        "gradient_clip_val": trainer["gradient_clip_val"],
-        "gradient_clip_algorithm": trainer["gradient_clip_algorithm"],
-        "accumulate_grad_batches": trainer["accumulate_grad_batches"],
-        "limit_train_batches": trainer["limit_train_batches"],
-        "limit_val_batches": trainer["limit_val_batches"],
-        "deterministic": trainer["deterministic"],
-        "log_every_n_steps": trainer["log_every_n_steps"],
         "reporter": EpochReporter(cfg, folder, epochs),
         "start": start,
         "write_best": False,  # last.ckpt holds the best weights; net.pt is what later stages read

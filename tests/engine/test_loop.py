@@ -246,6 +246,18 @@ def test_a_restarted_training_resumes_in_its_last_attempt(tmp_path):
     _assert_same_weights(resumed.net, reference.net)
 
 
+def test_early_stopping_ends_after_patience_epochs_without_improvement_and_stays_stopped(tmp_path):
+    # Validation labels disagree with training labels: validation gets worse as training improves.
+    data = _data(flip_val=True)
+    result = _fit(tmp_path, data=data, monitor="val_loss", monitor_mode="min", patience=2, max_epochs=30)
+    values = [row["val_loss"] for row in result.history]
+    assert result.stopped_epoch == result.best_epoch + 2 == len(values) - 1 < 29
+    assert min(values) == values[result.best_epoch]
+    again = _fit(tmp_path, data=data, monitor="val_loss", monitor_mode="min", patience=2, max_epochs=30)
+    assert again.resumed_from_epoch == result.stopped_epoch and len(again.history) == len(result.history)
+    _assert_same_weights(again.net, result.net)
+
+
 def test_a_checkpoint_of_other_settings_or_of_lightnings_trainer_is_refused_with_what_to_do(tmp_path):
     _fit(tmp_path, max_epochs=3)
     with pytest.raises(ValueError, match=r"other settings \(batch_size: 32 -> 16\)"):
@@ -286,21 +298,24 @@ def local_done(tmp_path_factory):
     from tests.conftest import compose_config
 
     run_dir = tmp_path_factory.mktemp("local_done") / "run"
-    train(compose_config(["stage=local", "coarse.max_epochs=6", "coarse.checkpoint_every=2"], run_dir))
+    train(compose_config(["stage=local", *COARSE_6], run_dir))
     return run_dir
 
 
 def _coarse_cfg(run_dir: Path, *overrides: str):
     from tests.conftest import compose_config
 
-    return compose_config(["stage=coarse", "coarse.max_epochs=6", "coarse.checkpoint_every=2", *overrides], run_dir)
+    return compose_config(["stage=coarse", *COARSE_6, *overrides], run_dir)
 
 
 # Long enough to be caught mid-training by a SIGKILL (300 epochs of 64 small steps, a checkpoint every 20 epochs).
+# Six epochs, every one of them (no early stopping: these tests count the epochs).
+COARSE_6 = ["coarse.max_epochs=6", "coarse.checkpoint_every=2", "coarse.patience=null"]
 KILL_COARSE = [
     "coarse.max_epochs=300",
     "coarse.checkpoint_every=20",
     "coarse.batch_size=4",
+    "coarse.patience=null",
     "trainer.limit_train_batches=null",
 ]
 
