@@ -67,6 +67,7 @@ def fit(
     start: float,
     max_epochs: int | None = None,
     optimizer_cfg: Any = None,
+    after_epoch=None,
     *,
     num_devices: int | None = None,
     launcher: str | None = None,
@@ -84,6 +85,8 @@ def fit(
         start: ``time.perf_counter()`` at the start of the stage in this process.
         max_epochs: Overrides ``trainer.max_epochs`` (the coarse DNN's and the optional methods' own epochs).
         optimizer_cfg: Overrides ``cfg.optimizer``.
+        after_epoch: ``(epoch, row, net) -> metrics | None`` after each epoch's validation (rank 0), outside the
+            training clock; its metrics join the row (see :func:`~ddcnn.engine.loop.fit_batches`).
         num_devices: DDP ranks; default ``engine.num_devices``.
         launcher: ``local``, ``spawn`` or ``srun`` (see :func:`~ddcnn.engine.loop.fit_batches`); default: one device
             in this process, spawned DDP for several.
@@ -110,6 +113,7 @@ def fit(
         "num_devices": int(num_devices if num_devices is not None else engine["num_devices"]),
         "launcher": launcher,
         "reporter": EpochReporter(cfg, folder, epochs),
+        "after_epoch": after_epoch,
         "start": start,
         "write_best": False,  # last.ckpt holds the best weights; net.pt is what later stages read
     }

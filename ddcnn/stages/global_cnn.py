@@ -8,7 +8,7 @@ import time
 from ddcnn.context import Context, build_global_net
 from ddcnn.engine.settings import check_srun_ddp
 from ddcnn.engine.train import fit, seed_everything
-from ddcnn.stages.common import batch_size, finish_stage, full_image_data, skip, stage_seed
+from ddcnn.stages.common import batch_size, curve_hook, finish_stage, full_image_data, skip, stage_seed
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ def run(ctx: Context, device=None, stage: str = "global", num_devices: int = 1) 
     start = time.perf_counter()
     seed_everything(seed)
     net = build_global_net(ctx.cfg, ctx.data)
+    hook = curve_hook(ctx, dm, device, int(ctx.cfg.trainer.max_epochs)) if num_devices == 1 else None
     result = fit(
         ctx.cfg,
         net,
@@ -44,6 +45,7 @@ def run(ctx: Context, device=None, stage: str = "global", num_devices: int = 1) 
         device,
         seed,
         start,
+        after_epoch=hook,
         num_devices=num_devices if num_devices > 1 else None,
         launcher=launcher,
     )
