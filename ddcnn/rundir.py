@@ -104,6 +104,7 @@ ADDED_DEFAULTS: dict[str, Any] = {
     "coarse.scheduler._partial_": True,
     "methods.stacker.l2_grid": _L2_GRID,
     "methods.stacker.max_iter": 200,
+    "methods.local_oof.folds": 5,
 }
 # Defaults that changed: a record with the old default matches a configuration with the new one (key -> (old, new)).
 # Only the coarse DNN's recipe is here: a finished coarse stage stays finished, and its meta.json records how it was
@@ -254,10 +255,11 @@ class RunDir:
         self.root = Path(root)
 
     def stage_dir(self, stage: str, subdomain: int | None = None) -> Path:
-        if stage == "local":
-            if subdomain is None:
-                raise ValueError("the local stage needs a sub-domain index.")
-            return self.root / "local" / f"{subdomain:02d}"
+        """``RUN_DIR/<stage>``; the local stage's (and the per-sub-domain parts of another) ``.../<i:02d>``."""
+        if stage == "local" and subdomain is None:
+            raise ValueError("the local stage needs a sub-domain index.")
+        if subdomain is not None:
+            return self.root / stage / f"{subdomain:02d}"
         return self.root / stage
 
     def make_stage_dir(self, stage: str, subdomain: int | None = None) -> Path:

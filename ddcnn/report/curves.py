@@ -26,7 +26,7 @@ from ddcnn.rundir import CURVE_FILE
 __all__ = ["run_curves", "time_to_accuracy", "speedup_at_equal_accuracy"]
 
 # Curves of the coarse DNNs and combiners come from the coarse stage's curve.json, not from a metrics.csv.
-_NOT_FROM_CSV = ("coarse", "coarse_alt", "stacker")
+_NOT_FROM_CSV = ("coarse", "coarse_alt", "coarse_oof", "coarse_val", "stacker")
 
 
 def _read_csv_curve(path) -> dict[str, list] | None:

@@ -40,6 +40,9 @@ __all__ = [
     "flag_rows",
 ]
 
+# Stages that combine the saved local outputs (their parameters add to the local nets').
+COMBINER_STAGES = ("coarse", "coarse_alt", "coarse_oof", "coarse_val", "stacker")
+
 # The cheap combiners of the local outputs: rows of the table that no stage trains.
 COMBINER_ROWS = (
     ResultRow("mean_prob", "mean probability", ("local_total",), ("local_max",), "N", 1),
@@ -181,7 +184,7 @@ def flag_rows(results: dict, rate: float, n_test: int) -> list[dict]:
     mean = (results.get("accuracy") or {}).get("mean_prob")
     for row in results.get("methods") or []:
         acc, key, name = row["accuracy"], row["key"], row["name"]
-        coarse = row.get("stage") in ("coarse", "coarse_alt", "stacker")
+        coarse = row.get("stage") in COMBINER_STAGES
         if near_chance(acc, rate, n_test):
             hint = (
                 "The coarse DNN did not learn: read the fit record in its meta.json (kept, restarts, refits); the "
@@ -314,6 +317,12 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
     time_s: dict[str, Any] = {"local": [m["time_s"] for m in local_meta]}
     time_s["local_max"] = max(time_s["local"])
     time_s["local_total"] = sum(time_s["local"])
+    if run.is_done("local_oof"):  # the out-of-fold trainings (coarse_oof): each sub-domain's device trains them too
+        oof = run.meta("local_oof")
+        for times, key in ((time_s, "time_s"), (fit_times, "fit_time_s")):
+            per = oof.get("subdomain_time_s") or [oof[key] / n] * n
+            times["local_oof"] = oof[key]
+            times["local_oof_max"] = max(a + b for a, b in zip(times["local"], per, strict=True))
     params: dict[str, Any] = {"local": local_meta[0]["params"], "local_total": sum(m["params"] for m in local_meta)}
     contexts: dict[str, dict | None] = {f"local {i}": m.get("context") for i, m in enumerate(local_meta)}
     inputs: dict[str, str] = {}  # stages whose row key depends on their input (the coarse DNNs)
@@ -464,7 +473,7 @@ def method_rows(results: dict) -> list[dict]:
         projected = _sum(t, row.projected)
         if stage is None:
             row_params = p.get("local_total")
-        elif stage in ("coarse", "coarse_alt", "stacker"):
+        elif stage in COMBINER_STAGES:
             row_params = None if p.get(stage) is None else p.get("local_total", 0) + p[stage]
         else:
             row_params = p.get(stage)

@@ -343,32 +343,72 @@ def _fit_linear_path(
     return "linear"
 
 
-def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = None) -> dict:
+FIT_ON = ("in_sample", "out_of_fold", "val")
+
+
+def _fit_data(ctx: Context, kind: str, fit_on: str, seed: int):
+    """The coarse DNN's fit (``train``) and selection (``val``) rows, and all local outputs (for predictions).
+
+    ``in_sample``: the local nets' outputs on their own training images (the paper's fit), selected on validation;
+    ``out_of_fold``: the training images' out-of-fold outputs (stage ``local_oof``), selected on validation;
+    ``val``: the validation split's outputs, half to fit and half to select (stratified, fixed by ``seed``).
+    """
+    x, y = coarse_inputs(ctx, kind)
+    if fit_on == "in_sample":
+        return x, y, x, y
+    if fit_on == "out_of_fold":
+        n = ctx.decomposition.num_subdomains
+        missing = [i for i in range(n) if not ctx.run.is_done("local_oof", i)]
+        if missing:
+            raise FileNotFoundError(
+                f"the out-of-fold local outputs of sub-domains {missing} have not finished in {ctx.run.root}; run "
+                f"stage=local_oof first (stage=all with methods.enabled.coarse_oof=true runs it)."
+            )
+        oof = torch.stack([ctx.run.load_probs("local_oof", "train", i)[kind] for i in range(n)], dim=1)
+        return {**x, "train": oof}, y, x, y
+    from sklearn.model_selection import train_test_split
+
+    labels = y["val"].numpy()
+    rows = torch.arange(len(labels)).numpy()
+    try:
+        fit_rows, select_rows = train_test_split(rows, test_size=0.5, stratify=labels, random_state=int(seed))
+    except ValueError:  # a class too small to stratify: a plain seeded half
+        fit_rows, select_rows = train_test_split(rows, test_size=0.5, random_state=int(seed))
+    fit_rows, select_rows = torch.from_numpy(fit_rows).sort().values, torch.from_numpy(select_rows).sort().values
+    fit_x = {"train": x["val"][fit_rows], "val": x["val"][select_rows]}
+    fit_y = {"train": y["val"][fit_rows], "val": y["val"][select_rows]}
+    return fit_x, fit_y, x, y
+
+
+def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = None, fit_on: str = "in_sample") -> dict:
     """Train the coarse DNN on the saved local probabilities (or logits: ``kind``, default ``coarse.input``).
 
-    ``stage`` and ``kind`` let a second coarse DNN train on the other input into its own stage folder
-    (``coarse_alt``) by exactly the same procedure and seed.
+    ``stage``, ``kind`` and ``fit_on`` (:data:`FIT_ON`) let another coarse DNN train into its own stage folder by
+    exactly the same procedure and seed: on the other input (``coarse_alt``), on out-of-fold local outputs
+    (``coarse_oof``) or on the validation split's (``coarse_val``).
     """
+    if fit_on not in FIT_ON:
+        raise ValueError(f"fit_on must be one of {', '.join(FIT_ON)}, got {fit_on!r}.")
     if (done := skip(ctx, stage)) is not None:
         return done
     folder = ctx.run.make_stage_dir(stage)
     start = time.perf_counter()
     n = ctx.decomposition.num_subdomains
     kind = str(kind or ctx.cfg.coarse.get("input", "probs"))
-    x, y = coarse_inputs(ctx, kind)
     seed = stage_seed(ctx, stage)
+    fit_x, fit_y, x, y = _fit_data(ctx, kind, fit_on, seed)
     coarse = ctx.cfg.coarse
     torch.manual_seed(seed)
     spec = coarse_net_spec(ctx.cfg, kind)
     net = build_coarse_net(ctx.cfg, n, ctx.data.num_classes, kind=kind, spec=spec)
-    plan = coarse_plan(len(y["train"]), coarse)
+    plan = coarse_plan(len(fit_y["train"]), coarse)
     reporter = EpochReporter(ctx.cfg, folder, plan["max_epochs"], every=max(1, plan["max_epochs"] // 10))
     with torch_threads(coarse.get("num_threads")), contextlib.ExitStack() as stack:
         stack.callback(reporter.close)
         fitted = fit_coarse(
             net,
-            x,
-            y,
+            fit_x,
+            fit_y,
             folder,
             coarse,
             seed=seed,
@@ -393,6 +433,7 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
             fitted.result,
             threads_by_design=by_design,
             input=kind,
+            fit_on=fit_on,
             coarse_net=spec,
             fit=fitted.report,
         )
