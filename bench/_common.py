@@ -26,6 +26,6 @@ def config(overrides: list[str], run_dir: Path) -> DictConfig:
 
 def quiet() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+    for name in ("lightning_fabric", "lightning.fabric", "lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")

@@ -1,11 +1,11 @@
-"""Where a short stage's time goes: one local net of a run, profiled, split into what trains and what does not.
+"""Where a short stage's time goes: one stage of a run, profiled, split into what trains and what does not.
 
     python bench/profile_stage.py                                  # the default digits run, local net 0
     python bench/profile_stage.py data=mnist data.train_subset=10000 trainer.max_epochs=2 --stage coarse
-    python bench/profile_stage.py engine.loop=lightning                  # the same local net through Lightning
 
-Prints the stage's wall time and the cumulative time of: forward + loss, backward, optimizer step, validation,
-checkpoint writes, CSV logging, data loading, and the rest of Lightning's loop (the remainder of ``fit``).
+Prints the stage's wall time and the cumulative time of: the network's set-up and warm-up, backward, optimizer step,
+validation, checkpoint writes, progress/loggers, predictions, and the rest of ddcnn's loop (forward + loss, batches,
+Fabric's wrappers: the remainder of ``fit_batches``).
 """
 
 from __future__ import annotations
@@ -22,28 +22,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import config, quiet  # noqa: E402
 
-# (label, predicate on (file, function name)) -- cumulative time of the outermost matching frames.
-# Lightning's loop (engine.loop=lightning):
-LIGHTNING_PARTS = [
-    ("forward + loss", lambda f, n: n == "_step" and f.endswith("classifier.py")),
+# (label, predicate on (file, function name)) -- cumulative time of the outermost matching frames of ddcnn's loop.
+PARTS = [
+    ("set-up on the device + warm-up", lambda f, n: n in ("setup", "warm_up") and f.endswith("engine/loop.py")),
     ("backward", lambda f, n: n == "backward" and "torch/_tensor.py" in f),
     ("optimizer step", lambda f, n: n == "step" and "/torch/optim/" in f),
-    ("validation loop", lambda f, n: n == "run" and "evaluation_loop.py" in f),
-    ("checkpoint writes", lambda f, n: n == "save_checkpoint" and "trainer.py" in f),
-    ("metrics/CSV logging", lambda f, n: n == "save" and "csv_logs.py" in f),
-    ("data loading", lambda f, n: n == "__next__" and "dataloader.py" in f),
+    ("validation", lambda f, n: n == "evaluate" and f.endswith("engine/loop.py")),
+    ("checkpoint + metrics.csv writes", lambda f, n: n == "save" and f.endswith("engine/loop.py")),
+    ("progress / loggers", lambda f, n: n in ("epoch", "steps", "close") and f.endswith("engine/loggers.py")),
     ("predictions (after fit)", lambda f, n: n == "save_predictions"),
-    ("fit (Lightning, total)", lambda f, n: n == "fit" and f.endswith("trainer/trainer.py")),
-]
-# ddcnn's plain loop (engine.loop=plain, the default on one device):
-PLAIN_PARTS = [
-    ("backward", lambda f, n: n == "backward" and "torch/_tensor.py" in f),
-    ("optimizer step", lambda f, n: n == "step" and "/torch/optim/" in f),
-    ("validation", lambda f, n: n == "_evaluate" and f.endswith("tensor_fit.py")),
-    ("checkpoint + metrics.csv writes", lambda f, n: n == "save" and f.endswith("tensor_fit.py")),
-    ("epoch lines / loggers", lambda f, n: n == "__call__" and f.endswith("engine/train.py")),
-    ("predictions (after fit)", lambda f, n: n == "save_predictions"),
-    ("fit (plain loop, total)", lambda f, n: n == "fit_tensors"),
+    ("fit (the loop, total)", lambda f, n: n == "fit_batches"),
 ]
 
 
@@ -70,30 +58,11 @@ def main() -> None:
         profile.disable()
         wall = time.perf_counter() - start
     stats = pstats.Stats(profile)
-    loop = meta.get("loop", "lightning")
-    parts = PLAIN_PARTS if loop == "plain" else LIGHTNING_PARTS
-    print(f"stage {args.stage} ({loop} loop): wall {wall:.2f} s under cProfile (meta time_s {meta['time_s']:.2f} s)")
-    totals = {label: sum(v[3] for (f, _, n), v in stats.stats.items() if match(f, n)) for label, match in parts}
-    if loop == "plain":
-        total = totals["fit (plain loop, total)"]
-        rest = total - sum(
-            totals[k]
-            for k in (
-                "backward",
-                "optimizer step",
-                "validation",
-                "checkpoint + metrics.csv writes",
-                "epoch lines / loggers",
-            )
-        )
-        rows = [*totals.items(), ("forward + loss, batches, rest", rest)]
-    else:
-        # Lightning runs forward and backward inside optimizer.step (the closure): the optimizer's share is the rest.
-        totals["optimizer step"] -= totals["forward + loss"] + totals["backward"]
-        loop_rest = totals["fit (Lightning, total)"] - sum(
-            totals[k] for k in ("forward + loss", "backward", "optimizer step", "validation loop", "data loading")
-        )
-        rows = [*totals.items(), ("Lightning loop, hooks, rest", loop_rest)]
+    print(f"stage {args.stage}: wall {wall:.2f} s under cProfile (meta time_s {meta['time_s']:.2f} s)")
+    totals = {label: sum(v[3] for (f, _, n), v in stats.stats.items() if match(f, n)) for label, match in PARTS}
+    inside = [k for k in totals if k not in ("predictions (after fit)", "fit (the loop, total)")]
+    rest = totals["fit (the loop, total)"] - sum(totals[k] for k in inside)
+    rows = [*totals.items(), ("forward + loss, batches, Fabric, rest", rest)]
     for label, value in rows:
         print(f"  {label:32s} {value:7.2f} s  {100 * value / wall:5.1f}%")
 

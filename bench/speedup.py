@@ -1,4 +1,4 @@
-"""Projected CNN-DNN speedup with the coarse DNN trained by ``ddcnn.engine.tensor_fit`` (issue 12).
+"""Projected CNN-DNN speedup with the coarse DNN trained by ddcnn's loop in large batches (issue 12).
 
 Runs three rows through the real pipeline, each as a fresh ``ddcnn-train`` process in its own run directory
 (a temporary folder unless ``--keep``), and reads their ``results.json``:

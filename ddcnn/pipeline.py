@@ -16,6 +16,7 @@ from omegaconf import DictConfig, ListConfig, open_dict
 
 from ddcnn import registry
 from ddcnn.context import Context, build_context
+from ddcnn.engine.settings import check_training_settings
 from ddcnn.runtime import run_generation, srun_task
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,8 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
 
 
 def _train(cfg: DictConfig, run_dir, stage: str, optional: list[str], pool) -> dict:
+    # Every trainer/engine setting, and the srun step a DDP stage would span, before anything is read or trained.
+    check_training_settings(cfg)
     ctx = build_context(cfg, run_dir, claim=False)
     indices = _subdomains(cfg, ctx.decomposition.num_subdomains) if stage in ("all", "local") else []
     bad = [i for i in indices if not 0 <= i < ctx.decomposition.num_subdomains]

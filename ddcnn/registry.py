@@ -5,7 +5,7 @@ it adds to the results table: its display name, the devices it uses and which re
 The pipeline (``stage=all``, ``methods.enabled``), the executors in :mod:`ddcnn.parallel`, the evaluate stage
 (``results.json``, ``results.md``) and ``ddcnn-report`` all read it, so a stage cannot be trained and then silently
 left out of the table. Nothing here imports a stage module: :func:`load` does that by name, when a stage runs, so
-a coordinating process or the report never imports Lightning.
+a coordinating process or the report never imports the training engine (Lightning Fabric).
 
 A row's time is a sum of *terms*: ``local_total`` (all local nets one after another), ``local_max`` (the slowest
 local net: the local nets in parallel), ``local_oof_max`` (the slowest sub-domain's local net and its out-of-fold
@@ -245,7 +245,7 @@ def get(name: str) -> Stage:
 
 
 def load(name: str) -> Callable[..., dict]:
-    """The ``run`` function of stage ``name``, importing its module now (and Lightning with it)."""
+    """The ``run`` function of stage ``name``, importing its module now (and the engine, Lightning Fabric, with it)."""
     return importlib.import_module(get(name).module).run
 
 

@@ -7,8 +7,8 @@ Requeueing under SLURM has exactly one owner: submitit (through Hydra's submitit
 time-out submitit catches its signal (``USR2``), re-pickles the job and requeues it; a job requeued by any other
 means (``scontrol requeue``, a preempting partition) simply starts again. Either way the local stage skips the
 sub-domains whose ``done`` marker exists and resumes the interrupted one from ``local/i/last.ckpt``. Lightning's own
-SLURM auto-requeue (``USR1``) is therefore switched off (:func:`ddcnn.engine.fit.slurm_plugins`): two owners would
-each requeue the job.
+SLURM auto-requeue does not exist in ddcnn's loop: its Fabric gets ddcnn's own cluster environments
+(:mod:`ddcnn.engine.launch`), which never requeue, so there is one owner.
 """
 
 from __future__ import annotations
@@ -106,21 +106,25 @@ def shard(indices: Sequence[int], task: SrunTask) -> list[int]:
     return [i for i in indices if i % task.ntasks == task.rank]
 
 
-def execution_context(device: str | None = None, num_devices: int = 1) -> dict:
+def execution_context(device: str | None = None, num_devices: int = 1, threads_by_design: str | None = None) -> dict:
     """The context a stage's time was measured in, recorded in its ``meta.json`` beside ``time_s``.
 
     Two times are comparable only when these agree: a local net trained on one thread beside another worker is
-    not timed like a global CNN that had the machine's two cores to itself.
+    not timed like a global CNN that had the machine's two cores to itself. What ddcnn chose by design is recorded as
+    such and not held against the comparison (the coarse DNN's one thread, ``coarse.num_threads``).
 
     Args:
         device: The device the stage trained on (``cpu``, ``cuda:0``).
         num_devices: Devices one training spans (DDP), 1 otherwise.
+        threads_by_design: The setting that chose this stage's CPU threads as part of the method, if any.
     """
     import torch
 
     workers = int(os.environ.get(WORKERS_ENV, "1") or 1)
+    kind = torch.device(str(device or "cpu")).type
     context = {
         "device": str(device or "cpu"),
+        "device_kind": kind,
         "num_devices": int(num_devices),
         "torch_threads": int(torch.get_num_threads()),
         "concurrent_trainings": workers,
@@ -129,36 +133,41 @@ def execution_context(device: str | None = None, num_devices: int = 1) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
-    if str(device or "cpu").startswith("cuda") and torch.cuda.is_available():
+    if threads_by_design:
+        context["threads_by_design"] = str(threads_by_design)
+    if kind == "cuda" and torch.cuda.is_available():
         index = torch.device(device).index or 0
         context["device_name"] = torch.cuda.get_device_name(index)
+        context["device_kind"] = f"cuda ({context['device_name']})"
     task = srun_task("auto")
     if task is not None:
         context["srun_tasks"] = task.ntasks
     return context
 
 
-# --- a quiet console, set once per process entry (CLI, worker process, test session), never per Trainer ----------
+# --- a quiet console, set once per process entry (CLI, worker process, test session), never per training ---------
 # Message patterns (regular expressions matched at the start) of warnings that say nothing for ddcnn's runs.
 HARMLESS_WARNINGS = (
-    # Our logs/ folder shares the stage folder with the checkpoints on purpose.
-    r".*Checkpoint directory .* exists and is not empty",
-    # In-memory tensors need no DataLoader workers.
-    r".*does not have many workers",
-    r".*smaller than the logging interval",
     # SLURM runs go through submitit or srun (ddcnn.parallel); an installed srun alone means nothing.
     r".*The `srun` command is available on your system",
     r".*isinstance\(treespec, LeafSpec\)",
+    # GlobalBatchNorm's differentiable all-reduce (ddcnn.engine.sync_norm): its replacement has no autograd yet.
+    r"torch.distributed.nn.functional.all_reduce is deprecated",
 )
-# ddp_spawn's processes start fresh interpreters: they read filters from PYTHONWARNINGS (a literal prefix each).
-_ENV_PREFIXES = ("The `srun` command is available", "Checkpoint directory", "The number of training")
-# Lightning's info banners (accelerator available, tips) come through these; Lightning never sets their levels, so
-# setting them before or after its import holds.
-_BANNER_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+# Spawned DDP ranks start fresh interpreters: they read filters from PYTHONWARNINGS (a literal prefix each).
+_ENV_PREFIXES = ("The `srun` command is available", "torch.distributed.nn.functional.all_reduce is deprecated")
+# Lightning Fabric's info banners (the precision in use, the ranks of a process group) come through these; Fabric never
+# sets their levels, so setting them before or after its import holds.
+_BANNER_LOGGERS = (
+    "lightning_fabric.utilities.rank_zero",
+    "lightning_fabric.utilities.distributed",
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+)
 
 
 def quiet_process(env: bool = True) -> None:
-    """Lightning's info banners at WARNING and the harmless warnings off, for this whole process (idempotent).
+    """Lightning Fabric's info banners at WARNING and the harmless warnings off, for this whole process (idempotent).
 
     The console keeps what users read: progress bars on a terminal (one line per epoch in a log file), the one-line
     stage summaries and the results table.

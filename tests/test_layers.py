@@ -30,7 +30,7 @@ def test_a_forbidden_import_is_caught(tmp_path):
     shutil.copytree(ROOT / "ddcnn", copy / "ddcnn", ignore=shutil.ignore_patterns("__pycache__", "conf"))
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
     bad = copy / "ddcnn" / "report" / "combiners.py"
-    bad.write_text(bad.read_text() + "\nfrom ddcnn.engine.fit import fit  # noqa: E402,F401\n")
+    bad.write_text(bad.read_text() + "\nfrom ddcnn.engine.loop import fit_batches  # noqa: E402,F401\n")
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "lint-imports")],
         cwd=copy,
@@ -39,4 +39,4 @@ def test_a_forbidden_import_is_caught(tmp_path):
         env={"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode != 0
-    assert "BROKEN" in proc.stdout and "ddcnn.report.combiners -> ddcnn.engine.fit" in proc.stdout
+    assert "BROKEN" in proc.stdout and "ddcnn.report.combiners -> ddcnn.engine.loop" in proc.stdout

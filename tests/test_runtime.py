@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from ddcnn.engine.fit import slurm_plugins
 from ddcnn.runtime import SrunTask, shard, slurm_info, srun_task
 
 SLURM_VARS = (
@@ -31,7 +30,6 @@ def no_slurm(monkeypatch):
 def test_outside_slurm_nothing_is_recorded_or_sharded(no_slurm):
     assert slurm_info() is None
     assert srun_task() is None
-    assert slurm_plugins() == []
     with pytest.raises(ValueError, match="srun -n G"):
         srun_task("srun")
 
@@ -67,8 +65,12 @@ def test_srun_ranks_shard_the_subdomains(no_slurm):
     assert sorted(i for s in shares for i in s) == list(range(8))
 
 
-def test_lightning_never_owns_requeueing(no_slurm):
-    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+def test_no_training_owns_requeueing_under_slurm(no_slurm):
+    """submitit owns requeueing: the Fabric of every training gets ddcnn's cluster environments, which never requeue
+    (Fabric's SLURMEnvironment, which would be detected from SLURM_NTASKS, is never built)."""
+    from lightning_fabric.plugins.environments import SLURMEnvironment
+
+    from ddcnn.engine.launch import SrunEnvironment, build_fabric
 
     no_slurm.setenv("SLURM_JOB_ID", "3")
     no_slurm.setenv("SLURM_NTASKS", "1")
@@ -76,14 +78,13 @@ def test_lightning_never_owns_requeueing(no_slurm):
     no_slurm.setenv("SLURM_LOCALID", "0")
     no_slurm.setenv("SLURM_NODEID", "0")
     no_slurm.setenv("SLURM_JOB_NAME", "ddcnn")
-    (env,) = slurm_plugins()
-    assert isinstance(env, SLURMEnvironment) and env.auto_requeue is False
-    # A task of a multi-task srun step, or a training over several devices, is not a SLURM rank of Lightning's.
-    (env,) = slurm_plugins(num_devices=2)
-    assert isinstance(env, LightningEnvironment)
+    for fabric in (build_fabric("cpu"), build_fabric("cpu", 2, "spawn")):
+        env = fabric._connector.cluster_environment
+        assert not isinstance(env, SLURMEnvironment) and not hasattr(env, "auto_requeue")
     no_slurm.setenv("SLURM_STEP_NUM_TASKS", "2")
-    (env,) = slurm_plugins()
-    assert isinstance(env, LightningEnvironment)
+    no_slurm.setenv("SLURM_NTASKS", "2")
+    env = build_fabric("cpu", 2, "srun").strategy.cluster_environment
+    assert isinstance(env, SrunEnvironment) and not hasattr(env, "auto_requeue")
 
 
 def test_ddcnn_slurm_plans_one_array_task_per_subdomain_then_the_rest(tmp_path, capsys):

@@ -184,7 +184,7 @@ def wait_for_local(
 
 # --- P workers on this machine -------------------------------------------------------------------
 def _setup_worker_logging(rank: int) -> None:
-    """Log lines tagged with the worker; Lightning's per-run banners only at WARNING (P copies add nothing)."""
+    """Log lines tagged with the worker; Fabric's per-run banners only at WARNING (P copies add nothing)."""
     logging.basicConfig(
         level=logging.INFO, format=f"[%(asctime)s][worker {rank}][%(name)s][%(levelname)s] - %(message)s", force=True
     )
@@ -230,7 +230,7 @@ def _heartbeat(result_q, rank: int, parent_pid: int, interval_s: float, stop: th
 def _exit_now(result_q, heartbeat: threading.Thread, stop: threading.Event) -> None:
     """End a worker whose work is done and reported, without the interpreter's tear-down.
 
-    Freeing the modules of a process that imported torch and Lightning takes about 2 s of CPU (measured: 2.2 s on
+    Freeing the modules of a process that imported torch and the engine takes about 2 s of CPU (measured: 2.2 s on
     this project's 2-core machine), and the parent waits for it on the critical path of the local stage. Everything
     the worker wrote went through atomic writes and is on disk; what is left to flush (its last messages, its log
     lines) is flushed here first.
@@ -454,7 +454,7 @@ def start_workers_early(cfg: DictConfig, run_dir: str | Path, indices: list[int]
     """Start the worker processes of the local stage before the caller loads the data, or ``None`` when this
     process will not use workers (``parallel.workers`` <= 1, an ``srun`` task, nothing to train).
 
-    Each worker's start-up (Python, torch, Lightning, the stage modules) then overlaps the parent's loading and
+    Each worker's start-up (Python, torch, Lightning Fabric, the stage modules) then overlaps the parent's loading and
     preparing of the data; :func:`run_local_parallel` hands them the data through their queues.
     """
     pcfg = _parallel_cfg(cfg)

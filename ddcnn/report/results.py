@@ -74,13 +74,24 @@ METHODS: dict[str, str] = _method_names()
 TIMING_RULE = (
     "Times: a stage's time runs from its start in a process that has the data in memory, through training, to its "
     "saved predictions, summed over every process that worked on it (a resumed stage adds the time of the earlier "
-    "ones up to their last checkpoint). Process start-up (interpreter, imports, data loading, spawning DDP ranks or "
-    "worker processes) is left out of every method alike and recorded apart (startup_s, parallel.json). Projected "
-    "times assume one device per local net."
+    "ones up to their last checkpoint). Left out of every method alike and recorded apart: process start-up "
+    "(interpreter, imports, data loading, spawning DDP ranks or worker processes, the DDP rendezvous: startup_s, "
+    "parallel.json) and the device warm-up (one untimed training step and evaluation batch before the clock: "
+    "warmup_s). Projected times assume one device per local net."
 )
 
-# The fields of a stage's recorded context that must agree for two of its times to be comparable.
-CONTEXT_KEYS = ("device", "torch_threads", "concurrent_trainings", "host")
+# The fields of a stage's recorded context that must agree for two of its times to be comparable. Device kind (not
+# the index: two workers on cuda:0 and cuda:1 of one model are alike), device count, threads, trainings side by side.
+CONTEXT_KEYS = ("device_kind", "num_devices", "torch_threads", "concurrent_trainings", "host")
+
+
+def _context_value(context: dict, field: str):
+    if field == "device_kind" and "device_kind" not in context:  # recorded before device_kind existed
+        device = str(context.get("device") or "cpu")
+        return device.split(":")[0] if not context.get("device_name") else f"cuda ({context['device_name']})"
+    if field == "num_devices":
+        return context.get("num_devices", 1)
+    return context.get(field)
 
 
 def classification_metrics(
@@ -120,17 +131,22 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 
 def timing_contexts(contexts: dict[str, dict | None]) -> dict:
-    """Whether the times of ``contexts`` (stage -> recorded context) were measured alike.
+    """Whether the times of ``contexts`` (stage -> recorded context) were measured alike: same device kind, device
+    count, threads, trainings side by side and host, except for threads a stage records as chosen by design
+    (``threads_by_design``, the coarse DNN's ``coarse.num_threads``).
 
     Returns:
         ``{"contexts": {stage: {...}}, "comparable": bool, "differences": {key: {value: [stages]}}}``; stages without
         a recorded context (older runs) are listed under ``unknown``.
     """
-    known = {k: {f: c.get(f) for f in CONTEXT_KEYS} for k, c in contexts.items() if c}
+    known = {k: {f: _context_value(c, f) for f in CONTEXT_KEYS} for k, c in contexts.items() if c}
+    by_design = {k for k, c in contexts.items() if c and c.get("threads_by_design")}
     differences: dict[str, dict[str, list[str]]] = {}
     for field in CONTEXT_KEYS:
         values: dict[str, list[str]] = {}
         for stage, c in known.items():
+            if field == "torch_threads" and stage in by_design:
+                continue  # chosen as part of the method (the coarse DNN's coarse.num_threads), not a difference
             values.setdefault(str(c[field]), []).append(stage)
         if len(values) > 1:
             differences[field] = values

@@ -21,7 +21,7 @@ What the fit is (:func:`fit_coarse`, the same for every dataset size and class c
    point is the coarse DNN.
 4. **Divergence is detected and recovered from**: an epoch whose mean training loss is not finite or exceeds
    twice the larger of the initial loss and ``ln K`` restarts the fit from its starting weights with the learning
-   rate divided by 10, at most ``coarse.divergence_restarts`` times (:mod:`ddcnn.engine.tensor_fit`). A fit that
+   rate divided by 10, at most ``coarse.divergence_restarts`` times (:mod:`ddcnn.engine.loop`). A fit that
    ends at or near chance on the validation split while the averaging combiner is well above it (possible only
    without the averaging skip, e.g. the paper's plain MLP) is refit the same way.
 
@@ -31,10 +31,9 @@ The CNN-DNN's accuracy-versus-time curve (``coarse/curve.json``, with ``report.c
 the local nets (:class:`ddcnn.stages.common.LocalSnapshots`) a coarse DNN is fit the same way on that epoch's local
 outputs; a point's time is the slowest local net's training clock at that epoch plus that coarse fit's time (the
 projected time on one device per local net), and the averaging combiner's points come with it. This is reporting
-work: it is not in the stage's ``time_s``. A plain PyTorch
-loop trains it (:func:`ddcnn.engine.tensor_fit.fit_tensors`, ``coarse.num_threads`` CPU threads); it resumes from
-``last.ckpt`` like the other stages, and its ``meta.json`` times include the training time of processes that were
-interrupted.
+work: it is not in the stage's ``time_s``. ddcnn's one training loop trains it (:func:`ddcnn.engine.loop.fit_tensors`,
+with the run's precision, clipping and batch limits; ``coarse.num_threads`` CPU threads); it resumes from ``last.ckpt``
+like the other stages, and its ``meta.json`` times include the training time of processes that were interrupted.
 """
 
 from __future__ import annotations
@@ -57,8 +56,9 @@ from torch import nn
 from ddcnn.context import Context, build_coarse_net, coarse_net_spec
 from ddcnn.data.datamodule import TensorDataModule
 from ddcnn.engine.convex import L2_GRID, fit_logistic
-from ddcnn.engine.tensor_fit import EVAL_CHUNK, fit_tensors, torch_threads
-from ddcnn.engine.train import EpochReporter, FitResult
+from ddcnn.engine.loggers import EpochReporter
+from ddcnn.engine.loop import EVAL_CHUNK, FitResult, fit_tensors, torch_threads
+from ddcnn.engine.train import loop_settings
 from ddcnn.io import atomic_write_json
 from ddcnn.metrics import chance_margin, majority_rate, near_chance
 from ddcnn.rundir import CURVE_FILE, SPLITS
@@ -148,7 +148,7 @@ class CoarseFit:
 
     Attributes:
         net: The coarse DNN with the kept weights.
-        result: The training's times and history (:class:`ddcnn.engine.train.FitResult`).
+        result: The training's times and history (:class:`ddcnn.engine.loop.FitResult`).
         kept: ``trained`` (step 3's result), ``linear`` (the convex starting point) or ``averaging`` (the averaging
             combiner: the convex fit kept no linear path).
         plan: Rows per step and epochs (:func:`coarse_plan`).
@@ -180,6 +180,7 @@ def fit_coarse(
     device=None,
     on_epoch_end=None,
     start: float | None = None,
+    loop: Mapping | None = None,
 ) -> CoarseFit:
     """Fit the coarse DNN ``net`` on ``x["train"]`` and select on ``x["val"]`` (the module doc's procedure).
 
@@ -191,8 +192,10 @@ def fit_coarse(
             ``monitor``, ``divergence_restarts``, ``linear``, ``checkpoint_every``).
         seed: Seeds the fit's shuffling and dropout.
         device: Where it trains.
-        on_epoch_end: Called after each epoch (the progress reporter).
+        on_epoch_end: The progress reporter (:class:`~ddcnn.engine.loggers.EpochReporter`), outside the clock.
         start: ``time.perf_counter()`` at the start of the stage.
+        loop: The run's settings of the training loop (:func:`ddcnn.engine.train.loop_settings`: precision, clipping,
+            batch limits, ...), so that they reach the coarse DNN as every other training.
     """
     start = time.perf_counter() if start is None else float(start)
     folder = Path(folder)
@@ -230,7 +233,7 @@ def fit_coarse(
     start_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     start_name = kept if kept != "trained" else None
     train = has_hidden or not is_coarse_mlp or start_name is None
-    result = FitResult(net, time.perf_counter() - start, 0.0, None, None)
+    result = FitResult(net, fit_time_s=time.perf_counter() - start)
     if train:
         attempts, lr_scale = 0, 1.0
         while True:
@@ -248,10 +251,11 @@ def fit_coarse(
                 monitor_mode="max" if monitor == "val_acc" else "min",
                 checkpoint_every=int(_setting(coarse, "checkpoint_every", plan["max_epochs"])),
                 device=device,
-                on_epoch_end=on_epoch_end,
+                reporter=on_epoch_end,
                 divergence_restarts=restarts,
                 patience=coarse.get("patience"),
                 start=start,
+                **(loop or {}),
             )
             report["restarts"] = fitted.restarts
             trained = _scores(fitted.net, x_val, y_val, device)
@@ -281,9 +285,7 @@ def fit_coarse(
             net.load_state_dict(start_state)
             (folder / "last.ckpt").unlink(missing_ok=True)
         candidates["trained"] = trained
-        result = FitResult(
-            fitted.net, fitted.fit_time_s, fitted.previous_time_s, fitted.resumed_from_epoch, fitted.best_epoch
-        )
+        result = fitted
         if start_name is not None and not _better(trained, candidates[start_name], monitor):
             net.load_state_dict(start_state)
             kept = start_name
@@ -404,13 +406,23 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
     with torch_threads(coarse.get("num_threads")), contextlib.ExitStack() as stack:
         stack.callback(reporter.close)
         fitted = fit_coarse(
-            net, fit_x, fit_y, folder, coarse, seed=seed, device=device, on_epoch_end=reporter, start=start
+            net,
+            fit_x,
+            fit_y,
+            folder,
+            coarse,
+            seed=seed,
+            device=device,
+            on_epoch_end=reporter,
+            start=start,
+            loop=loop_settings(ctx.cfg),
         )
         dm = TensorDataModule(x, y, eval_batch_size=EVAL_CHUNK, seed=seed)  # predictions only
         if stage == "coarse" and curve_settings(ctx.cfg)["enabled"]:
             curve = cnn_dnn_curve(ctx, kind, seed)  # reporting work, outside the stage's time (fitted.result)
             if curve is not None:
                 atomic_write_json(folder / CURVE_FILE, curve)
+        by_design = "coarse.num_threads" if coarse.get("num_threads") is not None else None
         meta = finish_stage(
             ctx,
             stage,
@@ -419,6 +431,7 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
             device,
             seed,
             fitted.result,
+            threads_by_design=by_design,
             input=kind,
             fit_on=fit_on,
             coarse_net=spec,
@@ -470,7 +483,7 @@ def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
         net = build_coarse_net(ctx.cfg, n, k, kind=kind, spec=coarse_net_spec(ctx.cfg, kind))
         fit_start = time.perf_counter()
         with tempfile.TemporaryDirectory() as folder:
-            fitted = fit_coarse(net, x, y, folder, coarse, seed=seed)
+            fitted = fit_coarse(net, x, y, folder, coarse, seed=seed, loop=loop_settings(ctx.cfg))
         coarse_s = time.perf_counter() - fit_start
         val, test = _scores(fitted.net, x["val"], y["val"], "cpu"), _scores(fitted.net, x["test"], y["test"], "cpu")
         base = {"epoch": epoch, "local_max_s": max(times), "local_total_s": sum(times), "train_rows": len(rows)}

@@ -20,7 +20,8 @@ from torch import nn
 from ddcnn import registry
 from ddcnn.context import Context, build_augment, count_parameters, subdomain_seed
 from ddcnn.data.datamodule import TensorDataModule
-from ddcnn.engine.train import FitResult, fit, predict_logits, save_net, save_predictions
+from ddcnn.engine.common import predict_logits, save_net, save_predictions
+from ddcnn.engine.train import FitResult, fit
 from ddcnn.io import atomic_torch_save
 from ddcnn.rundir import PROB_FILES
 from ddcnn.runtime import execution_context, run_generation, slurm_info
@@ -95,14 +96,17 @@ def finish_stage(
     result: FitResult,
     subdomain: int | None = None,
     num_devices: int = 1,
+    threads_by_design: str | None = None,
     **extra,
 ) -> dict:
     """Save a trained stage's predictions and weights, then its ``meta.json`` and the ``done`` marker last.
 
     ``time_s`` is the stage's whole cost: from the start of the stage (data in memory) through training, summed over
-    every process that worked on it (carried across resumes in its checkpoint), to its saved predictions. Process
-    start-up is not in it, for any method: DDP's spawned ranks record theirs as ``startup_s``. ``context`` says
-    where it was measured (:func:`ddcnn.runtime.execution_context`); ``extra`` adds stage-specific keys.
+    every process that worked on it (carried across resumes in its checkpoint), to its saved predictions. Left out of
+    it, for every method alike (:mod:`ddcnn.engine.loop`): process start-up and DDP's launch and rendezvous
+    (``startup_s``), the device warm-up (``warmup_s``), per-epoch hooks and the progress/loggers. ``context`` says where
+    it was measured (:func:`ddcnn.runtime.execution_context`; ``threads_by_design`` names the setting that chose this
+    stage's CPU threads as part of the method, e.g. ``coarse.num_threads``); ``extra`` adds stage-specific keys.
     """
     folder = ctx.run.stage_dir(stage, subdomain)
     predict_start = time.perf_counter()
@@ -112,18 +116,21 @@ def finish_stage(
         "stage": stage,
         **({"subdomain": subdomain} if subdomain is not None else {}),
         "seed": seed,
-        "time_s": result.time_s + (time.perf_counter() - predict_start),
-        "fit_time_s": result.time_s,
-        "time_s_earlier_processes": result.earlier_s,
+        "time_s": result.fit_time_s + (time.perf_counter() - predict_start),
+        "fit_time_s": result.fit_time_s,
+        "time_s_earlier_processes": result.previous_time_s,
         "startup_s": result.startup_s,
+        "warmup_s": result.warmup_s,
         "resumed_from_epoch": result.resumed_from_epoch,
         "best_epoch": result.best_epoch,
         "accuracy": accuracy,
         "params": count_parameters(net),
         "device": str(device or "cpu"),
-        "loop": result.loop,
+        "loop": "fabric",
+        "precision": result.precision,
+        **({"restarts": result.restarts} if result.restarts else {}),
         **({"num_devices": num_devices} if num_devices > 1 else {}),
-        "context": execution_context(device, num_devices),
+        "context": execution_context(device, num_devices, threads_by_design=threads_by_design),
         "slurm": slurm_info(),
         **extra,
     }
@@ -164,7 +171,7 @@ def full_image_data(ctx: Context, seed: int, batch: int | None = None) -> Tensor
 
 
 def val_accuracy(net: nn.Module, dm: TensorDataModule, device) -> float:
-    logits, labels = predict_logits(net, dm.loader("val"), device)
+    logits, labels = predict_logits(net, dm, "val", device)
     return float((logits.argmax(-1) == labels).float().mean())
 
 

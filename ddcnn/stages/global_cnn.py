@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 
-from omegaconf import open_dict
-
 from ddcnn.context import Context, build_global_net
+from ddcnn.engine.settings import check_srun_ddp
 from ddcnn.engine.train import fit, seed_everything
-from ddcnn.runtime import srun_task
 from ddcnn.stages.common import batch_size, curve_hook, finish_stage, full_image_data, skip, stage_seed
 
 log = logging.getLogger(__name__)
@@ -23,26 +20,15 @@ def run(ctx: Context, device=None, stage: str = "global", num_devices: int = 1) 
 
     With ``num_devices > 1`` (the ``global_ddp`` stage) it trains with DDP on that many devices, from the same
     initial weights and with the same global batch: each device takes ``data.batch_size / num_devices`` samples per
-    step. Predictions are then made in this process on one device.
+    step. Inside a multi-task ``srun`` step the ranks are its tasks (any srun form), else this process spawns them.
+    Predictions are then made in this process (rank 0) on one device.
     """
     if (done := skip(ctx, stage)) is not None:
         return done
-    cfg = ctx.cfg
-    launcher = "spawn"
+    launcher = None
     if num_devices > 1:
-        task = srun_task("auto")
-        if task is not None:  # one task per device: DDP across the tasks of this srun step
-            if task.ntasks != num_devices:
-                raise ValueError(
-                    f"{stage} trains on {num_devices} devices, but this srun step has {task.ntasks} tasks; DDP in an "
-                    f"allocation uses one task per device: run srun -n {num_devices}, or set "
-                    f"methods.global_ddp.num_devices={task.ntasks}."
-                )
-            launcher = "slurm"
-        cfg = copy.deepcopy(ctx.cfg)  # a shallow copy would share (and change) the engine node
-        with open_dict(cfg):
-            cfg.engine.num_devices = num_devices
-            cfg.engine.ddp_launcher = launcher
+        # One task per device: DDP across the tasks of this srun step (refused with the fix when they do not match).
+        launcher = "srun" if check_srun_ddp(num_devices) is not None else "spawn"
     folder = ctx.run.make_stage_dir(stage)
     seed = stage_seed(ctx, stage)
     batch = batch_size(ctx.cfg)
@@ -50,8 +36,19 @@ def run(ctx: Context, device=None, stage: str = "global", num_devices: int = 1) 
     start = time.perf_counter()
     seed_everything(seed)
     net = build_global_net(ctx.cfg, ctx.data)
-    hook = curve_hook(ctx, dm, device, int(cfg.trainer.max_epochs)) if num_devices == 1 else None
-    result = fit(cfg, net, dm, folder, device, seed, start, after_epoch=hook)
+    hook = curve_hook(ctx, dm, device, int(ctx.cfg.trainer.max_epochs)) if num_devices == 1 else None
+    result = fit(
+        ctx.cfg,
+        net,
+        dm,
+        folder,
+        device,
+        seed,
+        start,
+        after_epoch=hook,
+        num_devices=num_devices if num_devices > 1 else None,
+        launcher=launcher,
+    )
     if result.global_rank != 0:  # a peer of rank 0 in DDP across srun tasks: rank 0 alone writes the artifacts
         return {"stage": stage, "global_rank": result.global_rank}
     if num_devices > 1:

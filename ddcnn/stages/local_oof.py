@@ -23,7 +23,8 @@ import torch
 
 from ddcnn.context import Context, build_augment, build_local_net, subdomain_seed
 from ddcnn.data.datamodule import Crop, TensorDataModule
-from ddcnn.engine.train import fit, predict_logits, save_net, seed_everything
+from ddcnn.engine.common import predict_logits, save_net
+from ddcnn.engine.train import fit, seed_everything
 from ddcnn.io import atomic_torch_save
 from ddcnn.runtime import execution_context, run_generation
 from ddcnn.stages.common import batch_size, method_settings, skip
@@ -81,14 +82,14 @@ def _train_fold(ctx: Context, subdomain: int, fold: int, held: torch.Tensor, dev
     predict_start = time.perf_counter()
     # The held-out rows, as the local net sees them (its view of sub-domain `subdomain`, no augmentation).
     full = _fold_data(ctx, subdomain, held, seed)
-    logits, _ = predict_logits(result.net, full.loader("train"), device)
+    logits, _ = predict_logits(result.net, full, "train", device)
     save_net(result.net, folder)
     record = {
         "fold": fold,
         "n_fit": len(keep),
         "n_held_out": len(held),
-        "time_s": result.time_s + (time.perf_counter() - predict_start),
-        "fit_time_s": result.time_s,
+        "time_s": result.fit_time_s + (time.perf_counter() - predict_start),
+        "fit_time_s": result.fit_time_s,
         "best_epoch": result.best_epoch,
         "held_out_accuracy": float((logits.argmax(-1) == ctx.data.y["train"][held]).float().mean()),
     }

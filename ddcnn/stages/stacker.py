@@ -19,8 +19,7 @@ import torch
 from ddcnn.context import Context
 from ddcnn.data.datamodule import TensorDataModule
 from ddcnn.engine.convex import L2_GRID, fit_logistic
-from ddcnn.engine.tensor_fit import EVAL_CHUNK, torch_threads
-from ddcnn.engine.train import FitResult
+from ddcnn.engine.loop import EVAL_CHUNK, FitResult, torch_threads
 from ddcnn.models.coarse import CoarseMLP
 from ddcnn.stages.coarse import coarse_inputs
 from ddcnn.stages.common import finish_stage, method_settings, skip, stage_seed
@@ -50,7 +49,8 @@ def run(ctx: Context, device=None) -> dict:
     }
     net = CoarseMLP(n, k, hidden=(), inputs=kind, input_norm="standardize", skip="none")
     seed = stage_seed(ctx, "stacker")
-    with torch_threads(ctx.cfg.coarse.get("num_threads")):
+    threads = ctx.cfg.coarse.get("num_threads")
+    with torch_threads(threads):
         net.fit_input_scaling(x["train"])
         with torch.no_grad():
             z_train, z_val = net.scale_inputs(x["train"]), net.scale_inputs(x["val"])
@@ -67,10 +67,21 @@ def run(ctx: Context, device=None) -> dict:
         with torch.no_grad():
             net.linear_layer().weight.copy_(fit.weight)
             net.linear_layer().bias.copy_(fit.bias)
-        result = FitResult(net, time.perf_counter() - start, 0.0, None, None)
+        result = FitResult(net, fit_time_s=time.perf_counter() - start)
         dm = TensorDataModule(x, y, eval_batch_size=EVAL_CHUNK, seed=seed)  # predictions only
         meta = finish_stage(
-            ctx, "stacker", net, dm, device, seed, result, input=kind, coarse_net=spec, l2=fit.l2, path=fit.path
+            ctx,
+            "stacker",
+            net,
+            dm,
+            device,
+            seed,
+            result,
+            threads_by_design="coarse.num_threads" if threads is not None else None,
+            input=kind,
+            coarse_net=spec,
+            l2=fit.l2,
+            path=fit.path,
         )
     log.info("stacker (on %s): L2 %g, test acc %.4f in %.1f s", kind, fit.l2, meta["accuracy"]["test"], meta["time_s"])
     return meta

@@ -1,26 +1,24 @@
-"""One net over several devices with Lightning DDP (ddp_spawn, gloo on CPU, 2 processes)."""
+"""One net over several devices with DDP in ddcnn's loop (spawned ranks, gloo on CPU, 2 processes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ddcnn.data.datamodule import _EpochBatchSampler
+from ddcnn.engine.loop import shard_order
 from ddcnn.pipeline import train
 from ddcnn.rundir import RunDir
 
 
-def test_sampler_shards_one_permutation_across_ranks(monkeypatch):
-    shards = []
-    for rank in range(2):
-        monkeypatch.setattr(_EpochBatchSampler, "_rank_world", staticmethod(lambda r=rank: (r, 2)))
-        sampler = _EpochBatchSampler(n=11, batch_size=4, seed=1)
-        sampler.set_epoch(3)
-        batches = [idx for _, idx in sampler]
-        assert len(batches) == len(sampler) == 2
-        shards.append(torch.cat(batches))
+def test_the_loop_shards_one_permutation_across_ranks():
+    order = torch.randperm(11, generator=torch.Generator().manual_seed(3))
+    shards = [shard_order(order, rank, 2) for rank in range(2)]
     assert len(shards[0]) == len(shards[1]) == 6  # 11 samples padded to 12: same number of steps on both ranks
     assert set(torch.cat(shards).tolist()) == set(range(11))
+    # Batch k of rank r holds samples of one-device batch k: the same global batches, split over the ranks.
+    one_device = order[:8]
+    assert sorted(torch.cat([s[:4] for s in shards]).tolist()) == sorted(one_device.tolist())
+    assert torch.equal(shard_order(order, 0, 1), order)
 
 
 @pytest.mark.slow
@@ -32,6 +30,8 @@ def test_global_and_local_nets_train_with_ddp_on_two_cpu_processes(make_cfg):
     meta = train(cfg)["global"]
     run = RunDir(cfg.paths.run_dir)
     assert run.is_done("global") and (run.stage_dir("global") / "last.ckpt").is_file()
+    assert meta["fit_time_s"] > 0 and meta["startup_s"] > 0  # spawning the ranks: start-up, outside the clock
+    assert not (run.stage_dir("global") / ".spawned_result.pt").exists()
     probs = run.load_probs("global", "test")["probs"]
     assert probs.shape[0] == 100 and torch.allclose(probs.sum(-1), torch.ones(100), atol=1e-5)
 
@@ -100,9 +100,27 @@ def test_ddp_global_cnn_follows_the_one_device_run(make_cfg):
     train(make_cfg("stage=global_ddp", *common))
     run = RunDir(make_cfg().paths.run_dir)
     meta = run.meta("global_ddp")
-    assert meta["num_devices"] == 2 and meta["batch_per_device"] == 16
+    assert meta["num_devices"] == 2 and meta["batch_per_device"] == 16 and meta["ddp_launcher"] == "spawn"
     one = torch.load(run.stage_dir("global") / "net.pt", weights_only=True)
     ddp = torch.load(run.stage_dir("global_ddp") / "net.pt", weights_only=True)
     assert one.keys() == ddp.keys() and int(one["features.1.num_batches_tracked"]) == 4
     for key in one:
         torch.testing.assert_close(ddp[key], one[key], atol=1e-5, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.slow
+def test_a_refusal_in_the_spawned_ranks_reaches_the_caller_as_itself(tmp_path):
+    """A last.ckpt of Lightning's Trainer is refused in every rank; the caller gets that ValueError and its message
+    (not a multiprocessing error with a traceback in it), as on one device."""
+    from ddcnn.data.datamodule import TensorDataModule
+    from ddcnn.engine.loop import fit_batches
+
+    x = {s: torch.randn(24, 1, 6, 6) for s in ("train", "val", "test")}
+    y = {s: torch.randint(3, (24,)) for s in x}
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 3))
+    tmp_path.mkdir(exist_ok=True)
+    torch.save({"epoch": 1, "state_dict": {}, "pytorch-lightning_version": "2.5.1"}, tmp_path / "last.ckpt")
+    sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
+    with pytest.raises(ValueError, match=r"Lightning's Trainer .* Delete"):
+        fit_batches(net, TensorDataModule(x, y, 8), tmp_path, optimizer=sgd, max_epochs=1, num_devices=2)
+    assert not (tmp_path / ".spawned_result.pt").exists()

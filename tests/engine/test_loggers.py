@@ -1,4 +1,5 @@
-"""The ``logger`` config group: CSV always, TensorBoard and MLflow (a local store in the run directory) on request."""
+"""The ``logger`` config group: CSV always, TensorBoard (torch's SummaryWriter) and MLflow (mlflow's own client, a local
+store in the run directory) on request."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ def test_tensorboard_and_mlflow_log_the_metrics_beside_the_csv(make_cfg):
     mlflow = pytest.importorskip("mlflow")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cfg = make_cfg("logger=[csv,tensorboard,mlflow]", "decomposition.grid=[1,2]", "trainer.max_epochs=2")
+    cfg = make_cfg(
+        "logger=[csv,tensorboard,mlflow]",
+        "decomposition.grid=[1,2]",
+        "trainer.max_epochs=2",
+        "trainer.log_every_n_steps=2",
+    )
     train(cfg)
     run = RunDir(cfg.paths.run_dir)
     for stage, sub in (("local", 0), ("local", 1), ("global", None)):
@@ -34,6 +40,18 @@ def test_tensorboard_and_mlflow_log_the_metrics_beside_the_csv(make_cfg):
     assert {"local 0", "local 1", "global", "coarse"} <= set(runs), sorted(runs)
     history = client.get_metric_history(runs["global"].info.run_id, "val_acc")
     assert len(history) == 2 and all(0 <= m.value <= 1 for m in history)
+    assert [m.step for m in history] == [0, 1]
+    assert {r.info.status for r in runs.values()} == {"FINISHED"}
+    steps = client.get_metric_history(runs["global"].info.run_id, "train_loss_step")  # trainer.log_every_n_steps
+    assert [m.step for m in steps] == [2, 4, 6, 8]  # 4 batches per epoch (limit_train_batches), 2 epochs
+
+
+def test_mlflow_refuses_to_log_models_and_names_where_the_weights_are(make_cfg):
+    pytest.importorskip("mlflow")
+    from ddcnn.engine.loggers import MLflowLogger
+
+    with pytest.raises(ValueError, match=r"net.pt"):
+        MLflowLogger("x", log_model=True)
 
 
 def test_an_unknown_logger_is_refused_with_the_choices(make_cfg):

@@ -7,7 +7,7 @@ import torch
 
 from ddcnn.context import assemble_cnn_dnn, build_context
 from ddcnn.decomposition import Decomposition
-from ddcnn.engine.fit import predict_logits
+from ddcnn.engine.common import predict_logits
 from ddcnn.models.cnn_dnn import CNNDNN
 from ddcnn.models.coarse import CoarseMLP
 from ddcnn.models.vgg import vgg_tiny
@@ -55,7 +55,7 @@ def test_assembled_module_reproduces_staged_test_predictions(make_cfg):
     from ddcnn.data.datamodule import TensorDataModule
 
     dm = TensorDataModule(ctx.data.x, ctx.data.y, batch_size=32)
-    logits, labels = predict_logits(model, dm.loader("test"))
+    logits, labels = predict_logits(model, dm, "test")
     staged = RunDir(cfg.paths.run_dir).load_probs("coarse", "test")
     assert torch.equal(labels, staged["labels"])
     assert torch.allclose(logits.softmax(-1), staged["probs"], atol=1e-5)

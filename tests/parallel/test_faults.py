@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from ddcnn.context import build_context, build_local_net
-from ddcnn.engine.fit import predict_logits
+from ddcnn.data.datamodule import TensorDataModule
+from ddcnn.engine.common import predict_logits
 from ddcnn.rundir import RunDir
 from tests.conftest import compose_config
 
@@ -87,9 +88,8 @@ def _assert_consistent(run_dir: Path, subdomains: range) -> None:
         net = build_local_net(ctx.cfg, ctx.data)
         net.load_state_dict(torch.load(run.stage_dir("local", i) / "net.pt", weights_only=True))
         box = (slice(None), slice(None), *ctx.decomposition.box(i))
-        x = ctx.data.x["test"][box]
-        loader = [(x[k : k + 64], ctx.data.y["test"][k : k + 64]) for k in range(0, len(x), 64)]
-        logits, _ = predict_logits(net, loader)
+        x = {"test": ctx.data.x["test"][box].contiguous()}
+        logits, _ = predict_logits(net, TensorDataModule(x, {"test": ctx.data.y["test"]}, 64), "test")
         saved = run.load_probs("local", "test", i)
         assert torch.allclose(logits, saved["logits"], atol=1e-5), f"net.pt of local {i} is not the one of its probs"
 

@@ -154,18 +154,28 @@ def _ddp_overrides(**replace: str) -> list[str]:
     return _tiny(**{"optimizer": "sgd", "trainer.limit_train_batches": "4", **replace})
 
 
-def test_one_allocation_runs_the_comparison_with_slurm_launched_ddp(tmp_path):
+# The ways users ask srun for 2 tasks: most SLURM users write -n (or #SBATCH --ntasks); Fabric's own SLURMEnvironment
+# accepts only --ntasks-per-node, ddcnn's cluster environment reads the step and takes all of them.
+SRUN_FORMS = {
+    "ntasks-per-node": ["-N", "1", "--ntasks-per-node=2"],
+    "n": ["-n", "2"],
+    "ntasks": ["--ntasks=2"],
+}
+
+
+@pytest.mark.parametrize("form", ["ntasks-per-node", "n"])
+def test_one_allocation_runs_the_comparison_with_slurm_launched_ddp(tmp_path, form):
     """srun with 2 tasks: local nets sharded, coarse + global CNN on rank 0, global_ddp across both tasks."""
     run_dir = tmp_path / "run"
     cmd = [
-        "srun", "-N", "1", "--ntasks-per-node=2", "--kill-on-bad-exit=1", "--time=10", TRAIN, "stage=all",
+        "srun", *SRUN_FORMS[form], "--kill-on-bad-exit=1", "--time=10", TRAIN, "stage=all",
         "methods.enabled.global_ddp=true", "methods.global_ddp.num_devices=2", f"paths.run_dir={run_dir}",
         f"hydra.run.dir={run_dir}/hydra/rank${{oc.env:SLURM_PROCID}}", *_ddp_overrides(),
     ]  # fmt: skip
     _run(cmd, cwd=tmp_path)
     run = RunDir(run_dir)
     meta = run.meta("global_ddp")
-    assert meta["num_devices"] == 2 and meta["world_size"] == 2 and meta["ddp_launcher"] == "slurm"
+    assert meta["num_devices"] == 2 and meta["world_size"] == 2 and meta["ddp_launcher"] == "srun"
     assert meta["slurm"]["ntasks"] == 2 and meta["batch_per_device"] == 16
     results = json.loads((run_dir / "results.json").read_text())
     (row,) = [r for r in results["methods"] if r["key"] == "global_ddp"]
@@ -176,6 +186,19 @@ def test_one_allocation_runs_the_comparison_with_slurm_launched_ddp(tmp_path):
     ddp = torch.load(run.stage_dir("global_ddp") / "net.pt", weights_only=True)
     for key in one:
         torch.testing.assert_close(ddp[key], one[key], atol=1e-5, rtol=1e-5)
+
+
+def test_an_srun_step_whose_tasks_are_not_the_ddp_world_is_refused_before_any_training(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [
+        "srun", *SRUN_FORMS["ntasks"], "--kill-on-bad-exit=1", "--time=5", TRAIN, "stage=all",
+        "methods.enabled.global_ddp=true", "methods.global_ddp.num_devices=4", f"paths.run_dir={run_dir}",
+        f"hydra.run.dir={run_dir}/hydra/rank${{oc.env:SLURM_PROCID}}", *_ddp_overrides(),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "this srun step has 2 tasks" in proc.stderr and "srun -n 4" in proc.stderr, proc.stderr[-2000:]
+    assert not (run_dir / "local").exists() or not any((run_dir / "local").rglob("last.ckpt"))
 
 
 def test_a_requeued_one_job_run_resumes_the_ddp_baseline(tmp_path):

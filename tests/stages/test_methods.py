@@ -10,13 +10,13 @@ import copy
 import json
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
 import ddcnn.stages.common as common
 from ddcnn import registry
 from ddcnn.context import build_context, build_local_net, subdomain_seed
+from ddcnn.engine.train import seed_everything
 from ddcnn.pipeline import OPTIONAL_STAGES, enabled_stages, train
 from ddcnn.report.results import METHODS
 from ddcnn.rundir import RunDir
@@ -115,7 +115,7 @@ def test_e2e_starts_from_the_local_nets_random_initialisation(finished):
     cfg, run, _, started = finished
     ctx = build_context(cfg, run.root, claim=False)
     for i in range(N):
-        L.seed_everything(subdomain_seed(cfg.seed, i), verbose=False)
+        seed_everything(subdomain_seed(cfg.seed, i))
         fresh = build_local_net(cfg, ctx.data).state_dict()
         _assert_same(_prefixed(started["e2e"], f"local_nets.{i}."), fresh)
 
@@ -206,13 +206,13 @@ def test_methods_switched_on_later_train_only_the_new_stages(make_cfg):
 
 
 def test_cosine_schedule_anneals_over_each_stages_own_epochs():
-    from ddcnn.engine.fit import build_scheduler as _scheduler
+    from ddcnn.engine.loop import scheduler_factory
 
     cfg = compose_config(["experiment=cifar10", "trainer.max_epochs=5"])
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    assert _scheduler(cfg, 5)(opt).T_max == 5  # a local net or the global CNN
-    assert _scheduler(cfg, 40)(opt).T_max == 40  # the coarse DNN: its own coarse.max_epochs
-    assert _scheduler(compose_config(), 5) is None
+    assert scheduler_factory(cfg.scheduler, 5)(opt).T_max == 5  # a local net or the global CNN
+    assert scheduler_factory(cfg.scheduler, 40)(opt).T_max == 40  # the coarse DNN: its own coarse.max_epochs
+    assert scheduler_factory(compose_config().get("scheduler"), 5) is None
 
 
 def test_every_registered_stage_gives_a_results_row_with_accuracy_time_and_speedup(finished):

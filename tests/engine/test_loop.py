@@ -1,4 +1,4 @@
-"""The coarse DNN's plain PyTorch trainer (ddcnn/engine/tensor_fit.py) and the coarse stage that uses it.
+"""The one training loop (ddcnn/engine/loop.py) on the coarse DNN's tensors (``fit_tensors``), and the coarse stage.
 
 Interruptions of the trainer are injected from the ``on_epoch_end`` hook: an exception raised there stops the training
 the way a kill at that moment would (the last checkpoint stays, nothing after it is saved). The coarse stage itself is
@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddcnn.engine.tensor_fit import CHECKPOINT_FORMAT, FitResult, fit_tensors
+from ddcnn.engine.loop import CHECKPOINT_FORMAT, FitResult, fit_tensors
 from ddcnn.models.coarse import CoarseMLP
 from ddcnn.pipeline import train
 from ddcnn.report.plots import read_metrics_csv
@@ -209,7 +209,7 @@ SGD_TOO_FAST = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 500.0}
 
 
 def test_a_diverging_training_raises_or_restarts_with_a_lower_learning_rate(tmp_path):
-    from ddcnn.engine.tensor_fit import Diverged
+    from ddcnn.engine.loop import Diverged
 
     data = _data()
     data[0]["train"] = data[0]["train"] * 50  # badly scaled inputs: SGD at this rate blows up
@@ -258,12 +258,19 @@ def test_early_stopping_ends_after_patience_epochs_without_improvement_and_stays
     _assert_same_weights(again.net, result.net)
 
 
-def test_a_checkpoint_of_other_settings_is_refused_and_a_foreign_one_ignored(tmp_path):
+def test_a_checkpoint_of_other_settings_or_of_lightnings_trainer_is_refused_with_what_to_do(tmp_path):
     _fit(tmp_path, max_epochs=3)
     with pytest.raises(ValueError, match=r"other settings \(batch_size: 32 -> 16\)"):
         _fit(tmp_path, max_epochs=3, batch_size=16)
-    torch.save({"epoch": 2, "state_dict": {}}, tmp_path / "last.ckpt")  # e.g. Lightning's
-    assert _fit(tmp_path, max_epochs=3).resumed_from_epoch is None
+    # The layout of Lightning's Trainer (ddcnn's DDP and engine.loop=lightning before the one loop).
+    torch.save({"epoch": 2, "state_dict": {}, "pytorch-lightning_version": "2.5.0"}, tmp_path / "last.ckpt")
+    with pytest.raises(ValueError, match=r"Lightning's Trainer .* Delete .*last.ckpt and run the same command again"):
+        _fit(tmp_path, max_epochs=3)
+    # A checkpoint of the plain loop before the Fabric loop (the same layout) resumes.
+    _fit(tmp_path / "plain", max_epochs=2)
+    old = torch.load(tmp_path / "plain" / "last.ckpt", weights_only=False)
+    torch.save({**old, "format": "ddcnn.tensor_fit/1"}, tmp_path / "plain" / "last.ckpt")
+    assert _fit(tmp_path / "plain", max_epochs=2).resumed_from_epoch == 1
 
 
 def test_bad_settings_name_the_argument(tmp_path):
@@ -291,18 +298,26 @@ def local_done(tmp_path_factory):
     from tests.conftest import compose_config
 
     run_dir = tmp_path_factory.mktemp("local_done") / "run"
-    train(compose_config(["stage=local", "coarse.max_epochs=6", "coarse.checkpoint_every=2"], run_dir))
+    train(compose_config(["stage=local", *COARSE_6], run_dir))
     return run_dir
 
 
 def _coarse_cfg(run_dir: Path, *overrides: str):
     from tests.conftest import compose_config
 
-    return compose_config(["stage=coarse", "coarse.max_epochs=6", "coarse.checkpoint_every=2", *overrides], run_dir)
+    return compose_config(["stage=coarse", *COARSE_6, *overrides], run_dir)
 
 
 # Long enough to be caught mid-training by a SIGKILL (300 epochs of 64 small steps, a checkpoint every 20 epochs).
-KILL_COARSE = ["coarse.max_epochs=300", "coarse.checkpoint_every=20", "coarse.batch_size=4"]
+# Six epochs, every one of them (no early stopping: these tests count the epochs).
+COARSE_6 = ["coarse.max_epochs=6", "coarse.checkpoint_every=2", "coarse.patience=null"]
+KILL_COARSE = [
+    "coarse.max_epochs=300",
+    "coarse.checkpoint_every=20",
+    "coarse.batch_size=4",
+    "coarse.patience=null",
+    "trainer.limit_train_batches=null",
+]
 
 
 @pytest.mark.slow

@@ -1,0 +1,255 @@
+"""Where and how one training runs: a Lightning Fabric for one device, for DDP spawned on this machine, or for DDP
+across the tasks of an ``srun`` step, with its precision plugin and ddcnn's own cluster environments.
+
+Every Fabric is given its cluster environment explicitly. Fabric would otherwise detect SLURM from ``SLURM_NTASKS``
+and build its ``SLURMEnvironment``, which refuses a step started with ``srun -n G`` or ``--ntasks=G`` ("HINT: Use
+``--ntasks-per-node``") even for a training on one device, and reads the job's task count rather than the step's.
+:class:`SrunEnvironment` takes the world, the ranks and the rendezvous from the ``srun`` step itself, so every
+``srun`` form works, on one node or several. Neither environment requeues: under SLURM, submitit owns requeueing
+(:mod:`ddcnn.runtime`).
+
+The precision plugin is built here too, so that ``16-mixed`` means float16 autocast with a loss scaler on every
+device (Fabric, asked by name, silently runs ``bf16-mixed`` instead on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+import torch
+
+# lightning_utilities' compare_version imports a package to read its version, and lightning_fabric asks for
+# torchmetrics' at import: torchmetrics imports torchvision's models and SciPy, about 2.5 s of CPU per process on the
+# development machine (measured with -X importtime), for a flag only Fabric's SpikeDetection reads. Hidden while
+# Fabric is imported, torchmetrics counts as absent; a later `import torchmetrics` works as usual.
+if "torchmetrics" not in sys.modules and "lightning_fabric" not in sys.modules:
+    sys.modules["torchmetrics"] = None  # type: ignore[assignment]
+    try:
+        import lightning_fabric  # noqa: F401
+    finally:
+        if sys.modules.get("torchmetrics", 0) is None:
+            del sys.modules["torchmetrics"]
+
+from lightning_fabric import Fabric  # noqa: E402
+from lightning_fabric.plugins import Precision  # noqa: E402
+from lightning_fabric.plugins.environments import ClusterEnvironment, LightningEnvironment  # noqa: E402
+from lightning_fabric.plugins.environments.lightning import find_free_network_port  # noqa: E402
+from lightning_fabric.plugins.precision import MixedPrecision  # noqa: E402
+from lightning_fabric.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
+
+__all__ = ["LAUNCHERS", "SrunEnvironment", "build_fabric", "precision_plugin", "rendezvous_port", "isolated_launch"]
+
+# How a training's processes start: this process on one device, DDP ranks spawned by this process, or the tasks of
+# the srun step this process is one of.
+LAUNCHERS = ("local", "spawn", "srun")
+# Environment variables that launching (Fabric's spawn launcher, the process-group set-up) writes in this process.
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS")
+
+
+def _first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``node[03-05,9],gpu1`` -> ``node03``, ``a,b`` -> ``a``."""
+    head = ""
+    depth = 0
+    for ch in nodelist:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            break
+        head += ch
+    if "[" not in head:
+        return head.strip()
+    prefix, _, rest = head.partition("[")
+    first = rest.rstrip("]").split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def rendezvous_port(job_id: str | None, step_id: str | None) -> int:
+    """The port the ranks of one ``srun`` step meet on: fixed by job and step, so every task computes the same one,
+    and distinct for the steps of one allocation; below Linux's ephemeral range (32768-60999)."""
+    job = int(job_id) if job_id and job_id.isdigit() else 0
+    step = int(step_id) if step_id and step_id.isdigit() else 0
+    return 15000 + (job * 97 + step) % 17000
+
+
+class SrunEnvironment(ClusterEnvironment):
+    """The tasks of the ``srun`` step this process is one of, as the ranks of one DDP training.
+
+    World size, ranks and nodes come from the step (``SLURM_STEP_NUM_TASKS``, ``SLURM_PROCID``, ``SLURM_LOCALID``,
+    ``SLURM_NODEID``), never from ``--ntasks-per-node``, so ``srun -n G``, ``--ntasks=G`` (``#SBATCH --ntasks=G``) and
+    ``--ntasks-per-node=G`` work alike, on one node or several; the ranks meet on the step's first node at
+    :func:`rendezvous_port` (``MASTER_ADDR`` / ``MASTER_PORT`` win when set). No requeueing (submitit owns it).
+    """
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True  # srun started them
+
+    @property
+    def main_address(self) -> str:
+        if os.environ.get("MASTER_ADDR"):
+            return os.environ["MASTER_ADDR"]
+        nodes = (
+            os.environ.get("SLURM_STEP_NODELIST")
+            or os.environ.get("SLURM_JOB_NODELIST")
+            or os.environ.get("SLURM_NODELIST")
+            or "127.0.0.1"
+        )
+        return _first_host(nodes)
+
+    @property
+    def main_port(self) -> int:
+        if os.environ.get("MASTER_PORT"):
+            return int(os.environ["MASTER_PORT"])
+        return rendezvous_port(os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID"))
+
+    @staticmethod
+    def detect() -> bool:
+        return int(os.environ.get("SLURM_STEP_NUM_TASKS", "0") or 0) > 1 and "SLURM_PROCID" in os.environ
+
+    def world_size(self) -> int:
+        return int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ["SLURM_NTASKS"])
+
+    def set_world_size(self, size: int) -> None:
+        pass  # srun decided it
+
+    def global_rank(self) -> int:
+        return int(os.environ["SLURM_PROCID"])
+
+    def set_global_rank(self, rank: int) -> None:
+        pass  # srun decided it
+
+    def local_rank(self) -> int:
+        return int(os.environ.get("SLURM_LOCALID", "0") or 0)
+
+    def node_rank(self) -> int:
+        return int(os.environ.get("SLURM_NODEID", "0") or 0)
+
+
+class _SpawnEnvironment(LightningEnvironment):
+    """The ranks this process spawns: they live on this machine and meet on ``127.0.0.1`` at a free port, whatever
+    ``MASTER_ADDR``/``MASTER_PORT`` the shell holds (a torchrun habit, another job's), so that neither sends them to
+    another host nor makes two trainings on this machine (workers, each with DDP) meet on one port."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._port = find_free_network_port()
+
+    @property
+    def main_address(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def main_port(self) -> int:
+        return self._port
+
+
+class _TaskDDPStrategy(DDPStrategy):
+    """DDP whose rank trains on the one device ddcnn chose for this task (:func:`ddcnn.parallel.devices.process_device`:
+    ``cuda:<local rank % visible GPUs>``, or the GPU ``--gpus-per-task`` left visible), not on the local rank's
+    index into a list of the node's devices."""
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0]
+
+
+def precision_plugin(precision: str, device: torch.device) -> Precision:
+    """Fabric's plugin for ``32-true``, ``bf16-mixed`` or ``16-mixed`` (with its loss scaler) on ``device``."""
+    if precision == "32-true":
+        return Precision()
+    if precision == "bf16-mixed":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError(
+                f"trainer.precision=bf16-mixed: {torch.cuda.get_device_name(device)} has no bfloat16 support; use "
+                f"trainer.precision=16-mixed (float16 with a loss scaler) or 32-true."
+            )
+        return MixedPrecision("bf16-mixed", device=device.type)
+    if precision == "16-mixed":
+        scaler = torch.amp.GradScaler(device.type)
+        return MixedPrecision("16-mixed", device=device.type, scaler=scaler)
+    raise ValueError(f"precision must be 32-true, bf16-mixed or 16-mixed, got {precision!r}.")
+
+
+def build_fabric(
+    device: str | torch.device | None,
+    num_devices: int = 1,
+    launcher: str = "local",
+    precision: str = "32-true",
+) -> Fabric:
+    """A Fabric for one training.
+
+    Args:
+        device: This process's device (``local``, ``srun``), or the first of the spawned ranks' devices (``spawn``:
+            ``cuda:i`` .. ``cuda:i+P-1``, or ``P`` CPU processes).
+        num_devices: DDP ranks (``spawn``: processes to start; ``srun``: must be this step's task count).
+        launcher: ``local`` (one device, this process), ``spawn`` or ``srun`` (DDP, see :data:`LAUNCHERS`).
+        precision: ``32-true``, ``bf16-mixed`` or ``16-mixed``.
+    """
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}.")
+    plugin = precision_plugin(precision, device)
+    if launcher == "local":
+        if num_devices != 1:
+            raise ValueError(f"the local launcher trains on one device, got num_devices={num_devices}.")
+        return Fabric(
+            accelerator=device.type,
+            devices=1,
+            strategy=SingleDeviceStrategy(device=device),
+            plugins=[plugin, LightningEnvironment()],
+        )
+    if launcher == "spawn":
+        if device.type == "cuda":
+            first = device.index or 0
+            devices: list[torch.device] = [torch.device("cuda", first + k) for k in range(num_devices)]
+            missing = [d for d in devices if d.index >= torch.cuda.device_count()]
+            if missing:
+                raise ValueError(
+                    f"DDP on {num_devices} GPUs from {device} needs {devices[-1]}, but torch sees "
+                    f"{torch.cuda.device_count()} GPU(s): lower engine.num_devices (or methods.global_ddp.num_devices) "
+                    f"or start from another device."
+                )
+        else:
+            devices = [device] * num_devices
+        strategy = DDPStrategy(parallel_devices=devices, cluster_environment=_SpawnEnvironment(), start_method="spawn")
+        return Fabric(strategy=strategy, plugins=[plugin])
+    environment = SrunEnvironment()
+    if not environment.detect():
+        raise ValueError(
+            "DDP across srun tasks, but this process is not one of several tasks of an srun step; start it with "
+            "srun -n G (one task per device) inside an allocation."
+        )
+    if environment.world_size() != num_devices:
+        raise ValueError(
+            f"DDP on {num_devices} devices, but this srun step has {environment.world_size()} tasks: run srun -n "
+            f"{num_devices}, or train on {environment.world_size()} devices."
+        )
+    strategy = _TaskDDPStrategy(parallel_devices=[device], cluster_environment=environment, start_method="popen")
+    nodes = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    return Fabric(strategy=strategy, plugins=[plugin], num_nodes=nodes)
+
+
+@contextlib.contextmanager
+def isolated_launch() -> Iterator[None]:
+    """Leave this process as it was after a launch: Fabric's launchers and the process-group set-up write
+    ``MASTER_ADDR``/``MASTER_PORT``/``OMP_NUM_THREADS`` and set torch's threads to ``cores // processes``; the threads
+    of this process are ddcnn's choice (:mod:`ddcnn.parallel.devices`), and a later training must not meet on a port
+    an earlier one chose."""
+    saved = {k: os.environ.get(k) for k in _LAUNCH_ENV}
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -1,0 +1,1107 @@
+"""ddcnn's one training loop, on Lightning Fabric: every training of a run (local nets, the coarse DNN, the global CNN,
+the optional methods, the DDP baseline) trains here.
+
+:func:`fit_batches` trains a classifier on a :class:`~ddcnn.data.datamodule.Batches` source with cross-entropy and
+selects its weights on validation. Fabric does what depends on where it runs (:mod:`ddcnn.engine.launch`): the device,
+DDP (spawned on this machine, or across the tasks of an ``srun`` step), the precision (``32-true``, ``bf16-mixed``,
+``16-mixed`` with a loss scaler) with ``backward`` and gradient clipping. The loop owns the order of the samples and
+everything a run directory promises:
+
+- **exact resume**: everything random depends only on ``(seed, epoch)``. Epoch ``e`` visits the permutation drawn
+  from ``torch.Generator().manual_seed(seed * 100_003 + e)`` (under DDP every rank takes every world-th sample of it,
+  padded by wrapping around so that all ranks run the same steps), and the global generators (dropout) are seeded
+  from the same generator during that epoch, then restored (:func:`torch.random.fork_rng`). ``last.ckpt`` (written
+  atomically every ``checkpoint_every_s`` seconds of training or every ``checkpoint_every`` epochs, and after the last
+  one) holds the weights, the optimizer, the schedule, the loss scaler, the best weights so far and the history, so a
+  killed training resumes to exactly the weights an uninterrupted one reaches;
+- **selection on validation** (``monitor``, ``monitor_mode``): strictly better wins, ties keep the earlier epoch, NaN
+  never wins;
+- ``logs/metrics.csv``: one row per epoch, every epoch once across a resume;
+- **one timing rule**: the training clock runs from the caller's ``start`` and adds the time of the earlier processes
+  that worked on the training (carried in ``last.ckpt``). Left out of it, alike for every training: process start-up
+  and DDP's launch and rendezvous (``startup_s``), the device warm-up (one untimed training step and one evaluation
+  batch that leave weights, buffers, optimizer and generators as they were: ``warmup_s``), the ``after_epoch`` hook
+  (``hook_time_s``) and the progress and loggers (``report_time_s``).
+
+What a fit may ask of the loop beyond plain mini-batch steps:
+
+- **closure optimizers** (``torch.optim.LBFGS``): each step re-evaluates the batch through a closure; with a batch as
+  large as the training split every step sees all of it (full-batch L-BFGS);
+- **gradient accumulation** (``accumulate_grad_batches``), **clipping** (``gradient_clip_val`` by norm or value);
+- **a per-epoch hook with the network** (``after_epoch``), e.g. the test accuracy of every epoch for accuracy-versus-
+  time curves. Its time is kept out of the training clock; the metrics it returns join the epoch's row and
+  ``logs/metrics.csv``; every row has ``time_s``, the training clock at the end of that epoch;
+- **divergence detection** (``divergence_restarts`` not ``None``): an epoch has diverged when its mean training loss
+  is not finite or exceeds ``divergence_factor`` times the larger of the initial loss (the loss of the first training
+  batch before the first step; under DDP the global batch's) and ``ln K`` (the loss of a uniform guess over the ``K``
+  classes: a network that starts better than chance may wander above its initial loss without diverging). With
+  ``divergence_restarts=0`` the fit raises :class:`Diverged`; with ``R > 0`` it starts again from the initial weights
+  with every learning rate multiplied by ``divergence_lr_factor``, at most ``R`` times. The restarts are recorded in
+  the result (``restarts``) and in ``last.ckpt``, so a resumed fit continues the same attempt;
+- **early stopping** (``patience``): the fit ends once the monitored metric has not improved for ``patience``
+  epochs (the selected weights are those of the best epoch, as always); the epoch it stopped after is in the result
+  (``stopped_epoch``) and in ``last.ckpt``.
+
+The loop reads every batch through the ``Batches`` protocol (``train_batch``, ``eval_batch``: on the device, ready for
+the network); it prepares no batch itself. The network is set up on the device in one place (:meth:`_Training.setup`)
+and trained by one step function (:meth:`_Training.train_step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import io
+import itertools
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import hydra
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from ddcnn.data.datamodule import Batches, TensorDataModule
+from ddcnn.engine.launch import LAUNCHERS, build_fabric, isolated_launch
+from ddcnn.engine.settings import MONITORS, PRECISIONS, num_batches
+from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
+from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_text, is_space_or_permission
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FitResult",
+    "Diverged",
+    "Reporter",
+    "fit_batches",
+    "fit_tensors",
+    "build_optimizer",
+    "build_scheduler",
+    "scheduler_factory",
+    "torch_threads",
+    "num_batches",
+    "shard_order",
+    "CHECKPOINT_FORMAT",
+    "METRIC_COLUMNS",
+    "MONITORS",
+    "EVAL_CHUNK",
+]
+
+# Stored in every checkpoint. The plain loop before the Fabric loop wrote the same layout as ``ddcnn.tensor_fit/1``,
+# which resumes here too; a last.ckpt of Lightning's Trainer (older ddcnn) is refused with what to do.
+CHECKPOINT_FORMAT = "ddcnn.loop/1"
+_RESUMABLE_FORMATS = (CHECKPOINT_FORMAT, "ddcnn.tensor_fit/1")
+# logs/metrics.csv: one row per epoch (0-based, as Lightning's CSVLogger counts), ``step`` = optimizer steps so far,
+# ``time_s`` = the training clock at the end of the epoch; metrics returned by an ``after_epoch`` hook follow.
+METRIC_COLUMNS = ("epoch", "step", "lr", "train_loss", "train_acc", "val_loss", "val_acc", "time_s")
+# What a spawned DDP rank 0 hands back to the parent, in the training's folder (removed once read).
+_SPAWN_RESULT = ".spawned_result.pt"
+# Rows per forward pass when evaluating the coarse DNN's tensors; bounds the memory of a hidden layer.
+EVAL_CHUNK = 65_536
+# The settings an exact resume depends on: a checkpoint written under others is refused (a key missing from both
+# the checkpoint and the current settings counts as equal: the later ones are recorded only where they are set).
+_RESUME_SETTINGS = (
+    "seed",
+    "batch_size",
+    "max_epochs",
+    "monitor",
+    "monitor_mode",
+    "n_train",
+    "limit_train_batches",
+    "limit_val_batches",
+    "divergence_restarts",
+    "patience",
+    "world_size",
+    "precision",
+    "accumulate_grad_batches",
+)
+
+
+class Diverged(RuntimeError):
+    """A training diverged (see the module doc for the rule) and no restart was allowed or left.
+
+    Attributes:
+        epoch: The epoch that diverged.
+        reason: Why (``train_loss nan``, ``train_loss 9.1 > 2 x initial 3.6``).
+    """
+
+    def __init__(self, message: str, epoch: int, reason: str) -> None:
+        super().__init__(message)
+        self.epoch, self.reason = epoch, reason
+
+    def __reduce__(self):  # picklable (a spawned DDP rank raises it to the parent)
+        return (type(self), (str(self), self.epoch, self.reason))
+
+
+@dataclass
+class FitResult:
+    """What :func:`fit_batches` returns.
+
+    Attributes:
+        net: The trained network with the weights of the best validation epoch (on the training device; on CPU after
+            spawned DDP).
+        best_epoch: That epoch (0-based; ``None`` for a result that did not come from the loop).
+        best_metric: Its value of the monitored metric.
+        history: Per epoch, the row written to ``logs/metrics.csv``.
+        fit_time_s: Training time of every process that worked on this training, this one included (work after the
+            last checkpoint of a killed process is lost and not counted); see the module doc for what is left out.
+        previous_time_s: The part of ``fit_time_s`` spent by earlier processes (0 for an uninterrupted training).
+        resumed_from_epoch: The last finished epoch of the checkpoint this process resumed from, else ``None``.
+        hook_time_s: Time this process spent in the ``after_epoch`` hook, outside ``fit_time_s``.
+        stopped_epoch: The epoch after which early stopping (``patience``) ended the fit, else ``None``.
+        restarts: One entry per divergence restart: ``{"epoch", "reason", "lr_scale"}`` (the scale after it).
+        initial_loss: The loss of the first training batch before the first step (of the last attempt).
+        startup_s: Process start-up this training paid outside ``fit_time_s``: spawning the DDP ranks (interpreters,
+            imports, data) and the rendezvous of the ranks; 0 on one device.
+        warmup_s: The device warm-up before the clock (see the module doc).
+        report_time_s: Progress bars, log lines and loggers (the ``reporter``), outside ``fit_time_s``.
+        global_rank: This process's rank in the training (0 unless DDP across the tasks of an ``srun`` step).
+        world_size: The processes that trained it together (DDP), 1 otherwise.
+        precision: The precision it trained in.
+    """
+
+    net: nn.Module | None
+    best_epoch: int | None = None
+    best_metric: float | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+    fit_time_s: float = 0.0
+    previous_time_s: float = 0.0
+    resumed_from_epoch: int | None = None
+    hook_time_s: float = 0.0
+    stopped_epoch: int | None = None
+    restarts: list[dict] = field(default_factory=list)
+    initial_loss: float | None = None
+    startup_s: float = 0.0
+    warmup_s: float = 0.0
+    report_time_s: float = 0.0
+    global_rank: int = 0
+    world_size: int = 1
+    precision: str = "32-true"
+
+
+class Reporter(Protocol):
+    """What shows a training's progress (rank 0 only; its time is left out of the training clock)."""
+
+    def epoch(self, epoch: int, row: Mapping[str, float]) -> None:
+        """After each epoch (once its checkpoint, if any, is written): its row of ``logs/metrics.csv``."""
+
+    def steps(self, points: list[tuple[int, float]]) -> None:
+        """After each epoch with ``log_every_n_steps``: ``(optimizer step, mean training loss of the last n)``."""
+
+    def close(self, status: str) -> None:
+        """When the training ends (``success``) or fails (``failed``)."""
+
+
+# --- optimizers, schedules, threads ------------------------------------------------------------------------------
+def _spec(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def build_optimizer(node: Any, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer of a Hydra ``_partial_`` node (``{_target_: torch.optim.AdamW, _partial_: true, lr: ...}``).
+
+    A callable ``params -> Optimizer`` is accepted as well.
+    """
+    factory = hydra.utils.instantiate(_spec(node)) if isinstance(node, Mapping | DictConfig) else node
+    if not callable(factory):
+        raise ValueError(
+            f"the optimizer setting must be a Hydra node with _partial_: true (e.g. coarse.optimizer) or a callable, "
+            f"got {node!r}."
+        )
+    return factory(params)
+
+
+def scheduler_factory(node: Any, max_epochs: int) -> Callable[[torch.optim.Optimizer], Any] | None:
+    """The learning-rate schedule of a Hydra ``_partial_`` node as ``optimizer -> LRScheduler``, or ``None``.
+
+    ``None`` or an empty node means a constant rate. ``T_max: null`` (cosine annealing) becomes ``max_epochs``: every
+    training (local nets, coarse DNN, optional stages) anneals over its own epochs.
+    """
+    if not node:
+        return None
+    spec = _spec(node)
+    if isinstance(spec, Mapping):
+        spec = dict(spec)
+        if "T_max" in spec and spec["T_max"] is None:
+            spec["T_max"] = max_epochs
+        spec = hydra.utils.instantiate(spec)
+    return spec
+
+
+def build_scheduler(
+    node: Any, optimizer: torch.optim.Optimizer, max_epochs: int
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The schedule of ``node`` (:func:`scheduler_factory`) on ``optimizer``, stepped once per epoch."""
+    factory = scheduler_factory(node, max_epochs)
+    return None if factory is None else factory(optimizer)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` intra-op CPU threads, then restore the previous number (``None``: unchanged).
+
+    A small MLP gains nothing from a second thread, and on a CPU that other processes share, threads that wait for
+    each other at every one of its many small operations made the coarse DNN several times slower (measured: one
+    epoch of 10000 rows at batch 1024 took 0.16 s with one thread, 1.0 s with two, on two busy cores).
+    """
+    previous = torch.get_num_threads()
+    if threads is not None:
+        if int(threads) < 1:
+            raise ValueError(f"the number of CPU threads must be >= 1 (or null to keep {previous}), got {threads!r}.")
+        torch.set_num_threads(int(threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def _deterministic(enabled: bool) -> Iterator[None]:
+    """``trainer.deterministic``: torch's deterministic algorithms within the block."""
+    if not enabled:
+        yield
+        return
+    previous = torch.are_deterministic_algorithms_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+# --- small pieces ------------------------------------------------------------------------------------------------
+def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch))
+
+
+def shard_order(order: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s share of one epoch's sample order under DDP: every ``world``-th sample, padded by wrapping
+    around so that every rank has the same number (as torch's ``DistributedSampler``); the order itself outside."""
+    if world <= 1:
+        return order
+    total = -(-len(order) // world) * world
+    return torch.cat([order, order[: total - len(order)]])[rank::world]
+
+
+def _seed_global_rng(seed: int, device: torch.device) -> None:
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+
+
+def _better(value: float | None, best: float | None, mode: str) -> bool:
+    """Strictly better than ``best`` (ties keep the earlier epoch, NaN never wins), as Lightning's ModelCheckpoint."""
+    if value is None or math.isnan(value):
+        return False
+    if best is None or math.isnan(best):
+        return True
+    return value > best if mode == "max" else value < best
+
+
+def _cpu_state(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in net.state_dict().items()}
+
+
+def _csv_value(key: str, value: Any) -> Any:
+    if value is None:
+        return ""
+    return int(value) if key in ("epoch", "step") else repr(float(value))
+
+
+def _needs_closure(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step`` must be given a closure that re-evaluates the loss (L-BFGS)."""
+    return isinstance(opt, torch.optim.LBFGS) or bool(getattr(opt, "needs_closure", False))
+
+
+def _divergence(loss: float, initial: float | None, num_classes: int, factor: float) -> str | None:
+    """Why an epoch with mean training loss ``loss`` diverged (the module doc's rule), or ``None``."""
+    if not math.isfinite(loss):
+        return f"train_loss {loss}"
+    chance = math.log(max(num_classes, 2))
+    reference = max(initial, chance) if initial is not None and math.isfinite(initial) else chance
+    if loss > factor * reference:
+        what = f"initial {initial:.4g}" if reference != chance else f"ln K {chance:.4g}"
+        return f"train_loss {loss:.4g} > {factor:g} x {what}"
+    return None
+
+
+def _metrics_csv(history: list[dict[str, float]]) -> str:
+    out = io.StringIO()
+    extra = list(dict.fromkeys(k for row in history for k in row if k not in METRIC_COLUMNS))
+    writer = csv.DictWriter(out, fieldnames=[*METRIC_COLUMNS, *extra], extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in history:
+        writer.writerow({k: _csv_value(k, v) for k, v in row.items()})
+    return out.getvalue()
+
+
+def _load_checkpoint(path: Path, settings: Mapping[str, Any]) -> dict | None:
+    """The resumable state in ``path``, ``None`` when there is none.
+
+    Raises:
+        ValueError: For a checkpoint of Lightning's Trainer (older ddcnn) or one written under other settings, with
+            what to do.
+    """
+    if not path.is_file():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or state.get("format") not in _RESUMABLE_FORMATS:
+        lightning = isinstance(state, dict) and ("pytorch-lightning_version" in state or "state_dict" in state)
+        who = "Lightning's Trainer (ddcnn before its one Fabric loop)" if lightning else "another program"
+        raise ValueError(
+            f"{path} was written by {who}; this ddcnn cannot resume it. Delete {path} and run the same command "
+            f"again: this training starts over, finished stages stay finished (or finish it with the ddcnn version "
+            f"that started it)."
+        )
+    saved = state.get("settings", {})
+    differ = {k: (saved.get(k), settings.get(k)) for k in _RESUME_SETTINGS if saved.get(k) != settings.get(k)}
+    if differ:
+        shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in differ.items())
+        raise ValueError(
+            f"{path} belongs to a training with other settings ({shown}); resuming it would not give the result of "
+            f"either. Restore those settings to resume, or delete {path} (force=true for a stage) to start over."
+        )
+    return state
+
+
+class _Clock:
+    """The training clock of one process: from ``start``, plus the earlier processes' time, minus what is left out."""
+
+    def __init__(self, start: float) -> None:
+        self.start, self.previous = float(start), 0.0
+        self.left_out: dict[str, float] = {"startup": 0.0, "warmup": 0.0, "hook": 0.0, "report": 0.0}
+
+    def __call__(self) -> float:
+        return self.previous + time.perf_counter() - self.start - sum(self.left_out.values())
+
+    @contextlib.contextmanager
+    def outside(self, what: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.left_out[what] += time.perf_counter() - began
+
+
+# --- the loop -----------------------------------------------------------------------------------------------------
+class _Training:
+    """One training with the settings of :func:`fit_batches`; :meth:`run` trains it in one rank (every rank under
+    DDP). Picklable, so that spawned DDP ranks receive it whole."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.__dict__.update(settings)
+
+    # -- the network on the device: the one place where it is set up --
+    def setup(self, fabric) -> None:
+        net = self.net
+        if fabric.world_size > 1 and has_batch_norm(net):
+            # DDP normalises over the global batch, as the one-device run does: exact DDP (see ddcnn.engine.sync_norm).
+            net = convert_batch_norm(net, fabric.device)
+        self.module = net
+        self.model = fabric.setup_module(net)
+        self.fabric = fabric
+
+    def build_optimizer(self, lr_scale: float) -> None:
+        opt = build_optimizer(self.optimizer, self.module.parameters())
+        if lr_scale != 1.0:
+            for group in opt.param_groups:
+                group["lr"] = float(group["lr"]) * lr_scale
+                if "initial_lr" in group:
+                    group["initial_lr"] = float(group["initial_lr"]) * lr_scale
+        self.raw_opt = opt
+        self.sched = build_scheduler(self.scheduler, opt, self.max_epochs)
+        self.opt = self.fabric.setup_optimizers(opt)
+        self.closure_steps = _needs_closure(opt)
+        if self.closure_steps and self.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"{type(opt).__name__} steps with a closure over one batch; it cannot accumulate gradients over "
+                f"{self.accumulate_grad_batches} batches: set trainer.accumulate_grad_batches=1 (or null)."
+            )
+        if self.closure_steps and self.precision == "16-mixed":
+            raise ValueError(
+                f"{type(opt).__name__} cannot step through a float16 loss scaler: use trainer.precision=32-true or "
+                f"bf16-mixed for it."
+            )
+
+    def clip(self) -> None:
+        if self.gradient_clip_val is None:
+            return
+        if self.gradient_clip_algorithm == "value":
+            self.fabric.clip_gradients(self.model, self.opt, clip_val=self.gradient_clip_val)
+        else:
+            self.fabric.clip_gradients(self.model, self.opt, max_norm=self.gradient_clip_val, error_if_nonfinite=False)
+
+    def no_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        if enabled and self.fabric.world_size > 1:
+            return self.fabric.no_backward_sync(self.model)
+        return contextlib.nullcontext()
+
+    # -- one training step: the one step function --
+    def train_step(self, xb: torch.Tensor, yb: torch.Tensor, stepping: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one batch, then (``stepping``) the optimizer step; its loss and logits before
+        the step."""
+        fabric, model, opt = self.fabric, self.model, self.opt
+        if self.closure_steps:
+            first: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad(set_to_none=True)
+                logits = model(xb)
+                loss = F.cross_entropy(logits.float(), yb)
+                fabric.backward(loss)
+                self.clip()
+                if not first:
+                    first.append((loss.detach(), logits.detach()))
+                return loss
+
+            opt.step(closure)
+            return first[0]
+        accumulate = self.accumulate_grad_batches
+        with self.no_sync(not stepping):
+            logits = model(xb)
+            loss = F.cross_entropy(logits.float(), yb)
+            fabric.backward(loss / accumulate if accumulate > 1 else loss)
+        if stepping:
+            self.clip()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss.detach(), logits.detach()
+
+    @torch.inference_mode()
+    def evaluate(self, split: str = "val") -> torch.Tensor:
+        """``(loss sum, correct, count)`` over this rank's share of ``split`` (every world-th sample)."""
+        fabric, module = self.fabric, self.module
+        module.eval()
+        sums = torch.zeros(3, device=fabric.device, dtype=torch.float64)
+        idx = torch.arange(fabric.global_rank, self.data.size(split), fabric.world_size)
+        for k, chunk in enumerate(idx.split(self.eval_batch_size)):
+            if k >= self.val_batches:
+                break
+            xb, yb = self.data.eval_batch(split, chunk, fabric.device)
+            with fabric.autocast():
+                logits = module(xb)
+            sums[0] += F.cross_entropy(logits.float(), yb, reduction="sum").double()
+            sums[1] += (logits.argmax(-1) == yb).sum()
+            sums[2] += len(yb)
+        if fabric.world_size > 1:
+            sums = fabric.all_reduce(sums, reduce_op="sum")
+        return sums
+
+    def epoch_batches(self, epoch: int) -> list[torch.Tensor]:
+        """The sample indices of this rank's training batches in ``epoch``, and seeds the global generators."""
+        gen = _epoch_generator(self.seed, epoch)
+        order = torch.randperm(self.n_train, generator=gen) if self.batch < self.n_train else torch.arange(self.n_train)
+        order = shard_order(order, self.fabric.global_rank, self.fabric.world_size)
+        _seed_global_rng(int(torch.randint(2**62, (1,), generator=gen)), self.fabric.device)
+        return list(order.split(self.batch))[: self.train_batches]
+
+    def warm_up(self, epoch: int) -> None:
+        """One training step's forward and backward and one evaluation batch, which leave no trace: no optimizer
+        step, gradients cleared, buffers (batch-norm statistics) and generators restored. The device's first-use
+        costs (CUDA context, cuDNN handles, kernels, allocator; oneDNN primitives on CPU) are then paid here, outside
+        the clock, by every training alike, whichever process or calibration used the device before."""
+        fabric, module = self.fabric, self.module
+        saved = [b.detach().clone() for b in module.buffers()]
+        devices = [fabric.device] if fabric.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            idx = self.epoch_batches(epoch)[0]
+            self.model.train()
+            xb, yb = self.data.train_batch(idx, epoch, fabric.device)
+            with self.no_sync(True):
+                loss = F.cross_entropy(self.model(xb).float(), yb)
+                fabric.backward(loss)
+            self.opt.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for buffer, value in zip(module.buffers(), saved, strict=True):
+                    buffer.copy_(value)
+            with torch.inference_mode(), fabric.autocast():
+                module.eval()
+                n_val = self.data.size("val")
+                if n_val and self.val_batches:
+                    module(
+                        self.data.eval_batch("val", torch.arange(min(n_val, self.eval_batch_size)), fabric.device)[0]
+                    )
+        if fabric.device.type == "cuda":
+            torch.cuda.synchronize(fabric.device)
+
+    def run(self, fabric, prefit_s: float | None = None) -> FitResult:
+        """Train in this rank (see :func:`fit_batches`); ``prefit_s``: a spawned rank's share of the parent's time."""
+        status = "failed"
+        try:
+            result = self._run(fabric, prefit_s)
+            status = "success"
+            return result
+        finally:
+            if self.reporter is not None and fabric.global_rank == 0:
+                self.reporter.close(status)
+
+    def _run(self, fabric, prefit_s: float | None) -> FitResult:
+        if prefit_s is not None:  # a spawned DDP rank: its clock starts now, plus the parent's set-up of the training
+            self.start = time.perf_counter() - prefit_s
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
+        clock = _Clock(self.start)
+        clock.left_out["startup"] = self.startup_s
+        rank, world = fabric.global_rank, fabric.world_size
+        folder = Path(self.folder)
+        last, best_path, metrics_path = folder / "last.ckpt", folder / "best.ckpt", folder / "logs" / "metrics.csv"
+        self.n_train = self.data.size("train")
+        self.batch = min(int(self.data.batch_size), self.n_train)
+        per_rank = -(-self.n_train // world)
+        self.train_batches = num_batches(-(-per_rank // self.batch), self.limit_train_batches, "limit_train_batches")
+        self.eval_batch_size = int(self.data.eval_batch_size)
+        per_rank_val = -(-self.data.size("val") // world)
+        self.val_batches = num_batches(
+            -(-per_rank_val // self.eval_batch_size), self.limit_val_batches, "limit_val_batches"
+        )
+        if self.val_batches == 0 and self.monitor.startswith("val_"):
+            raise ValueError(
+                f"limit_val_batches={self.limit_val_batches!r} skips validation, so monitor={self.monitor} has nothing "
+                f"to select on: monitor train_loss (mode min) or train_acc (max), or validate."
+            )
+        settings = {
+            "seed": int(self.seed),
+            "batch_size": self.batch,
+            "max_epochs": self.max_epochs,
+            "monitor": self.monitor,
+            "monitor_mode": self.monitor_mode,
+            "n_train": self.n_train,
+        }
+        optional = {
+            "limit_train_batches": self.limit_train_batches,
+            "limit_val_batches": self.limit_val_batches,
+            "divergence_restarts": self.divergence_restarts,
+            "patience": self.patience,
+            "world_size": world if world > 1 else None,
+            "precision": self.precision if self.precision != "32-true" else None,
+            "accumulate_grad_batches": self.accumulate_grad_batches if self.accumulate_grad_batches > 1 else None,
+        }
+        settings.update({k: v for k, v in optional.items() if v is not None})
+
+        with clock.outside("warmup"):  # the network on the device (the first use of a device pays for its context)
+            self.setup(fabric)
+        check_divergence = self.divergence_restarts is not None
+        initial_state = _cpu_state(self.module) if check_divergence else None  # what a restart starts from
+        history: list[dict[str, float]] = []
+        best_state, best_metric, best_epoch = None, None, -1
+        first_epoch, resumed_from, step = 0, [], 0
+        restarts: list[dict] = []
+        stopped_epoch: int | None = None
+        lr_scale, initial_loss, num_classes = 1.0, None, 2
+        state = _load_checkpoint(last, settings)
+        if state is not None:
+            restarts = list(state.get("restarts", []))
+            lr_scale, initial_loss = float(state.get("lr_scale", 1.0)), state.get("initial_loss")
+            num_classes = int(state.get("num_classes", num_classes))
+            stopped_epoch = state.get("stopped_epoch")
+            if state.get("initial_state") is not None:
+                initial_state = state["initial_state"]
+            self.module.load_state_dict(state["net"])
+            self.build_optimizer(lr_scale)
+            self.raw_opt.load_state_dict(state["optimizer"])
+            if self.sched is not None and state.get("scheduler") is not None:
+                self.sched.load_state_dict(state["scheduler"])
+            if state.get("precision_state"):
+                fabric.strategy.precision.load_state_dict(state["precision_state"])
+            history = list(state["history"])
+            best_state, best_metric, best_epoch = state["best"]["net"], state["best"]["metric"], state["best"]["epoch"]
+            first_epoch, clock.previous = int(state["epoch"]) + 1, float(state["fit_time_s"])
+            resumed_from = [*state.get("resumed_from", []), int(state["epoch"])]
+            step = int(history[-1]["step"]) if history else 0
+            if rank == 0:
+                log.info("%s: resuming from %s (after epoch %d)", folder, last, state["epoch"])
+        else:
+            self.build_optimizer(lr_scale)
+            if rank == 0:  # outputs of an earlier training of this folder (force=true) must not pass for this one's
+                metrics_path.unlink(missing_ok=True)
+                best_path.unlink(missing_ok=True)
+
+        def save(epoch: int) -> None:
+            checkpoint = {
+                "format": CHECKPOINT_FORMAT,
+                "epoch": epoch,
+                "settings": settings,
+                "net": _cpu_state(self.module),
+                "optimizer": self.raw_opt.state_dict(),
+                "scheduler": self.sched.state_dict() if self.sched is not None else None,
+                "precision_state": fabric.strategy.precision.state_dict(),
+                "best": {"epoch": best_epoch, "metric": best_metric, "monitor": self.monitor, "net": best_state},
+                "history": history,
+                "fit_time_s": clock(),
+                "resumed_from": resumed_from,
+                "restarts": restarts,
+                "lr_scale": lr_scale,
+                "initial_loss": initial_loss,
+                "num_classes": num_classes,
+                "initial_state": initial_state,
+                "stopped_epoch": stopped_epoch,
+            }
+            atomic_torch_save(checkpoint, last)
+            atomic_write_text(metrics_path, _metrics_csv(history))
+
+        last_write = time.perf_counter()
+        report = self.reporter if rank == 0 else None
+        devices = [fabric.device] if fabric.device.type == "cuda" else []
+        epoch = first_epoch
+        with torch.random.fork_rng(devices=devices), _deterministic(self.deterministic):
+            if epoch < self.max_epochs and stopped_epoch is None:
+                with clock.outside("warmup"):
+                    self.warm_up(epoch)
+            while epoch < self.max_epochs and stopped_epoch is None:
+                batches = self.epoch_batches(epoch)
+                lr = float(self.raw_opt.param_groups[0]["lr"])
+                self.model.train()
+                sums = torch.zeros(3, device=fabric.device, dtype=torch.float64)
+                window, points = [], []
+                log_steps = bool(self.log_every_n_steps and report is not None and getattr(report, "wants_steps", True))
+                accumulate = self.accumulate_grad_batches
+                for k, idx in enumerate(batches):
+                    xb, yb = self.data.train_batch(idx, epoch, fabric.device)
+                    stepping = (k + 1) % accumulate == 0 or k == len(batches) - 1
+                    loss, logits = self.train_step(xb, yb, stepping)
+                    if initial_loss is None:  # under DDP the global first batch's: every rank decides alike
+                        first = fabric.all_reduce(loss.clone(), reduce_op="mean") if world > 1 else loss
+                        initial_loss, num_classes = float(first), int(logits.shape[-1])
+                    sums[0] += loss.double() * len(yb)
+                    sums[1] += (logits.argmax(-1) == yb).sum()
+                    sums[2] += len(yb)
+                    if stepping:
+                        step += 1
+                        if log_steps:
+                            window.append(loss)
+                            if step % self.log_every_n_steps == 0:
+                                points.append((step, torch.stack(window).float().mean()))
+                                window = []
+                if world > 1:
+                    sums = fabric.all_reduce(sums, reduce_op="sum")
+                train_loss = float(sums[0] / sums[2])
+                reason = (
+                    _divergence(train_loss, initial_loss, num_classes, self.divergence_factor)
+                    if check_divergence
+                    else None
+                )
+                if reason is not None:
+                    where = f"the training in {folder} diverged in epoch {epoch} ({reason})"
+                    if len(restarts) >= int(self.divergence_restarts):
+                        raise Diverged(
+                            f"{where}, after {len(restarts)} restart(s) with lower learning rates. Lower the learning "
+                            f"rate (or scale the inputs), then run again with force=true.",
+                            epoch,
+                            reason,
+                        )
+                    lr_scale *= float(self.divergence_lr_factor)
+                    restarts.append({"epoch": epoch, "reason": reason, "lr_scale": lr_scale})
+                    if rank == 0:
+                        log.warning(
+                            "%s: restarting from the initial weights with the learning rate x %g", where, lr_scale
+                        )
+                    self.module.load_state_dict(initial_state)
+                    self.build_optimizer(lr_scale)
+                    history, best_state, best_metric, best_epoch = [], None, None, -1
+                    step, initial_loss, epoch = 0, None, 0
+                    continue
+                if self.val_batches:
+                    val = self.evaluate("val")
+                    val_loss, val_acc = float(val[0] / val[2]), float(val[1] / val[2])
+                else:
+                    val_loss = val_acc = None
+                row = {
+                    "epoch": epoch,
+                    "step": step,
+                    "lr": lr,
+                    "train_loss": train_loss,
+                    "train_acc": float(sums[1] / sums[2]),
+                    "val_loss": val_loss,
+                    "val_acc": val_acc,
+                    "time_s": clock(),
+                }
+                if self.after_epoch is not None:
+                    with clock.outside("hook"):
+                        extra = None
+                        if rank == 0:
+                            self.module.eval()
+                            extra = self.after_epoch(epoch, dict(row), self.module)
+                        if world > 1:
+                            extra = fabric.broadcast(extra, src=0)
+                        row.update({k: v for k, v in (extra or {}).items() if k not in row})
+                history.append(row)
+                if _better(row[self.monitor], best_metric, self.monitor_mode):
+                    best_state, best_metric, best_epoch = _cpu_state(self.module), row[self.monitor], epoch
+                if self.sched is not None:
+                    if isinstance(self.sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                        self.sched.step(row[self.monitor])
+                    else:
+                        self.sched.step()
+                if self.checkpoint_every_s is not None:
+                    due = time.perf_counter() - last_write >= float(self.checkpoint_every_s)
+                else:
+                    due = (epoch + 1) % self.checkpoint_every == 0
+                if world > 1:  # every rank follows rank 0's clock
+                    due = bool(fabric.broadcast(due, src=0))
+                if self.patience is not None and epoch - best_epoch >= self.patience and epoch < self.max_epochs - 1:
+                    stopped_epoch = epoch  # the same on every rank: the monitored metric is the all-reduced one
+                    if rank == 0:
+                        log.debug(
+                            "%s: no improvement of %s for %d epochs, stopping after epoch %d",
+                            folder,
+                            self.monitor,
+                            self.patience,
+                            epoch,
+                        )
+                due = due or epoch == self.max_epochs - 1 or stopped_epoch is not None
+                if due and rank == 0:
+                    save(epoch)
+                if due:
+                    last_write = time.perf_counter()
+                if report is not None:
+                    with clock.outside("report"):
+                        if points:
+                            report.steps([(s, float(v)) for s, v in points])
+                        report.epoch(epoch, row)
+                if self.on_epoch_end is not None:
+                    self.on_epoch_end(epoch, row)
+                epoch += 1
+
+        if best_state is None:
+            raise ValueError(
+                f"{self.monitor} was NaN in every epoch of the training in {folder}: it diverged. Lower the learning "
+                f"rate, then run again with force=true."
+            )
+        if self.write_best and rank == 0 and (first_epoch < self.max_epochs or not best_path.is_file()):
+            atomic_torch_save(
+                {
+                    "format": CHECKPOINT_FORMAT,
+                    "epoch": best_epoch,
+                    "monitor": self.monitor,
+                    "metric": best_metric,
+                    "net": best_state,
+                },
+                best_path,
+            )
+        self.module.load_state_dict(best_state)
+        left_out = clock.left_out
+        return FitResult(
+            net=self.module,
+            best_epoch=int(best_epoch),
+            best_metric=float(best_metric),
+            history=history,
+            fit_time_s=clock(),
+            previous_time_s=clock.previous,
+            resumed_from_epoch=resumed_from[-1] if resumed_from else None,
+            hook_time_s=left_out["hook"],
+            stopped_epoch=stopped_epoch,
+            restarts=restarts,
+            initial_loss=initial_loss,
+            startup_s=left_out["startup"],
+            warmup_s=left_out["warmup"],
+            report_time_s=left_out["report"],
+            global_rank=rank,
+            world_size=world,
+            precision=self.precision,
+        )
+
+
+def _run_spawned(fabric, training: _Training, prefit_s: float) -> str | None:
+    """Body of a spawned DDP rank: rank 0 hands its result back to the parent (the weights as a CPU state dict).
+
+    Through a file whose path is returned: Fabric's launcher reads rank 0's return value only after every rank
+    exited, so a large one would block rank 0 on the full pipe forever, and a tensor sent through multiprocessing
+    would be a handle to the memory of a process that is gone."""
+    with torch.no_grad():
+        # The network arrived through multiprocessing, its tensors in memory shared with the other ranks (torch shares
+        # what it sends): each rank must train its own copy, or every rank's step lands on the same weights.
+        for tensor in itertools.chain(training.net.parameters(), training.net.buffers()):
+            tensor.data = tensor.data.clone()
+    path = Path(training.folder) / _SPAWN_RESULT
+    try:
+        result = training.run(fabric, prefit_s=prefit_s)
+    except Exception as err:  # every rank meets the same refusal (a checkpoint, a setting): hand rank 0's over whole
+        if fabric.global_rank != 0:
+            return None
+        try:
+            atomic_torch_save({"error": err}, path)
+        except Exception:
+            atomic_torch_save({"error": RuntimeError(f"{type(err).__name__}: {err}")}, path)
+        return str(path)
+    if fabric.global_rank != 0:
+        return None
+    atomic_torch_save({"state": _cpu_state(result.net), "result": dataclasses.replace(result, net=None)}, path)
+    return str(path)
+
+
+def fit_batches(
+    net: nn.Module,
+    data: Batches,
+    folder: str | Path,
+    *,
+    optimizer: Any,
+    max_epochs: int,
+    scheduler: Any = None,
+    seed: int | None = None,
+    monitor: str = "val_acc",
+    monitor_mode: str = "max",
+    checkpoint_every: int = 1,
+    checkpoint_every_s: float | None = None,
+    device: str | torch.device | None = None,
+    num_devices: int = 1,
+    launcher: str | None = None,
+    precision: str = "32-true",
+    gradient_clip_val: float | None = None,
+    gradient_clip_algorithm: str = "norm",
+    accumulate_grad_batches: int = 1,
+    limit_train_batches: int | float | None = None,
+    limit_val_batches: int | float | None = None,
+    deterministic: bool = False,
+    log_every_n_steps: int | None = None,
+    reporter: Reporter | None = None,
+    on_epoch_end: Callable[[int, Mapping[str, float]], None] | None = None,
+    after_epoch: Callable[[int, Mapping[str, float], nn.Module], Mapping[str, float] | None] | None = None,
+    divergence_restarts: int | None = None,
+    divergence_factor: float = 2.0,
+    divergence_lr_factor: float = 0.1,
+    patience: int | None = None,
+    start: float | None = None,
+    write_best: bool = True,
+) -> FitResult:
+    """Train classifier ``net`` on ``data`` with cross-entropy, selecting its weights on validation (module doc).
+
+    Resumes from ``folder/last.ckpt`` when it exists (and was written by this loop under the same settings); otherwise
+    starts afresh and removes a stale ``folder/logs/metrics.csv``. At the end, ``folder/best.ckpt`` holds the selected
+    weights (keys ``format``, ``epoch``, ``monitor``, ``metric``, ``net``) unless ``write_best`` is false.
+
+    Args:
+        net: Maps a batch of ``data`` to class logits ``(B, K)``; trained in place (and moved to the device).
+        data: The batches (:class:`~ddcnn.data.datamodule.Batches`): ``batch_size`` samples per step and per device,
+            ``eval_batch_size`` per evaluation batch; splits ``train`` and ``val``.
+        folder: Where ``last.ckpt``, ``best.ckpt`` and ``logs/metrics.csv`` go (created if missing).
+        optimizer: A Hydra ``_partial_`` node of an optimizer, e.g. ``cfg.optimizer``, or a callable
+            ``params -> Optimizer``. ``torch.optim.LBFGS`` (or an optimizer with ``needs_closure = True``) is stepped
+            with a closure.
+        max_epochs: Passes over the training samples.
+        scheduler: A Hydra ``_partial_`` node ``optimizer -> LRScheduler`` (``T_max: null`` = ``max_epochs``) stepped
+            after every epoch, a callable, or ``None``. ``ReduceLROnPlateau`` is stepped with the monitored metric.
+        seed: Seeds the order of the samples and the dropout of every epoch, with the epoch index (default
+            ``data.seed``).
+        monitor: The metric that selects the returned weights: ``val_acc``, ``val_loss``, ``train_acc`` or
+            ``train_loss``.
+        monitor_mode: ``max`` or ``min``.
+        checkpoint_every: Write ``last.ckpt`` and ``logs/metrics.csv`` after every this many epochs, and always after
+            the last one.
+        checkpoint_every_s: Instead of ``checkpoint_every``: write them after the first epoch that ends this many
+            seconds after the previous write (``0``: after every epoch), and after the last one.
+        device: Where to train (default CPU); with DDP spawned over ``num_devices`` GPUs, the first of them.
+        num_devices: DDP ranks (1: one device).
+        launcher: ``local`` (one device in this process), ``spawn`` (DDP ranks started by this process; also with
+            ``num_devices=1``, a one-rank DDP) or ``srun`` (DDP across the tasks of this ``srun`` step); default
+            ``local`` for one device, ``spawn`` otherwise.
+        precision: ``32-true``, ``bf16-mixed`` (bfloat16 autocast) or ``16-mixed`` (float16 autocast with a loss
+            scaler whose state is in ``last.ckpt``), on any device.
+        gradient_clip_val: Clip the gradients before every step to this global 2-norm (``gradient_clip_algorithm``
+            ``norm``) or each entry to ``[-v, v]`` (``value``); ``None``: no clipping.
+        accumulate_grad_batches: Batches whose gradients add up to one optimizer step (the loss of each is divided by
+            this number; the last group of an epoch steps with what it has).
+        limit_train_batches, limit_val_batches: Batches per epoch and per validation (per rank under DDP), as
+            Lightning's Trainer arguments of these names (a whole number caps them, a fraction keeps that share,
+            ``0`` validation batches skips validation); ``None``: all.
+        deterministic: Run with torch's deterministic algorithms.
+        log_every_n_steps: Hand the mean training loss of every ``n`` optimizer steps to ``reporter.steps``.
+        reporter: Shows the progress (rank 0; outside the clock): :class:`Reporter`.
+        on_epoch_end: Called as ``on_epoch_end(epoch, metrics_row)`` after each epoch (in every rank), once its
+            checkpoint (if any) is written; an exception it raises stops the training as a kill at that moment would.
+            Its time is training time.
+        after_epoch: Called as ``after_epoch(epoch, metrics_row, net)`` (rank 0) after each epoch's validation, with
+            ``net`` in eval mode holding that epoch's weights; the metrics it returns join the row (and
+            ``metrics.csv``). Its time is not training time: it is left out of ``fit_time_s`` and the rows' ``time_s``.
+        divergence_restarts: ``None``: no divergence check (a NaN epoch is simply never selected); ``0``: raise
+            :class:`Diverged` when an epoch diverges; ``R > 0``: restart from the initial weights with the learning
+            rates times ``divergence_lr_factor``, at most ``R`` times (see the module doc for the rule).
+        divergence_factor: An epoch whose mean training loss exceeds this multiple of the initial loss diverged.
+        divergence_lr_factor: What each restart multiplies the learning rates by.
+        patience: Stop once the monitored metric has not improved for this many epochs (``None``: train
+            ``max_epochs``).
+        start: ``time.perf_counter()`` at the start of the caller's stage, which the training time counts from
+            (default: the call of this function).
+        write_best: Also write ``best.ckpt`` with the selected weights at the end.
+
+    With ``launcher="spawn"`` the network, the data and the hooks travel to the ranks by pickling: hooks must then be
+    module-level functions or picklable objects (no lambdas or closures).
+
+    Returns:
+        The network with its best weights and the training's history and times (:class:`FitResult`). Under DDP
+        across ``srun`` tasks every rank returns (``global_rank`` says which); spawned DDP returns rank 0's result.
+
+    Raises:
+        ValueError: For a bad setting (naming it), a ``last.ckpt`` of another program or written under other settings.
+        Diverged: With ``divergence_restarts`` set, when the last allowed attempt diverges too.
+        ArtifactWriteError: When the disk is full or not writable (the training resumes from its last checkpoint).
+    """
+    start = time.perf_counter() if start is None else float(start)
+    launcher = launcher or ("local" if int(num_devices) == 1 else "spawn")
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}.")
+    if int(max_epochs) < 1:
+        raise ValueError(f"max_epochs must be >= 1, got {max_epochs!r}.")
+    if int(checkpoint_every) < 1:
+        raise ValueError(f"checkpoint_every must be >= 1 (epochs between checkpoints), got {checkpoint_every!r}.")
+    if monitor_mode not in ("max", "min"):
+        raise ValueError(f"monitor_mode must be 'max' or 'min', got {monitor_mode!r}.")
+    if monitor not in MONITORS:
+        raise ValueError(f"monitor must be one of {list(MONITORS)}, got {monitor!r}.")
+    if checkpoint_every_s is not None and float(checkpoint_every_s) < 0:
+        raise ValueError(f"checkpoint_every_s must be >= 0 (0: after every epoch), got {checkpoint_every_s!r}.")
+    if gradient_clip_val is not None and float(gradient_clip_val) <= 0:
+        raise ValueError(f"gradient_clip_val must be > 0 (or null: no clipping), got {gradient_clip_val!r}.")
+    if gradient_clip_algorithm not in ("norm", "value"):
+        raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}.")
+    if int(accumulate_grad_batches) < 1:
+        raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches!r}.")
+    if str(precision) not in PRECISIONS:
+        raise ValueError(f"precision must be 32-true, bf16-mixed or 16-mixed, got {precision!r}.")
+    if log_every_n_steps is not None and int(log_every_n_steps) < 1:
+        raise ValueError(f"log_every_n_steps must be >= 1 or null, got {log_every_n_steps!r}.")
+    if limit_train_batches in (0, 0.0):
+        raise ValueError("limit_train_batches=0 trains nothing; use a positive number of batches or null.")
+    for name, value in (("limit_train_batches", limit_train_batches), ("limit_val_batches", limit_val_batches)):
+        num_batches(1, value, name)
+    if divergence_restarts is not None and int(divergence_restarts) < 0:
+        raise ValueError(f"divergence_restarts must be >= 0 or null (no check), got {divergence_restarts!r}.")
+    if patience is not None and (isinstance(patience, bool) or int(patience) < 1):
+        raise ValueError(f"patience must be a positive number of epochs or null (no early stopping), got {patience!r}.")
+    if float(divergence_factor) <= 1.0:
+        raise ValueError(f"divergence_factor must be > 1, got {divergence_factor!r}.")
+    if not 0.0 < float(divergence_lr_factor) < 1.0:
+        raise ValueError(f"divergence_lr_factor must lie strictly between 0 and 1, got {divergence_lr_factor!r}.")
+    for split in ("train", "val"):
+        if data.size(split) == 0:
+            raise ValueError(f"{split}: no samples; the {split} split must not be empty.")
+    if int(data.batch_size) < 1 or int(data.eval_batch_size) < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {data.batch_size} and {data.eval_batch_size}.")
+    threads = max(1, torch.get_num_threads() // int(num_devices)) if launcher == "spawn" else None
+    began = time.perf_counter()
+    training = _Training(
+        net=net,
+        data=data,
+        folder=str(folder),
+        optimizer=_spec(optimizer),
+        scheduler=_spec(scheduler),
+        max_epochs=int(max_epochs),
+        seed=int(data.seed if seed is None else seed),
+        monitor=monitor,
+        monitor_mode=monitor_mode,
+        checkpoint_every=int(checkpoint_every),
+        checkpoint_every_s=None if checkpoint_every_s is None else float(checkpoint_every_s),
+        precision=PRECISIONS[str(precision)],
+        gradient_clip_val=None if gradient_clip_val is None else float(gradient_clip_val),
+        gradient_clip_algorithm=gradient_clip_algorithm,
+        accumulate_grad_batches=int(accumulate_grad_batches),
+        limit_train_batches=limit_train_batches,
+        limit_val_batches=limit_val_batches,
+        deterministic=bool(deterministic),
+        log_every_n_steps=None if log_every_n_steps is None else int(log_every_n_steps),
+        reporter=reporter,
+        on_epoch_end=on_epoch_end,
+        after_epoch=after_epoch,
+        divergence_restarts=None if divergence_restarts is None else int(divergence_restarts),
+        divergence_factor=float(divergence_factor),
+        divergence_lr_factor=float(divergence_lr_factor),
+        patience=None if patience is None else int(patience),
+        start=start,
+        write_best=bool(write_best),
+        threads=threads,
+        startup_s=0.0,
+    )
+    fabric = build_fabric(device, int(num_devices), launcher, training.precision)
+    try:
+        if launcher == "spawn":
+            prefit = time.perf_counter() - start
+            with isolated_launch():
+                path = Path(fabric.launch(_run_spawned, training, prefit))
+            out = torch.load(path, map_location="cpu", weights_only=False)
+            path.unlink(missing_ok=True)
+            if "error" in out:  # raised in the ranks (the same in every one): here as there, its message intact
+                raise out["error"]
+            result: FitResult = out["result"]
+            net.load_state_dict(out["state"])
+            # Spawning the ranks (interpreters, imports, the data), their rendezvous and tear-down: start-up, apart.
+            wall = time.perf_counter() - start
+            own = result.fit_time_s - result.previous_time_s
+            result.startup_s = max(0.0, wall - own - result.warmup_s - result.hook_time_s - result.report_time_s)
+            return dataclasses.replace(result, net=net)
+        with isolated_launch():
+            fabric.launch()  # DDP across srun tasks: the ranks meet here
+        # Fabric's set-up and (srun) the rendezvous of the ranks: start-up, left out of the clock.
+        training.startup_s = time.perf_counter() - began
+        try:
+            return training.run(fabric)
+        finally:
+            if launcher == "srun":
+                _leave_process_group(fabric)
+    except OSError as err:
+        if isinstance(err, ArtifactWriteError) or not is_space_or_permission(err):
+            raise
+        raise ArtifactWriteError(
+            err.errno,
+            f"training in {folder} stopped: {err}. Free disk space or choose a writable run directory, then run the "
+            f"same command again: it resumes from the last checkpoint.",
+        ) from err
+
+
+def _leave_process_group(fabric) -> None:
+    """End this srun task's part in the DDP training: the ranks wait for each other, then the group is destroyed (a
+    rank that goes on alone, rank 0 predicting, must not meet the others' collectives)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            fabric.barrier()
+        dist.destroy_process_group()
+
+
+def fit_tensors(
+    net: nn.Module,
+    x: Mapping[str, torch.Tensor],
+    y: Mapping[str, torch.Tensor],
+    folder: str | Path,
+    *,
+    batch_size: int | None = None,
+    eval_batch_size: int = EVAL_CHUNK,
+    seed: int = 0,
+    **kwargs: Any,
+) -> FitResult:
+    """:func:`fit_batches` on in-memory tensors ``x[split], y[split]`` (the coarse DNN's ``(n, N, K)`` local outputs).
+
+    ``batch_size`` rows per step, ``None`` or 0 for the whole training split (full-batch steps); the other arguments
+    are those of :func:`fit_batches`.
+    """
+    for split in ("train", "val"):
+        if split not in x or split not in y:
+            raise ValueError(
+                f"fit_tensors needs x and y for the splits 'train' and 'val', got {sorted(x)}/{sorted(y)}."
+            )
+    for split in x:
+        if len(x[split]) != len(y[split]):
+            raise ValueError(f"{split}: {len(x[split])} inputs but {len(y[split])} labels.")
+    if batch_size is not None and int(batch_size) < 0:
+        raise ValueError(f"batch_size must be a positive number of rows, or 0/null for full batches, got {batch_size}.")
+    if int(eval_batch_size) < 1:
+        raise ValueError(f"eval_batch_size must be >= 1, got {eval_batch_size!r}.")
+    n_train = len(y["train"])
+    splits = [s for s in x if s in y]
+    data = TensorDataModule(
+        {s: x[s] for s in splits},
+        {s: y[s].long() for s in splits},
+        batch_size=max(1, int(batch_size) if batch_size else n_train),
+        eval_batch_size=int(eval_batch_size),
+        seed=int(seed),
+    )
+    return fit_batches(net, data, folder, seed=seed, **kwargs)

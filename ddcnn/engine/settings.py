@@ -1,0 +1,250 @@
+"""The ``trainer`` and ``engine`` settings the training loop implements, checked before anything trains.
+
+Light on purpose (no Lightning Fabric, no torch import): the pipeline checks a run's settings with it before the
+local stage starts, in a coordinating process that never trains. :func:`ddcnn.engine.train.fit` reads the settings
+through the same functions, so what is checked is what is used.
+
+Every key of ``conf/trainer`` and ``conf/engine`` changes what the loop does, or is refused with what to use instead:
+
+- ``trainer.max_epochs``, ``precision`` (``32-true``, ``bf16-mixed``, ``16-mixed``), ``deterministic``,
+  ``enable_progress_bar``, ``log_every_n_steps`` (the training loss every n steps to TensorBoard/MLflow),
+  ``gradient_clip_val`` (+ ``gradient_clip_algorithm``: ``norm`` or ``value``), ``limit_train_batches``,
+  ``limit_val_batches`` and ``accumulate_grad_batches`` (given with ``+trainer.accumulate_grad_batches=2``);
+- ``engine.monitor``, ``monitor_mode``, ``num_devices``, ``checkpoint_every_s``;
+- ``engine.loop`` is gone (ddcnn has one loop); ``trainer.monitor`` and the other keys that moved are refused with
+  their new names; any other Lightning ``Trainer`` argument is refused with the list of those implemented.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = [
+    "PRECISIONS",
+    "MONITORS",
+    "TRAINER_KEYS",
+    "ENGINE_KEYS",
+    "trainer_settings",
+    "engine_settings",
+    "check_training_settings",
+    "check_srun_ddp",
+    "num_batches",
+]
+
+# What trainer.precision may say (Lightning's spellings, old aliases included) -> the precision the loop runs.
+PRECISIONS = {
+    "32-true": "32-true",
+    "32": "32-true",
+    "bf16-mixed": "bf16-mixed",
+    "bf16": "bf16-mixed",
+    "16-mixed": "16-mixed",
+    "16": "16-mixed",
+}
+# The metrics a training can select its weights on.
+MONITORS = ("train_loss", "train_acc", "val_loss", "val_acc")
+# trainer.* keys the loop implements.
+TRAINER_KEYS = (
+    "max_epochs",
+    "precision",
+    "deterministic",
+    "enable_progress_bar",
+    "log_every_n_steps",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
+    "limit_train_batches",
+    "limit_val_batches",
+    "accumulate_grad_batches",
+)
+ENGINE_KEYS = ("monitor", "monitor_mode", "num_devices", "checkpoint_every_s", "loop")
+# Keys that moved, or Lightning Trainer arguments whose job another setting does: what to use instead.
+_INSTEAD = {
+    "trainer.monitor": "engine.monitor",
+    "trainer.monitor_mode": "engine.monitor_mode",
+    "trainer.num_devices": "engine.num_devices",
+    "trainer.checkpoint_every_s": "engine.checkpoint_every_s",
+    "trainer.accelerator": "device=cpu|cuda|cuda:1 (and parallel.accelerator for the local-stage workers)",
+    "trainer.devices": "engine.num_devices=P (DDP over P devices from `device` on) or device=cuda:1",
+    "trainer.strategy": "engine.num_devices=P (DDP), or srun with methods.global_ddp (DDP across the srun tasks)",
+    "trainer.num_nodes": "srun -N <nodes> -n <tasks> ddcnn-train ... methods.enabled.global_ddp=true (docs/slurm.md)",
+    "trainer.plugins": "device, trainer.precision and engine.num_devices",
+    "trainer.callbacks": "the loop's hooks (ddcnn.engine.loop.fit_batches: after_epoch, on_epoch_end)",
+    "trainer.logger": "logger=csv|tensorboard|mlflow|many",
+    "trainer.enable_checkpointing": "engine.checkpoint_every_s (last.ckpt is always written: stages resume from it)",
+    "trainer.default_root_dir": "hydra.run.dir (the run directory)",
+    "trainer.profiler": "bench/profile_stage.py",
+    "trainer.check_val_every_n_epoch": "trainer.limit_val_batches (validation selects the weights after every epoch)",
+    "trainer.val_check_interval": "trainer.limit_val_batches (validation selects the weights after every epoch)",
+    "trainer.num_sanity_val_steps": "nothing: the loop runs no sanity check",
+    "trainer.max_steps": "trainer.max_epochs with trainer.limit_train_batches",
+    "engine.ddp_launcher": "engine.num_devices (spawned DDP) or srun with methods.global_ddp (DDP across srun tasks)",
+}
+_LOOP_GONE = (
+    "engine.loop is gone: every training (local nets, coarse DNN, global CNN, optional methods, DDP) runs in ddcnn's "
+    "one loop on Lightning Fabric (ddcnn/engine/loop.py). Remove engine.loop={value!r} from the command line or your "
+    "configuration."
+)
+
+
+def _container(node: Any) -> dict:
+    if node is None:
+        return {}
+    if isinstance(node, DictConfig):
+        return OmegaConf.to_container(node, resolve=True)
+    return dict(node)
+
+
+def _refuse_unknown(section: str, given: Mapping, known: tuple[str, ...]) -> None:
+    for key, value in given.items():
+        if key in known:
+            continue
+        instead = _INSTEAD.get(f"{section}.{key}")
+        if instead is not None:
+            raise ValueError(f"{section}.{key}={value!r} is not a setting of ddcnn's training loop; use {instead}.")
+        raise ValueError(
+            f"{section}.{key}={value!r} is not a setting of ddcnn's training loop (one loop on Lightning Fabric, not "
+            f"Lightning's Trainer); the {section} settings are {', '.join(k for k in known if k != 'loop')}. "
+            f"Remove it."
+        )
+
+
+def num_batches(n_batches: int, limit: int | float | None, what: str) -> int:
+    """The batches an epoch runs under a Lightning-style ``limit`` (``trainer.limit_train_batches``): a whole number
+    caps them, a fraction in (0, 1] keeps that share (at least one), ``None`` keeps all, ``0`` none."""
+    if limit is None:
+        return n_batches
+    if isinstance(limit, bool) or not isinstance(limit, int | float) or limit < 0:
+        raise ValueError(f"{what} must be a number of batches or a fraction in (0, 1], or null for all, got {limit!r}.")
+    if isinstance(limit, float):
+        if limit > 1.0:
+            raise ValueError(f"{what} as a fraction must be in (0, 1], got {limit!r}; a whole number caps batches.")
+        return 0 if limit == 0 else max(1, int(n_batches * limit))
+    return min(n_batches, int(limit))
+
+
+def _positive_int(value: Any, what: str, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive whole number{' or null' if allow_none else ''}, got {value!r}.")
+    return int(value)
+
+
+def trainer_settings(cfg: DictConfig | Mapping) -> dict:
+    """``cfg.trainer`` checked and normalised: every key the loop implements, with its default when absent.
+
+    Raises:
+        ValueError: Naming the key, its value and what to use instead, for a key the loop does not implement or a
+            value it cannot honour.
+    """
+    given = _container(cfg.get("trainer"))
+    _refuse_unknown("trainer", given, TRAINER_KEYS)
+    out = {
+        "max_epochs": _positive_int(given.get("max_epochs", 1), "trainer.max_epochs"),
+        "deterministic": bool(given.get("deterministic") or False),
+        "enable_progress_bar": given.get("enable_progress_bar"),
+        "log_every_n_steps": _positive_int(given.get("log_every_n_steps"), "trainer.log_every_n_steps", True),
+        "accumulate_grad_batches": _positive_int(
+            1 if given.get("accumulate_grad_batches") is None else given["accumulate_grad_batches"],
+            "trainer.accumulate_grad_batches",
+        ),
+    }
+    precision = given.get("precision", "32-true")
+    key = str(precision).lower() if precision is not None else "32-true"
+    if key not in PRECISIONS:
+        raise ValueError(
+            f"trainer.precision={precision!r} is not one the loop runs: use 32-true, bf16-mixed (bf16 autocast) or "
+            f"16-mixed (float16 autocast with a loss scaler)."
+        )
+    out["precision"] = PRECISIONS[key]
+    if out["enable_progress_bar"] not in (None, True, False):
+        raise ValueError(
+            f"trainer.enable_progress_bar must be true, false or null (bars on a terminal, one line per epoch "
+            f"otherwise), got {out['enable_progress_bar']!r}."
+        )
+    clip = given.get("gradient_clip_val")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or clip <= 0):
+        raise ValueError(f"trainer.gradient_clip_val must be > 0 (or null: no clipping), got {clip!r}.")
+    out["gradient_clip_val"] = None if clip is None else float(clip)
+    algorithm = given.get("gradient_clip_algorithm") or "norm"
+    if algorithm not in ("norm", "value"):
+        raise ValueError(
+            f"trainer.gradient_clip_algorithm must be 'norm' (the gradients' global 2-norm, the default) or 'value' "
+            f"(each gradient entry), got {algorithm!r}."
+        )
+    out["gradient_clip_algorithm"] = algorithm
+    for name in ("limit_train_batches", "limit_val_batches"):
+        value = given.get(name)
+        num_batches(1, value, f"trainer.{name}")  # checks the value
+        out[name] = value
+    if out["limit_train_batches"] in (0, 0.0):
+        raise ValueError("trainer.limit_train_batches=0 trains nothing; use a positive number of batches or null.")
+    return out
+
+
+def engine_settings(cfg: DictConfig | Mapping) -> dict:
+    """``cfg.engine`` checked, with defaults: monitor, monitor_mode, num_devices, checkpoint_every_s."""
+    given = _container(cfg.get("engine"))
+    if given.get("loop") is not None:
+        raise ValueError(_LOOP_GONE.format(value=given["loop"]))
+    _refuse_unknown("engine", given, ENGINE_KEYS)
+    out = {
+        "monitor": str(given.get("monitor", "val_acc")),
+        "monitor_mode": str(given.get("monitor_mode", "max")),
+        "num_devices": _positive_int(given.get("num_devices", 1) or 1, "engine.num_devices"),
+        "checkpoint_every_s": given.get("checkpoint_every_s", 30.0),
+    }
+    if out["monitor_mode"] not in ("max", "min"):
+        raise ValueError(f"engine.monitor_mode must be 'max' or 'min', got {out['monitor_mode']!r}.")
+    if out["monitor"] not in MONITORS:
+        raise ValueError(f"engine.monitor must be one of {', '.join(MONITORS)}, got {out['monitor']!r}.")
+    every = out["checkpoint_every_s"]
+    if every is None:
+        every = 0.0
+    if isinstance(every, bool) or not isinstance(every, int | float) or every < 0:
+        raise ValueError(f"engine.checkpoint_every_s must be >= 0 (0: after every epoch), got {every!r}.")
+    out["checkpoint_every_s"] = float(every)
+    return out
+
+
+def check_training_settings(cfg: DictConfig) -> None:
+    """Every ``trainer`` and ``engine`` setting, and the ``srun`` step a DDP stage would train across, checked
+    before anything trains (see the module doc)."""
+    trainer = trainer_settings(cfg)
+    engine = engine_settings(cfg)
+    if trainer["limit_val_batches"] in (0, 0.0) and engine["monitor"].startswith("val_"):
+        raise ValueError(
+            f"trainer.limit_val_batches=0 skips validation, so engine.monitor={engine['monitor']} has nothing to "
+            f"select the weights on: set engine.monitor=train_loss engine.monitor_mode=min (or train_acc / max), or "
+            f"validate (limit_val_batches null or > 0)."
+        )
+    stage = str(cfg.get("stage", "all"))
+    enabled = ((cfg.get("methods") or {}).get("enabled") or {}).get("global_ddp", False)
+    if stage == "global_ddp" or (stage == "all" and enabled):
+        value = ((cfg.get("methods") or {}).get("global_ddp") or {}).get("num_devices", 2)
+        check_srun_ddp(int(value), "methods.global_ddp.num_devices")
+
+
+def check_srun_ddp(num_devices: int, setting: str = "methods.global_ddp.num_devices") -> int | None:
+    """The task count of this ``srun`` step when a DDP training across its tasks can run here, ``None`` outside a
+    multi-task ``srun`` step (DDP then spawns its processes itself).
+
+    Any ``srun`` form works (``-n G``, ``--ntasks=G``, ``--ntasks-per-node=G``, one node or several): ddcnn's own
+    cluster environment (:class:`ddcnn.engine.launch.SrunEnvironment`) reads the step's tasks. What cannot work is a
+    step whose task count is not the DDP world: refused here, with the fix, before any training.
+    """
+    from ddcnn.runtime import srun_task
+
+    task = srun_task("auto")
+    if task is None:
+        return None
+    if task.ntasks != int(num_devices):
+        raise ValueError(
+            f"the DDP stage trains on {setting}={num_devices} devices, one srun task each, but this srun step has "
+            f"{task.ntasks} tasks (SLURM_STEP_NUM_TASKS={os.environ.get('SLURM_STEP_NUM_TASKS')}): run "
+            f"srun -n {num_devices} (or --ntasks-per-node={num_devices} on one node), or set {setting}={task.ntasks}."
+        )
+    return task.ntasks
