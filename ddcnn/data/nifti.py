@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import re
-import sys
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from nibabel.filebasedimages import ImageFileError
 from torch.utils.data import Dataset
 
+from ddcnn.data.progress import Progress
 from ddcnn.io import atomic_open
 from ddcnn.rundir import SPLITS
 
@@ -580,20 +580,15 @@ class NiftiCache:
 
 
 def progress_bar(items: Sequence[_T], desc: str, enabled: bool = True) -> Iterator[_T]:
-    """Iterates ``items`` with a tqdm bar (a stderr counter without tqdm) when there are many of them."""
+    """Iterates ``items`` showing progress when there are many of them: a bar on a terminal, one line per tenth of
+    the work in a log file (:class:`ddcnn.data.progress.Progress`)."""
     if not enabled or len(items) < _PROGRESS_MIN_ITEMS:
         yield from items
         return
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        step = max(1, len(items) // 20)
-        for i, item in enumerate(items, 1):
+    with Progress(desc, len(items), "volumes") as bar:
+        for item in items:
             yield item
-            if i % step == 0 or i == len(items):
-                print(f"\r{desc}: {i}/{len(items)}", end="\n" if i == len(items) else "", file=sys.stderr)
-    else:
-        yield from tqdm(items, desc=desc, unit="vol")
+            bar.update()
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -204,13 +204,19 @@ def _evaluate(
     view: Callable[[torch.Tensor], torch.Tensor] | None = None,
     max_batches: int | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    batches: Any = None,
 ) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy of ``net`` (in eval mode) over ``x`` (its first ``max_batches`` chunks)."""
+    """Mean cross-entropy and accuracy of ``net`` (in eval mode) over ``x`` (its first ``max_batches`` chunks), or
+    over the ``val`` split of ``batches`` (a :class:`ddcnn.data.datamodule.Batches`)."""
     net.eval()
     loss = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.long)
     seen = 0
-    for k, (xb, yb) in enumerate(zip(x.split(chunk), y.split(chunk), strict=True)):
+    if batches is not None:
+        pairs = (batches.eval_batch("val", idx, device) for idx in torch.arange(len(y)).split(chunk))
+    else:
+        pairs = zip(x.split(chunk), y.split(chunk), strict=True)
+    for k, (xb, yb) in enumerate(pairs):
         if max_batches is not None and k >= max_batches:
             break
         if view is not None:
@@ -292,6 +298,7 @@ def fit_tensors(
     autocast_dtype: torch.dtype | None = None,
     start: float | None = None,
     write_best: bool = True,
+    batches: Any = None,
 ) -> FitResult:
     """Train classifier ``net`` on ``x["train"], y["train"]`` with cross-entropy, selecting on ``x["val"]``.
 
@@ -335,6 +342,8 @@ def fit_tensors(
         start: ``time.perf_counter()`` at the start of the caller's stage, which the training time counts from
             (default: the call of this function).
         write_best: Also write ``best.ckpt`` with the selected weights at the end.
+        batches: A :class:`ddcnn.data.datamodule.Batches` to read the batches from instead of ``x``/``y`` (which are
+            then ignored): it reads, moves, normalises, augments and crops each batch itself.
 
     Returns:
         The network with its best weights and the training's history and times (:class:`FitResult`).
@@ -359,16 +368,21 @@ def fit_tensors(
         raise ValueError(f"checkpoint_every_s must be >= 0 (0: after every epoch), got {checkpoint_every_s!r}.")
     if gradient_clip_val is not None and float(gradient_clip_val) <= 0:
         raise ValueError(f"gradient_clip_val must be > 0 (or null: no clipping), got {gradient_clip_val!r}.")
-    _check_tensors(x, y)
+    if batches is None:
+        _check_tensors(x, y)
     max_epochs, checkpoint_every = int(max_epochs), int(checkpoint_every)
     device = torch.device(device) if device is not None else torch.device("cpu")
     folder = Path(folder)
     last, best, metrics_path = folder / "last.ckpt", folder / "best.ckpt", folder / "logs" / "metrics.csv"
 
-    stream = keep_on_host or transform is not None  # batches are cut (and moved) one at a time
-    data_device = x["train"].device if stream else device
-    x_train, y_train = x["train"].to(data_device), y["train"].to(data_device).long()
-    x_val, y_val = x["val"].to(data_device), y["val"].to(data_device).long()
+    stream = keep_on_host or transform is not None or batches is not None  # batches cut (and moved) one at a time
+    if batches is not None:
+        x_train = x_val = None
+        y_train, y_val = batches.labels("train").long(), batches.labels("val").long()
+    else:
+        data_device = x["train"].device if stream else device
+        x_train, y_train = x["train"].to(data_device), y["train"].to(data_device).long()
+        x_val, y_val = x["val"].to(data_device), y["val"].to(data_device).long()
     n_train = len(y_train)
     batch = n_train if not batch_size else min(int(batch_size), n_train)
     train_batches = num_batches(-(-n_train // batch), limit_train_batches, "limit_train_batches")
@@ -441,7 +455,10 @@ def fit_tensors(
             if stream:
                 # Batches of indices; each is cut from the stored split (and transformed) when its step comes.
                 index_batches = (order if order is not None else torch.arange(n_train)).split(batch)
-                batches = ((x_train[idx], y_train[idx], idx) for idx in index_batches[:train_batches])
+                if batches is not None:
+                    steps = ((*batches.train_batch(idx, epoch, device), None) for idx in index_batches[:train_batches])
+                else:
+                    steps = ((x_train[idx], y_train[idx], idx) for idx in index_batches[:train_batches])
             else:
                 if order is not None:
                     # One gather of the whole split per epoch into buffers allocated once (a fresh allocation of
@@ -455,14 +472,14 @@ def fit_tensors(
                 else:
                     x_epoch, y_epoch = x_train, y_train
                 pairs = zip(x_epoch.split(batch), y_epoch.split(batch), strict=True)
-                batches = ((xb, yb, None) for k, (xb, yb) in enumerate(pairs) if k < train_batches)
+                steps = ((xb, yb, None) for k, (xb, yb) in enumerate(pairs) if k < train_batches)
             _seed_global_rng(int(torch.randint(2**62, (1,), generator=gen)), device)
             lr = float(opt.param_groups[0]["lr"])
             net.train()
             loss_sum = torch.zeros((), device=device)
             correct = torch.zeros((), device=device, dtype=torch.long)
             seen = 0
-            for xb, yb, idx in batches:
+            for xb, yb, idx in steps:
                 if transform is not None:
                     xb = transform(xb, idx, epoch)
                 if stream:
@@ -481,7 +498,7 @@ def fit_tensors(
                 seen += len(yb)
                 step += 1
             val_loss, val_acc = _evaluate(
-                net, x_val, y_val, int(eval_batch_size), device, val_view, val_batches, autocast
+                net, x_val, y_val, int(eval_batch_size), device, val_view, val_batches, autocast, batches
             )
             row = {
                 "epoch": epoch,

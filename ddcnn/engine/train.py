@@ -2,8 +2,8 @@
 
 :func:`fit` is what the stages call. ``engine.loop`` picks the loop:
 
-- ``plain``: :func:`ddcnn.engine.tensor_fit.fit_tensors`, a PyTorch loop over the in-memory tensors of a
-  :class:`~ddcnn.data.datamodule.TensorDataModule` (the same batches, augmentation, selection on validation,
+- ``plain``: :func:`ddcnn.engine.tensor_fit.fit_tensors`, a PyTorch loop over the batches of a
+  :class:`~ddcnn.data.datamodule.Batches` (the same batches, augmentation, selection on validation,
   ``last.ckpt`` every ``engine.checkpoint_every_s`` with an exact resume, ``logs/metrics.csv`` and the configured
   loggers). A process that trains this way never imports Lightning;
 - ``lightning``: a Lightning ``Trainer`` (:func:`ddcnn.engine.fit.fit_lightning`), which DDP always uses;
@@ -26,7 +26,7 @@ import logging
 import os
 import random
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -197,32 +197,17 @@ def _deterministic(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(previous)
 
 
-def _compose(augment: Callable | None, view: Callable | None) -> Callable | None:
-    if augment is None and view is None:
-        return None
-
-    def transform(x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
-        if augment is not None:
-            x = augment(x, idx, epoch)
-        return view(x) if view is not None else x
-
-    return transform
-
-
 def _fit_plain(cfg, net, datamodule, folder: Path, device, start: float, epochs: int, optimizer_cfg) -> FitResult:
     settings = engine_settings(cfg)
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
-    data = datamodule.data
-    x = {s: data[s].x for s in ("train", "val")}
-    y = {s: data[s].y for s in ("train", "val")}
     reporter = EpochReporter(cfg, folder, epochs)
     status = "failed"
     try:
         with _deterministic(bool(trainer.get("deterministic"))):
             fitted = fit_tensors(
                 net,
-                x,
-                y,
+                {},
+                {},
                 folder,
                 optimizer=optimizer_cfg if optimizer_cfg is not None else cfg.optimizer,
                 scheduler=cfg.get("scheduler"),
@@ -235,9 +220,7 @@ def _fit_plain(cfg, net, datamodule, folder: Path, device, start: float, epochs:
                 device=device,
                 eval_batch_size=datamodule.eval_batch_size,
                 on_epoch_end=reporter,
-                transform=_compose(datamodule.augment, datamodule.view),
-                val_view=datamodule.view,
-                keep_on_host=True,
+                batches=datamodule,  # the data's Batches protocol: reads, moves, normalises, augments, crops
                 limit_train_batches=trainer.get("limit_train_batches"),
                 limit_val_batches=trainer.get("limit_val_batches"),
                 gradient_clip_val=trainer.get("gradient_clip_val"),
@@ -269,7 +252,7 @@ def fit(
     Args:
         cfg: The run configuration (``trainer``, ``engine``, ``optimizer``, ``scheduler``, ``data.num_classes``).
         net: The network to train.
-        datamodule: Its data (:class:`~ddcnn.data.datamodule.TensorDataModule`).
+        datamodule: Its data (a :class:`~ddcnn.data.datamodule.Batches`, e.g. ``PreparedBatches``).
         folder: The stage folder (``last.ckpt``, ``logs/metrics.csv``).
         device: Where it trains (with ``engine.num_devices > 1``: the first of the DDP devices).
         seed: Seeds weights-independent randomness (dropout; the batches follow ``datamodule.seed``).

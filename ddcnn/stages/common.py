@@ -16,7 +16,7 @@ from torch import nn
 
 from ddcnn import registry
 from ddcnn.context import Context, build_augment, count_parameters, subdomain_seed
-from ddcnn.data.datamodule import TensorDataModule
+from ddcnn.data.datamodule import Batches, PreparedBatches
 from ddcnn.engine.train import FitResult, fit, predict_logits, save_net, save_predictions
 from ddcnn.rundir import PROB_FILES
 from ddcnn.runtime import execution_context, run_generation, slurm_info
@@ -75,7 +75,7 @@ def finish_stage(
     ctx: Context,
     stage: str,
     net: nn.Module,
-    dm: TensorDataModule,
+    dm: Batches,
     device,
     seed: int,
     result: FitResult,
@@ -111,6 +111,7 @@ def finish_stage(
         **({"num_devices": num_devices} if num_devices > 1 else {}),
         "context": execution_context(device, num_devices),
         "slurm": slurm_info(),
+        "data": ctx.data.describe(),
         **extra,
     }
     meta["generation"] = run_generation(ctx.cfg)
@@ -143,13 +144,13 @@ def method_optimizer(cfg: DictConfig, stage: str) -> DictConfig:
     return OmegaConf.create(opt)
 
 
-def full_image_data(ctx: Context, seed: int, batch: int | None = None) -> TensorDataModule:
-    """The global CNN's loader: full images, the configured augmentation, batches fixed by the seed."""
+def full_image_data(ctx: Context, seed: int, batch: int | None = None) -> PreparedBatches:
+    """The global CNN's batches: full images, the configured augmentation, batches fixed by the seed."""
     size = batch_size(ctx.cfg) if batch is None else batch
-    return TensorDataModule(ctx.data.x, ctx.data.y, size, seed=seed, augment=build_augment(ctx.cfg))
+    return PreparedBatches(ctx.data, size, seed=seed, augment=build_augment(ctx.cfg))
 
 
-def val_accuracy(net: nn.Module, dm: TensorDataModule, device) -> float:
+def val_accuracy(net: nn.Module, dm: Batches, device) -> float:
     logits, labels = predict_logits(net, dm.loader("val"), device)
     return float((logits.argmax(-1) == labels).float().mean())
 
