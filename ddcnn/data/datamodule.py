@@ -371,6 +371,11 @@ class PreparedBatches(_Loaders):
             return self.augment(x, idx, epoch).contiguous(), y
         return self._augmented_box(idx, epoch, device, normalize).contiguous(), y
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_cached"] = {}  # a DDP rank or a worker makes its own (it may not need them)
+        return state
+
     # --- internals ---
     def _inputs(self, split: str) -> torch.Tensor:
         if split not in self._cached:
