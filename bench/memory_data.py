@@ -9,10 +9,13 @@ that process, ``wait4``), side by side in one run, on ``data=adrenal3d_64`` (1,5
    once the data is ready minus RSS before loading it, recorded in each stage's ``meta.json``). Targets: local
    <= 1.5 GB, global <= 3.0 GB (the issue measured 5.0 and 5.0 before). The same numbers: the local net's test
    logits of both modes are compared bitwise.
-2. growth: peak RSS of the local net with half of the training set (``data.train_subset``) and with all of it; the
-   growth divided by the raw bytes added. Target <= 0.3 (the issue measured about 12).
+2. growth: peak RSS of the local net with half of the training set (``data.train_subset``) and with all of it (the
+   lower of two runs each: a peak moves by tens of MB from run to run on a busy machine); the growth divided by the
+   raw bytes added. Target <= 0.3 (the issue measured about 12).
 3. step time of the local net on mapped data against data in memory, page cache warm, alternating rounds in one
-   process. Target: mapped / memory <= 1.10.
+   process. Target: mapped / memory <= 1.10. On a busy machine the compute of a step varies more than the data path
+   costs, so the ratio is also given from the data path alone: (memory step + mapped batch - memory batch) / memory
+   step.
 4. ``--ct-gb 3``: a synthetic int16 CT-like study of that size (HU, windowed like ``chest_ct``: ``data.window=
    [-1000, 400]``), written under ``--workdir`` as an uncompressed ``.npz`` and deleted afterwards; a local net
    (2x2x2) trains on it. Target: peak RSS below the dataset's size. Its preparation (streamed into the store) is
@@ -244,16 +247,20 @@ def _run(args, work: Path, env: dict) -> None:
     results["same test logits, mapped and in memory (bitwise)"] = same
 
     # 2. growth with the training set
-    peaks = {}
-    for n, extra in ((half, [f"data.train_subset={half}"]), (1188, [])):
-        run_dir = work / f"growth_{n}"
-        peaks[n], _ = _train([*ADRENAL, *SHORT, "stage=local", "subdomain=0", *extra], run_dir, env, work / "g.log")
+    peaks: dict[int, list[float]] = {half: [], 1188: []}
+    for repeat in range(2):
+        for n, extra in ((half, [f"data.train_subset={half}"]), (1188, [])):
+            run_dir = work / f"growth_{n}_{repeat}"
+            rss, _ = _train([*ADRENAL, *SHORT, "stage=local", "subdomain=0", *extra], run_dir, env, work / "g.log")
+            peaks[n].append(rss)
     added = (1188 - half) * 64**3
-    growth = (peaks[1188] - peaks[half]) / added
+    low = {n: min(v) for n, v in peaks.items()}
+    growth = (low[1188] - low[half]) / added
+    runs = {n: ", ".join(f"{v / GB:.3f}" for v in peaks[n]) for n in peaks}
     print(
-        f"growth: local net peak RSS {peaks[half] / GB:.3f} GB with {half} training volumes, {peaks[1188] / GB:.3f} GB "
-        f"with 1188: {(peaks[1188] - peaks[half]) / 1e6:+.1f} MB for {added / 1e6:.0f} MB of raw data added, "
-        f"growth ratio {growth:.3f}"
+        f"growth: local net peak RSS {low[half] / GB:.3f} GB with {half} training volumes (runs: {runs[half]}), "
+        f"{low[1188] / GB:.3f} GB with 1188 (runs: {runs[1188]}): {(low[1188] - low[half]) / 1e6:+.1f} MB for "
+        f"{added / 1e6:.0f} MB of raw data added, growth ratio {growth:.3f}"
     )
     results["growth ratio <= 0.3"] = growth <= 0.3
 
@@ -265,12 +272,14 @@ def _run(args, work: Path, env: dict) -> None:
         raise SystemExit(f"step-time comparison failed:\n{out.stderr[-3000:]}")
     t = json.loads(out.stdout.strip().splitlines()[-1])
     ratio = t["mapped"] / t["memory"]
+    data_ratio = (t["memory"] + t["data_mapped"] - t["data_memory"]) / t["memory"]
     print(
         f"step time of local net 0 (median of {args.rounds} rounds of {args.steps} steps, warm page cache): mapped "
-        f"{t['mapped'] * 1e3:.1f} ms, in memory {t['memory'] * 1e3:.1f} ms, ratio {ratio:.3f}; batch alone "
-        f"{t['data_mapped'] * 1e3:.2f} ms and {t['data_memory'] * 1e3:.2f} ms (load {load} -> {_load()})"
+        f"{t['mapped'] * 1e3:.1f} ms, in memory {t['memory'] * 1e3:.1f} ms, ratio {ratio:.3f}; the batch alone "
+        f"{t['data_mapped'] * 1e3:.2f} ms and {t['data_memory'] * 1e3:.2f} ms, ratio from the data path "
+        f"{data_ratio:.3f} (load {load} -> {_load()})"
     )
-    results["step time mapped / in memory <= 1.10"] = ratio <= 1.10
+    results["step time mapped / in memory <= 1.10"] = ratio <= 1.10 and data_ratio <= 1.10
 
     # 4. the synthetic CT study
     if args.ct_gb > 0:
@@ -296,9 +305,10 @@ def _run(args, work: Path, env: dict) -> None:
             "model=vgg_tiny",
             "data.memory.mode=mapped",
         ]
-        load = _load()
+        load, start = _load(), time.perf_counter()
         rss = _prepare(ct, env, work / "ct_prepare.log")
-        print(f"CT study prepared into the store (streamed): peak RSS {rss / GB:.2f} GB (load {load})")
+        took = time.perf_counter() - start
+        print(f"CT study prepared into the store (streamed): peak RSS {rss / GB:.2f} GB, {took:.0f} s (load {load})")
         load = _load()
         run_dir = work / "ct_local"
         rss, wall = _train([*ct, *SHORT, "trainer.limit_train_batches=4", "stage=local", "subdomain=0"], run_dir, env,

@@ -4,8 +4,9 @@ A source of a large dataset (a study of CT volumes) returns :class:`Rows` instea
 ``lazy=True``; :mod:`ddcnn.data.prepare` then reads them a few megabytes at a time while it writes the prepared,
 compact copy (in memory or into the store). Three kinds:
 
-- :class:`ArrayRows`: an array already in memory, or a ``np.memmap`` (an ``.npy`` file, or an ``.npz`` member that is
-  stored uncompressed, mapped in place);
+- :class:`ArrayRows`: an array already in memory (or a ``np.memmap``);
+- :class:`FileRangeRows`: rows at a known place of a file (an ``.npz`` member stored uncompressed), read in place
+  with ``pread``: the pages pass through the page cache, not through this process's memory as a mapping's would;
 - :class:`NpzStreamRows`: a compressed ``.npz`` member, decompressed as a stream (forward seeks only);
 - :class:`FileRows`: one file per sample (NIfTI volumes), read through a loader function.
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Rows", "ArrayRows", "NpzStreamRows", "FileRows", "npz_member", "channel_axis_fix"]
+__all__ = ["Rows", "ArrayRows", "FileRangeRows", "NpzStreamRows", "FileRows", "npz_member", "channel_axis_fix"]
 
 Fix = Callable[[np.ndarray], np.ndarray]
 
@@ -106,6 +107,34 @@ class ArrayRows(Rows):
         return self.fix(out) if self.fix is not None else out
 
 
+def _runs(rows: np.ndarray) -> list[np.ndarray]:
+    """``rows`` (ascending) cut into runs of consecutive indices."""
+    return np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1) if len(rows) else []
+
+
+class FileRangeRows(Rows):
+    """Rows stored C-contiguous from byte ``offset`` of a file, read with ``np.fromfile`` (one read per run)."""
+
+    def __init__(self, path: Path, offset: int, src_shape, dtype, fix: Fix | None, shape, name: str) -> None:
+        super().__init__(shape, dtype, name)
+        self.path, self.offset, self.fix = Path(path), int(offset), fix
+        self.src_row_shape = tuple(int(s) for s in src_shape[1:])
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.int64)
+        count = int(np.prod(self.src_row_shape, dtype=np.int64))
+        out = np.empty((len(rows), *self.src_row_shape), dtype=self.dtype)
+        k = 0
+        for run in _runs(rows):
+            at = self.offset + int(run[0]) * count * self.dtype.itemsize
+            data = np.fromfile(self.path, dtype=self.dtype, count=len(run) * count, offset=at)
+            if data.size != len(run) * count:
+                raise ValueError(f"{self.path}: {self.name} ends early; the archive is truncated or corrupt.")
+            out[k : k + len(run)] = data.reshape(len(run), *self.src_row_shape)
+            k += len(run)
+        return self.fix(out) if self.fix is not None else out
+
+
 class NpzStreamRows(Rows):
     """Rows of a compressed ``.npz`` member, decompressed as a stream: reading rows in ascending order decompresses
     the member once; going back restarts it."""
@@ -129,9 +158,7 @@ class NpzStreamRows(Rows):
         row_bytes = int(np.prod(self.src_row_shape, dtype=np.int64)) * self.dtype.itemsize
         out = np.empty((len(rows), *self.src_row_shape), dtype=self.dtype)
         k = 0
-        # Runs of consecutive rows, each one read.
-        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-        for run in np.split(rows, breaks) if len(rows) else []:
+        for run in _runs(rows):  # each run of consecutive rows is one read
             stream.seek(self.offset + int(run[0]) * row_bytes)
             data = stream.read(len(run) * row_bytes)
             if len(data) != len(run) * row_bytes:
@@ -202,8 +229,8 @@ def npz_member(path: Path, key: str, spatial_dims: int | None = None) -> Rows | 
     """Array ``key`` of the ``.npz`` archive ``path`` as lazy rows (channels first when ``spatial_dims`` is given), or
     ``None`` when it cannot be read lazily (Fortran order, object arrays, an unusual header): load it then.
 
-    A member stored uncompressed (``np.savez``) is memory-mapped in place; a compressed one (``np.savez_compressed``)
-    is decompressed as a stream.
+    A member stored uncompressed (``np.savez``) is read in place; a compressed one (``np.savez_compressed``) is
+    decompressed as a stream.
     """
     with zipfile.ZipFile(path) as zf:
         info = zf.getinfo(f"{key}.npy")
@@ -225,11 +252,10 @@ def npz_member(path: Path, key: str, spatial_dims: int | None = None) -> Rows | 
                 header = raw.read(30)
             name_len, extra_len = struct.unpack("<HH", header[26:30])
             start = info.header_offset + 30 + name_len + extra_len + offset
-            mapped = np.memmap(path, dtype=dtype, mode="r", offset=start, shape=tuple(src_shape))
         else:
-            mapped = None
+            start = None
     name = f"{path}:{key}"
     shape, fix = (tuple(src_shape), None) if spatial_dims is None else channel_axis_fix(src_shape, spatial_dims, name)
-    if mapped is not None:
-        return ArrayRows(mapped, fix, shape, name)
+    if start is not None:
+        return FileRangeRows(path, start, src_shape, dtype, fix, shape, name)
     return NpzStreamRows(path, f"{key}.npy", offset, shape, dtype, fix, src_shape, name)

@@ -134,7 +134,7 @@ def test_lazy_archives_prepare_the_same_data_in_pieces(tmp_path, save, monkeypat
 
     monkeypatch.setattr(prepare_module, "_CHUNK_BYTES", 1000)  # pieces of 6 rows: routing across pieces is exercised
     lazy_splits = npz(tmp_path / "d.npz", lazy=True)
-    assert type(lazy_splits.x_train).__name__ == ("ArrayRows" if save is np.savez else "NpzStreamRows")
+    assert type(lazy_splits.x_train).__name__ == ("FileRangeRows" if save is np.savez else "NpzStreamRows")
     lazy = prepare(lazy_splits, num_classes=3, in_channels=1, spatial_dims=2, train_subset=50)
     for split in SPLITS:
         assert torch.equal(lazy.stored[split], eager.stored[split]) and torch.equal(lazy.y[split], eager.y[split])
@@ -179,6 +179,21 @@ def test_mapped_data_hold_the_numbers_of_data_in_memory(tmp_path):
     assert _load(path, spec, store, "auto").info["built"] is False
     found = load_prepared(lambda: pytest.fail("the source was read"), spec, _settings(), mode="auto", store=store)
     assert found.entry == mapped.entry
+
+
+def test_an_entry_staged_to_node_local_disk_is_mapped_from_there(tmp_path):
+    path, spec = _archive(tmp_path)
+    store = Store(tmp_path / "shared")
+
+    def load() -> Prepared:
+        return load_prepared(
+            lambda: npz(path, spatial_dims=3), spec, _settings(), mode="mapped", store=store, stage_to=tmp_path / "node"
+        )
+
+    data = load()
+    assert data.entry.parent.parent == tmp_path / "node" and len(store.entries()) == 1
+    assert torch.equal(data.inputs("test"), _load(path, spec, store, "mapped").inputs("test"))
+    assert load().entry == data.entry
 
 
 def test_an_edited_source_or_other_settings_make_a_new_entry_and_holding_does_not(tmp_path):
