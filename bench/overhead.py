@@ -18,10 +18,11 @@ import hydra
 import torch
 import torch.nn.functional as F
 from _common import SHARED_DATA, config, quiet
-from ddcnn.training.stages import build_context, build_local_net, run_local, subdomain_seed
 from omegaconf import open_dict
 
+from ddcnn.context import build_context, build_local_net, subdomain_seed
 from ddcnn.rundir import RunDir
+from ddcnn.stages.local import run as run_local
 
 
 def bare_loop(ctx, subdomain: int, epochs: int) -> float:
@@ -90,14 +91,14 @@ def main() -> None:
             with open_dict(ctx.cfg):
                 ctx.cfg.force = True
             ctx.run = RunDir(Path(tmp) / f"staged{rep}")
-            staged = min(staged, run_local(ctx, 0)["fit_time_s"])
+            staged = min(staged, run_local(ctx, subdomain=0)["fit_time_s"])
     ratio = (n_images / staged) / (n_images / bare)
     print(
         f"data: {cfg.data.name}, {len(ctx.data.y['train'])} train images, sub-domain {ctx.decomposition.sub_shape}, "
         f"{args.model}, {args.epochs} epochs, batch {cfg.data.batch_size}, threads {torch.get_num_threads()}"
     )
     print(f"bare PyTorch loop: {n_images / bare:8.1f} images/s ({bare:.1f} s)")
-    print(f"ddcnn local stage: {n_images / staged:8.1f} images/s ({staged:.1f} s, Lightning fit incl. checkpoints)")
+    print(f"ddcnn local stage: {n_images / staged:8.1f} images/s ({staged:.1f} s, checkpoints included)")
     print(f"overhead ratio (ddcnn / bare images/s): {ratio:.3f}")
 
 

@@ -23,8 +23,11 @@ import csv
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
+import sys
+import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,7 +41,6 @@ import torch.nn.functional as F
 from nibabel.filebasedimages import ImageFileError
 from torch.utils.data import Dataset
 
-from ddcnn.data.progress import Progress
 from ddcnn.io import atomic_open
 from ddcnn.rundir import SPLITS
 
@@ -65,8 +67,11 @@ _NORMALIZE_MODES = ("window", "zscore", "minmax", "none")
 # Errors nibabel, gzip and zlib raise for a corrupt or truncated file (gzip.BadGzipFile is an OSError).
 _READ_ERRORS = (ImageFileError, OSError, EOFError, zlib.error, ValueError)
 
+log = logging.getLogger(__name__)
+
 _T = TypeVar("_T")
 _PROGRESS_MIN_ITEMS = 10  # fewer volumes load in a blink; a bar would only clutter the log
+_PROGRESS_LINES = 20  # at most this many lines (one per 5%) where the output is not a terminal
 
 
 class NiftiError(ValueError):
@@ -559,7 +564,7 @@ class NiftiCache:
         return volume
 
     def warm(self, paths: Iterable[str | os.PathLike[str]], progress: bool = True) -> int:
-        """Preprocesses every volume not cached yet, with a progress bar.
+        """Preprocesses every volume not cached yet, showing progress (:func:`progress_bar`).
 
         Returns:
             The number of volumes preprocessed.
@@ -580,15 +585,34 @@ class NiftiCache:
 
 
 def progress_bar(items: Sequence[_T], desc: str, enabled: bool = True) -> Iterator[_T]:
-    """Iterates ``items`` showing progress when there are many of them: a bar on a terminal, one line per tenth of
-    the work in a log file (:class:`ddcnn.data.progress.Progress`)."""
+    """Iterates ``items`` showing progress when there are many of them.
+
+    On a terminal a tqdm bar; where stderr is not a terminal (SLURM's ``slurm-*.out``, CI, ``2> log``) one line per
+    step of 5% instead, as the training loop's epoch reporter does: a bar's carriage-return redraws would pile up in
+    the file. The lines go to this module's logger where logging is configured (``ddcnn-train``: the console and the
+    job's log file), else to stderr.
+    """
     if not enabled or len(items) < _PROGRESS_MIN_ITEMS:
         yield from items
         return
-    with Progress(desc, len(items), "volumes") as bar:
-        for item in items:
-            yield item
-            bar.update()
+    if sys.stderr.isatty():
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            pass
+        else:
+            yield from tqdm(items, desc=desc, unit="vol")
+            return
+    total, start = len(items), time.perf_counter()
+    step = -(-total // _PROGRESS_LINES)
+    for i, item in enumerate(items, 1):
+        yield item
+        if i % step == 0 or i == total:
+            text = f"{desc}: {i}/{total} ({time.perf_counter() - start:.1f} s)"
+            if log.hasHandlers():
+                log.info("%s", text)
+            else:
+                print(text, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -654,7 +678,7 @@ def load_arrays(
         prep: Preprocessing settings; default: reorient only.
         cache_dir: Cache root (see :class:`NiftiCache`); ``None`` preprocesses every volume.
         split: Keep only this split; ``None`` loads all volumes.
-        progress: Show a progress bar.
+        progress: Show progress: a bar on a terminal, one line per 5% in a log file (:func:`progress_bar`).
 
     Returns:
         ``x`` of shape ``(N, C, D, H, W)`` and ``y`` (int64 class indices), in index order.

@@ -11,6 +11,23 @@ Everything random depends only on ``(seed, epoch)``: the shuffling of epoch ``e`
 seeded from both, and so does the seed of the global generators (dropout) during that epoch, which are
 restored afterwards (:func:`torch.random.fork_rng`). A resumed run therefore repeats the interrupted epochs
 exactly, whatever the checkpoint interval.
+
+What a fit may ask of the loop beyond plain mini-batch steps:
+
+- **closure optimizers** (``torch.optim.LBFGS``): each step re-evaluates the batch through a closure; with
+  ``batch_size=None`` (or 0) every step sees the whole training split (full-batch L-BFGS);
+- **a per-epoch hook with the network** (``after_epoch``), e.g. the test accuracy of every epoch for accuracy-versus-
+  time curves, or a snapshot of predictions. Its time is kept out of the training clock (and reported apart as
+  ``hook_time_s``); the metrics it returns join the epoch's row and ``logs/metrics.csv``;
+- **the training clock per epoch**: every row has ``time_s``, the training time of all processes up to the end of
+  that epoch (hooks excluded), the x axis of an accuracy-versus-time curve;
+- **divergence detection** (``divergence_restarts`` not ``None``): an epoch has diverged when its mean training loss
+  is not finite or exceeds ``divergence_factor`` times the larger of the initial loss (the loss of the first training
+  batch before the first step) and ``ln K`` (the loss of a uniform guess over the ``K`` classes: a network that
+  starts better than chance may wander above its initial loss without diverging). With ``divergence_restarts=0`` the
+  fit raises :class:`Diverged`; with ``R > 0`` it starts again from the initial weights with every learning rate
+  multiplied by ``divergence_lr_factor``, at most ``R`` times. The restarts are recorded in the result
+  (``restarts``) and in ``last.ckpt``, so a resumed fit continues the same attempt.
 """
 
 from __future__ import annotations
@@ -38,6 +55,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "FitResult",
+    "Diverged",
     "fit_tensors",
     "build_optimizer",
     "build_scheduler",
@@ -49,8 +67,11 @@ __all__ = [
 
 # Stored in every checkpoint: a last.ckpt of another trainer (an older Lightning run) is not resumed from.
 CHECKPOINT_FORMAT = "ddcnn.tensor_fit/1"
-# logs/metrics.csv: one row per epoch (0-based, as Lightning's CSVLogger counts), ``step`` = optimizer steps so far.
-METRIC_COLUMNS = ("epoch", "step", "lr", "train_loss", "train_acc", "val_loss", "val_acc")
+# logs/metrics.csv: one row per epoch (0-based, as Lightning's CSVLogger counts), ``step`` = optimizer steps so far,
+# ``time_s`` = the training clock at the end of the epoch; metrics returned by an ``after_epoch`` hook follow.
+METRIC_COLUMNS = ("epoch", "step", "lr", "train_loss", "train_acc", "val_loss", "val_acc", "time_s")
+# The metrics a fit can select on.
+MONITORS = ("train_loss", "train_acc", "val_loss", "val_acc")
 # Rows per forward pass when evaluating; bounds the memory of a hidden layer over a large split.
 EVAL_CHUNK = 65_536
 # The settings an exact resume depends on: a checkpoint written under others is refused (a key missing from both
@@ -64,7 +85,21 @@ _RESUME_SETTINGS = (
     "n_train",
     "limit_train_batches",
     "limit_val_batches",
+    "divergence_restarts",
 )
+
+
+class Diverged(RuntimeError):
+    """A training diverged (see the module doc for the rule) and no restart was allowed or left.
+
+    Attributes:
+        epoch: The epoch that diverged.
+        reason: Why (``train_loss nan``, ``train_loss 9.1 > 2 x initial 3.6``).
+    """
+
+    def __init__(self, message: str, epoch: int, reason: str) -> None:
+        super().__init__(message)
+        self.epoch, self.reason = epoch, reason
 
 
 @dataclass
@@ -80,6 +115,9 @@ class FitResult:
             last checkpoint of a killed process is lost and not counted).
         previous_time_s: The part of ``fit_time_s`` spent by earlier processes (0 for an uninterrupted training).
         resumed_from_epoch: The last finished epoch of the checkpoint this process resumed from, else ``None``.
+        hook_time_s: Time this process spent in the ``after_epoch`` hook, outside ``fit_time_s``.
+        restarts: One entry per divergence restart: ``{"epoch", "reason", "lr_scale"}`` (the scale after it).
+        initial_loss: The loss of the first training batch before the first step (of the last attempt).
     """
 
     net: nn.Module
@@ -89,6 +127,9 @@ class FitResult:
     fit_time_s: float = 0.0
     previous_time_s: float = 0.0
     resumed_from_epoch: int | None = None
+    hook_time_s: float = 0.0
+    restarts: list[dict] = field(default_factory=list)
+    initial_loss: float | None = None
 
 
 def _spec(node: Any) -> Any:
@@ -243,12 +284,37 @@ def _cpu_state(net: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in net.state_dict().items()}
 
 
+def _csv_value(key: str, value: Any) -> Any:
+    if value is None:
+        return ""
+    return int(value) if key in ("epoch", "step") else repr(float(value))
+
+
+def _needs_closure(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step`` must be given a closure that re-evaluates the loss (L-BFGS)."""
+    return isinstance(opt, torch.optim.LBFGS) or bool(getattr(opt, "needs_closure", False))
+
+
+def _divergence(loss: float, initial: float | None, num_classes: int, factor: float) -> str | None:
+    """Why an epoch with mean training loss ``loss`` diverged (the module doc's rule), or ``None``."""
+    if not math.isfinite(loss):
+        return f"train_loss {loss}"
+    chance = math.log(max(num_classes, 2))
+    reference = max(initial, chance) if initial is not None and math.isfinite(initial) else chance
+    if loss > factor * reference:
+        what = f"initial {initial:.4g}" if reference != chance else f"ln K {chance:.4g}"
+        return f"train_loss {loss:.4g} > {factor:g} x {what}"
+    return None
+
+
 def _metrics_csv(history: list[dict[str, float]]) -> str:
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=METRIC_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    extra = list(dict.fromkeys(k for row in history for k in row if k not in METRIC_COLUMNS))
+    fields = [*METRIC_COLUMNS, *extra]
+    writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for row in history:
-        writer.writerow({k: (repr(float(v)) if k not in ("epoch", "step") else int(v)) for k, v in row.items()})
+        writer.writerow({k: _csv_value(k, v) for k, v in row.items()})
     return out.getvalue()
 
 
@@ -289,6 +355,7 @@ def fit_tensors(
     device: str | torch.device | None = None,
     eval_batch_size: int = EVAL_CHUNK,
     on_epoch_end: Callable[[int, Mapping[str, float]], None] | None = None,
+    after_epoch: Callable[[int, Mapping[str, float], nn.Module], Mapping[str, float] | None] | None = None,
     transform: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
     val_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
     keep_on_host: bool = False,
@@ -296,6 +363,9 @@ def fit_tensors(
     limit_val_batches: int | float | None = None,
     gradient_clip_val: float | None = None,
     autocast_dtype: torch.dtype | None = None,
+    divergence_restarts: int | None = None,
+    divergence_factor: float = 2.0,
+    divergence_lr_factor: float = 0.1,
     start: float | None = None,
     write_best: bool = True,
     batches: Any = None,
@@ -312,7 +382,8 @@ def fit_tensors(
         x, y: Inputs and integer labels per split.
         folder: Where ``last.ckpt`` and ``logs/metrics.csv`` go (created if missing).
         optimizer: A Hydra ``_partial_`` node of an optimizer, e.g. ``cfg.coarse.optimizer``, or a callable
-            ``params -> Optimizer``.
+            ``params -> Optimizer``. ``torch.optim.LBFGS`` (or an optimizer with ``needs_closure = True``) is stepped
+            with a closure.
         max_epochs: Passes over the training rows.
         scheduler: A Hydra ``_partial_`` node ``optimizer -> LRScheduler`` (``T_max: null`` = ``max_epochs``) stepped
             after every epoch, a callable, or ``None``. ``ReduceLROnPlateau`` is stepped with the monitored metric.
@@ -329,6 +400,9 @@ def fit_tensors(
         eval_batch_size: Rows per forward pass when evaluating on the validation split.
         on_epoch_end: Called as ``on_epoch_end(epoch, metrics_row)`` after each epoch, once its checkpoint (if any) is
             written; an exception it raises stops the training as a kill at that moment would.
+        after_epoch: Called as ``after_epoch(epoch, metrics_row, net)`` after each epoch's validation, with ``net`` in
+            eval mode holding that epoch's weights; the metrics it returns join the row (and ``metrics.csv``). Its
+            time is not training time: it is left out of ``fit_time_s`` and the rows' ``time_s``.
         transform: ``(x_batch, sample_indices, epoch) -> network input`` applied to every training batch (e.g. an
             augmentation of whole images, then the cut of one sub-domain).
         val_view: ``x_batch -> network input`` for the validation batches (e.g. the cut of one sub-domain).
@@ -339,6 +413,11 @@ def fit_tensors(
         gradient_clip_val: Clip the gradients' global 2-norm to this value before every step (``None``: no clipping).
         autocast_dtype: Run forward passes under ``torch.autocast`` with this dtype (``torch.bfloat16``: Lightning's
             ``bf16-mixed``); ``None``: full precision.
+        divergence_restarts: ``None``: no divergence check (a NaN epoch is simply never selected); ``0``: raise
+            :class:`Diverged` when an epoch diverges; ``R > 0``: restart from the initial weights with the learning
+            rates times ``divergence_lr_factor``, at most ``R`` times (see the module doc for the rule).
+        divergence_factor: An epoch whose mean training loss exceeds this multiple of the initial loss diverged.
+        divergence_lr_factor: What each restart multiplies the learning rates by.
         start: ``time.perf_counter()`` at the start of the caller's stage, which the training time counts from
             (default: the call of this function).
         write_best: Also write ``best.ckpt`` with the selected weights at the end.
@@ -350,6 +429,7 @@ def fit_tensors(
 
     Raises:
         ValueError: For a bad setting (naming it), or a ``last.ckpt`` written under other settings.
+        Diverged: With ``divergence_restarts`` set, when the last allowed attempt diverges too.
     """
     start = time.perf_counter() if start is None else float(start)
     if int(max_epochs) < 1:
@@ -358,8 +438,8 @@ def fit_tensors(
         raise ValueError(f"checkpoint_every must be >= 1 (epochs between checkpoints), got {checkpoint_every!r}.")
     if monitor_mode not in ("max", "min"):
         raise ValueError(f"monitor_mode must be 'max' or 'min', got {monitor_mode!r}.")
-    if monitor not in METRIC_COLUMNS[3:]:
-        raise ValueError(f"monitor must be one of {list(METRIC_COLUMNS[3:])}, got {monitor!r}.")
+    if monitor not in MONITORS:
+        raise ValueError(f"monitor must be one of {list(MONITORS)}, got {monitor!r}.")
     if batch_size is not None and int(batch_size) < 0:
         raise ValueError(f"batch_size must be a positive number of rows, or 0/null for full batches, got {batch_size}.")
     if int(eval_batch_size) < 1:
@@ -368,6 +448,12 @@ def fit_tensors(
         raise ValueError(f"checkpoint_every_s must be >= 0 (0: after every epoch), got {checkpoint_every_s!r}.")
     if gradient_clip_val is not None and float(gradient_clip_val) <= 0:
         raise ValueError(f"gradient_clip_val must be > 0 (or null: no clipping), got {gradient_clip_val!r}.")
+    if divergence_restarts is not None and int(divergence_restarts) < 0:
+        raise ValueError(f"divergence_restarts must be >= 0 or null (no check), got {divergence_restarts!r}.")
+    if float(divergence_factor) <= 1.0:
+        raise ValueError(f"divergence_factor must be > 1, got {divergence_factor!r}.")
+    if not 0.0 < float(divergence_lr_factor) < 1.0:
+        raise ValueError(f"divergence_lr_factor must lie strictly between 0 and 1, got {divergence_lr_factor!r}.")
     if batches is None:
         _check_tensors(x, y)
     max_epochs, checkpoint_every = int(max_epochs), int(checkpoint_every)
@@ -395,7 +481,11 @@ def fit_tensors(
         "monitor_mode": monitor_mode,
         "n_train": n_train,
     }
-    for key, value in (("limit_train_batches", limit_train_batches), ("limit_val_batches", limit_val_batches)):
+    for key, value in (
+        ("limit_train_batches", limit_train_batches),
+        ("limit_val_batches", limit_val_batches),
+        ("divergence_restarts", divergence_restarts),
+    ):
         if value is not None:
             settings[key] = value
     if autocast_dtype is not None:
@@ -406,13 +496,31 @@ def fit_tensors(
         autocast = contextlib.nullcontext
 
     net = net.to(device)
-    opt = build_optimizer(optimizer, net.parameters())
-    sched = build_scheduler(scheduler, opt, max_epochs)
+    check_divergence = divergence_restarts is not None
+    initial_state = _cpu_state(net) if check_divergence else None  # what a restart starts from
+
+    def build(lr_scale: float) -> tuple[torch.optim.Optimizer, Any]:
+        opt = build_optimizer(optimizer, net.parameters())
+        if lr_scale != 1.0:
+            for group in opt.param_groups:
+                group["lr"] = float(group["lr"]) * lr_scale
+                if "initial_lr" in group:
+                    group["initial_lr"] = float(group["initial_lr"]) * lr_scale
+        return opt, build_scheduler(scheduler, opt, max_epochs)
+
     history: list[dict[str, float]] = []
     best_state, best_metric, best_epoch = None, None, -1
     first_epoch, previous_time, resumed_from, step = 0, 0.0, [], 0
+    restarts: list[dict] = []
+    lr_scale, initial_loss, num_classes = 1.0, None, 2
     state = _load_checkpoint(last, settings)
     if state is not None:
+        restarts = list(state.get("restarts", []))
+        lr_scale, initial_loss = float(state.get("lr_scale", 1.0)), state.get("initial_loss")
+        num_classes = int(state.get("num_classes", num_classes))
+        if state.get("initial_state") is not None:
+            initial_state = state["initial_state"]
+        opt, sched = build(lr_scale)
         net.load_state_dict(state["net"])
         opt.load_state_dict(state["optimizer"])
         if sched is not None and state.get("scheduler") is not None:
@@ -424,8 +532,14 @@ def fit_tensors(
         step = int(history[-1]["step"]) if history else 0
         log.info("%s: resuming from %s (after epoch %d)", folder, last, state["epoch"])
     else:  # outputs of an earlier training of this folder (force=true) must not pass for this one's
+        opt, sched = build(lr_scale)
         metrics_path.unlink(missing_ok=True)
         best.unlink(missing_ok=True)
+    closure_steps = _needs_closure(opt)
+    hook_time = [0.0]  # this process's time in after_epoch, kept out of the training clock
+
+    def clock() -> float:
+        return previous_time + time.perf_counter() - start - hook_time[0]
 
     def save(epoch: int) -> None:
         checkpoint = {
@@ -437,8 +551,13 @@ def fit_tensors(
             "scheduler": sched.state_dict() if sched is not None else None,
             "best": {"epoch": best_epoch, "metric": best_metric, "monitor": monitor, "net": best_state},
             "history": history,
-            "fit_time_s": previous_time + time.perf_counter() - start,
+            "fit_time_s": clock(),
             "resumed_from": resumed_from,
+            "restarts": restarts,
+            "lr_scale": lr_scale,
+            "initial_loss": initial_loss,
+            "num_classes": num_classes,
+            "initial_state": initial_state,
         }
         atomic_torch_save(checkpoint, last)
         atomic_write_text(metrics_path, _metrics_csv(history))
@@ -446,10 +565,34 @@ def fit_tensors(
 
     last_write = [time.perf_counter()]
 
+    def train_step(xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on a batch; its loss and logits before the step."""
+        seen_first: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            with autocast():
+                logits = net(xb)
+            loss = F.cross_entropy(logits.float(), yb)
+            loss.backward()
+            if gradient_clip_val is not None:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), float(gradient_clip_val))
+            if not seen_first:
+                seen_first.append((loss.detach(), logits.detach()))
+            return loss
+
+        if closure_steps:
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+        return seen_first[0]
+
     devices = [device] if device.type == "cuda" else []
     x_epoch = y_epoch = None
+    epoch = first_epoch
     with torch.random.fork_rng(devices=devices):  # seeded per epoch below; the caller's generators stay as they were
-        for epoch in range(first_epoch, max_epochs):
+        while epoch < max_epochs:
             gen = _epoch_generator(seed, epoch)
             order = torch.randperm(n_train, generator=gen) if batch < n_train else None
             if stream:
@@ -485,18 +628,36 @@ def fit_tensors(
                 if stream:
                     xb = xb.contiguous().to(device, non_blocking=True)
                     yb = yb.to(device, non_blocking=True)
-                with autocast():
-                    logits = net(xb)
-                loss = F.cross_entropy(logits.float(), yb)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if gradient_clip_val is not None:
-                    torch.nn.utils.clip_grad_norm_(net.parameters(), float(gradient_clip_val))
-                opt.step()
-                loss_sum += loss.detach() * len(yb)
-                correct += (logits.detach().argmax(-1) == yb).sum()
+                loss, logits = train_step(xb, yb)
+                if initial_loss is None:
+                    initial_loss, num_classes = float(loss), int(logits.shape[-1])
+                loss_sum += loss * len(yb)
+                correct += (logits.argmax(-1) == yb).sum()
                 seen += len(yb)
                 step += 1
+            train_loss = float(loss_sum) / seen
+            reason = (
+                _divergence(train_loss, initial_loss, num_classes, float(divergence_factor))
+                if check_divergence
+                else None
+            )
+            if reason is not None:
+                where = f"the training in {folder} diverged in epoch {epoch} ({reason})"
+                if len(restarts) >= int(divergence_restarts):
+                    raise Diverged(
+                        f"{where}, after {len(restarts)} restart(s) with lower learning rates. Lower the learning "
+                        f"rate (or scale the inputs), then run again with force=true.",
+                        epoch,
+                        reason,
+                    )
+                lr_scale *= float(divergence_lr_factor)
+                restarts.append({"epoch": epoch, "reason": reason, "lr_scale": lr_scale})
+                log.warning("%s: restarting from the initial weights with the learning rate x %g", where, lr_scale)
+                net.load_state_dict(initial_state)
+                opt, sched = build(lr_scale)
+                history, best_state, best_metric, best_epoch = [], None, None, -1
+                step, initial_loss, epoch = 0, None, 0
+                continue
             val_loss, val_acc = _evaluate(
                 net, x_val, y_val, int(eval_batch_size), device, val_view, val_batches, autocast, batches
             )
@@ -504,11 +665,18 @@ def fit_tensors(
                 "epoch": epoch,
                 "step": step,
                 "lr": lr,
-                "train_loss": float(loss_sum) / seen,
+                "train_loss": train_loss,
                 "train_acc": int(correct) / seen,
                 "val_loss": val_loss,
                 "val_acc": val_acc,
+                "time_s": clock(),
             }
+            if after_epoch is not None:
+                hook_start = time.perf_counter()
+                net.eval()
+                extra = after_epoch(epoch, dict(row), net)
+                row.update({k: v for k, v in (extra or {}).items() if k not in row})
+                hook_time[0] += time.perf_counter() - hook_start
             history.append(row)
             if _better(row[monitor], best_metric, monitor_mode):
                 best_state, best_metric, best_epoch = _cpu_state(net), row[monitor], epoch
@@ -525,6 +693,7 @@ def fit_tensors(
                 save(epoch)
             if on_epoch_end is not None:
                 on_epoch_end(epoch, row)
+            epoch += 1
 
     if best_state is None:
         raise ValueError(
@@ -548,7 +717,10 @@ def fit_tensors(
         best_epoch=int(best_epoch),
         best_metric=float(best_metric),
         history=history,
-        fit_time_s=previous_time + time.perf_counter() - start,
+        fit_time_s=clock(),
         previous_time_s=previous_time,
         resumed_from_epoch=resumed_from[-1] if resumed_from else None,
+        hook_time_s=hook_time[0],
+        restarts=restarts,
+        initial_loss=initial_loss,
     )

@@ -2,6 +2,23 @@
 
 Klawonn, Lanser & Weber, "A Domain Decomposition-Based CNN-DNN Architecture for Model Parallel Training Applied to
 Image Recognition Problems", 2023, https://arxiv.org/abs/2302.06564.
+
+Two things keep the coarse DNN robust across dataset sizes and class counts, and both live inside the module, so the
+exported CNN-DNN computes exactly what was trained:
+
+- **input scaling** (``input_norm="standardize"``): every input feature is standardised with the mean and standard
+  deviation of the training rows (:meth:`CoarseMLP.fit_input_scaling`, kept as buffers in the state dict). Local
+  logits range over tens of units and probabilities saturate near 0 and 1; unscaled, the same learning rate is too
+  large for one and too small for the other;
+- **the averaging combiner as its starting point** (``skip="mean_prob"``): the output is ``log(mean_i p_i)``, the
+  log of the mean of the local class probabilities (the "mean probability" combiner), plus the MLP's correction,
+  whose last layer starts near zero. The untrained network is the averaging combiner; training learns what the
+  local nets' joint outputs say beyond their average (which sub-domain to trust for which class), and a correction
+  that does not help on validation can be switched off (:meth:`CoarseMLP.zero_correction`). With few rows per
+  class an MLP fit from scratch cannot learn what averaging gets for free (measured: 100 rows of 100 classes, the
+  mean of 4 local nets 0.80 accuracy, a plain MLP or logistic regression at chance).
+
+``skip="none"`` and ``input_norm="none"`` give the paper's plain MLP on the raw local outputs.
 """
 
 from __future__ import annotations
@@ -13,15 +30,25 @@ from torch import nn
 
 from ddcnn.models import layers as _layers
 
-__all__ = ["CoarseMLP"]
+__all__ = ["CoarseMLP", "INPUT_KINDS", "INPUT_NORMS", "SKIPS"]
+
+INPUT_KINDS = ("probs", "logits")
+INPUT_NORMS = ("standardize", "none")
+SKIPS = ("mean_prob", "none")
+# Standard deviations below this are a constant feature: it is centred but not divided (no noise amplification).
+_MIN_STD = 1e-4
+# The last layer starts at this scale of PyTorch's default initialisation when the averaging skip is on: the
+# untrained network is the averaging combiner up to a small correction, and every weight still gets a gradient.
+_SKIP_INIT_SCALE = 1e-2
+# Probabilities are clamped to this before the log of their mean (a class that every local net rules out).
+_MIN_PROB = 1e-12
 
 
 class CoarseMLP(nn.Module):
     """Dense network from the ``N`` local class scores of ``K`` classes to ``K`` global logits.
 
     The input is what the local CNNs produced for one image, either as ``(B, N, K)`` or already flattened
-    sub-domain-major as ``(B, N * K)``. Whether those are probabilities or logits is the caller's choice; the
-    module treats them as plain features.
+    sub-domain-major as ``(B, N * K)``: class probabilities or logits (``inputs``).
 
     Args:
         num_subdomains: Number of sub-domains ``N`` (local networks).
@@ -31,6 +58,10 @@ class CoarseMLP(nn.Module):
         act: Activation name, see :func:`ddcnn.models.layers.act`.
         norm: Put a ``LayerNorm`` after each hidden linear layer (independent of the batch size, so it behaves the
             same in training and evaluation).
+        inputs: What the module receives: ``probs`` (local class probabilities, as in the paper) or ``logits``.
+        input_norm: ``standardize`` (per-feature mean and standard deviation of the training rows, set by
+            :meth:`fit_input_scaling`; identity until then) or ``none``.
+        skip: ``mean_prob`` (output = log of the mean local probability + the MLP's correction) or ``none``.
 
     Attributes:
         in_features: ``num_subdomains * num_classes``.
@@ -44,6 +75,9 @@ class CoarseMLP(nn.Module):
         dropout: float = 0.0,
         act: str = "relu",
         norm: bool = False,
+        inputs: str = "probs",
+        input_norm: str = "none",
+        skip: str = "none",
     ) -> None:
         super().__init__()
         _layers.check_positive(num_subdomains=num_subdomains, num_classes=num_classes)
@@ -52,10 +86,18 @@ class CoarseMLP(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
         act = _layers.check_act(act)
+        for name, value, allowed in (("inputs", inputs, INPUT_KINDS), ("input_norm", input_norm, INPUT_NORMS)):
+            if value not in allowed:
+                raise ValueError(f"coarse.net.{name} must be one of {', '.join(allowed)}, got {value!r}.")
+        if skip not in SKIPS:
+            raise ValueError(f"coarse.net.skip must be one of {', '.join(SKIPS)}, got {skip!r}.")
 
         self.num_subdomains = num_subdomains
         self.num_classes = num_classes
         self.in_features = num_subdomains * num_classes
+        self.inputs = inputs
+        self.input_norm = input_norm
+        self.skip = skip
         modules: list[nn.Module] = []
         features = self.in_features
         for width in hidden:
@@ -68,18 +110,70 @@ class CoarseMLP(nn.Module):
             features = width
         modules.append(nn.Linear(features, num_classes))
         self.mlp = nn.Sequential(*modules)
+        self.register_buffer("input_mean", torch.zeros(self.in_features))
+        self.register_buffer("input_std", torch.ones(self.in_features))
+        if skip == "mean_prob":
+            last = self.mlp[-1]
+            with torch.no_grad():
+                last.weight.mul_(_SKIP_INIT_SCALE)
+                last.bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Return logits ``(B, num_classes)`` for local scores ``(B, num_subdomains, num_classes)`` or flattened."""
+    def _flat(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 3:
             if x.shape[1] != self.num_subdomains or x.shape[2] != self.num_classes:
                 raise ValueError(
                     f"expected (B, {self.num_subdomains}, {self.num_classes}) local scores, got {list(x.shape)}"
                 )
-            x = torch.flatten(x, 1)
-        elif x.dim() != 2 or x.shape[1] != self.in_features:
+            return torch.flatten(x, 1)
+        if x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(
                 f"expected (B, {self.num_subdomains}, {self.num_classes}) or (B, {self.in_features}) local scores, "
                 f"got {list(x.shape)}"
             )
-        return self.mlp(x)
+        return x
+
+    @torch.no_grad()
+    def fit_input_scaling(self, x: torch.Tensor) -> None:
+        """Set the input scaling from the training rows ``x`` (``(n, N, K)`` or ``(n, N * K)``); a no-op with
+        ``input_norm="none"``. Statistics are computed in float64; constant features are centred only."""
+        if self.input_norm == "none":
+            return
+        flat = self._flat(x).double()
+        mean = flat.mean(0)
+        std = flat.std(0) if len(flat) > 1 else torch.ones_like(mean)
+        std = torch.where(std < _MIN_STD, torch.ones_like(std), std)
+        self.input_mean.copy_(mean.to(self.input_mean.dtype))
+        self.input_std.copy_(std.to(self.input_std.dtype))
+
+    @torch.no_grad()
+    def zero_correction(self) -> None:
+        """Make the network the averaging combiner exactly (``skip="mean_prob"``): the MLP's last layer to zero."""
+        if self.skip != "mean_prob":
+            raise ValueError("zero_correction needs skip='mean_prob': without the skip the network would output zeros.")
+        last = self.mlp[-1]
+        last.weight.zero_()
+        last.bias.zero_()
+
+    def averaging_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``log(mean_i p_i)``: the mean-probability combiner as logits, for local scores ``(B, N, K)`` or flat."""
+        scores = self._flat(x).view(-1, self.num_subdomains, self.num_classes)
+        probs = scores.softmax(dim=-1) if self.inputs == "logits" else scores
+        return probs.mean(dim=1).clamp_min(_MIN_PROB).log()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits ``(B, num_classes)`` for local scores ``(B, num_subdomains, num_classes)`` or flattened."""
+        flat = self._flat(x)
+        out = self.mlp((flat - self.input_mean) / self.input_std)
+        if self.skip == "mean_prob":
+            out = out + self.averaging_logits(flat)
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
+        # A coarse DNN saved before the input scaling existed computed on unscaled inputs: identity scaling.
+        for name, default in (("input_mean", self.input_mean), ("input_std", self.input_std)):
+            key = prefix + name
+            if key not in state_dict:
+                state_dict[key] = torch.zeros_like(default) if name == "input_mean" else torch.ones_like(default)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )

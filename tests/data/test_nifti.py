@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 import gzip
+import io
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -317,15 +319,48 @@ def test_cache_rebuilds_a_damaged_entry(tmp_path: Path) -> None:
     np.testing.assert_array_equal(np.load(entry), 7.0)
 
 
-def test_progress_counter_without_tqdm(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+# Loads 25 small volumes with progress on, stderr being whatever the test redirects it to.
+_LOAD_WITH_PROGRESS = """
+import logging, sys
+from pathlib import Path
+from ddcnn.data.nifti import load_arrays, scan_nifti
+if sys.argv[2] == "logging":  # as under ddcnn-train, where Hydra sends log records to the console and a file
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s: %(message)s")
+x, _ = load_arrays(scan_nifti(Path(sys.argv[1])), cache_dir=Path(sys.argv[1]) / "cache")
+assert x.shape[0] == 25
+"""
+
+
+@pytest.mark.parametrize("logging_on", [False, True], ids=["plain", "logging"])
+def test_progress_in_a_log_file_is_one_line_per_step_without_carriage_returns(tmp_path: Path, logging_on: bool) -> None:
+    arrays_to_nifti(np.zeros((25, 2, 2, 2), np.float32), [0] * 25, tmp_path / "data", progress=False)
+    log_file = tmp_path / "job.log"
+    with log_file.open("wb") as stderr:  # a file, as SLURM's slurm-*.out or `2> log`: not a terminal
+        args = [str(tmp_path / "data"), "logging" if logging_on else "plain"]
+        cmd = [sys.executable, "-c", _LOAD_WITH_PROGRESS, *args]
+        subprocess.run(cmd, cwd=tmp_path, stderr=stderr, check=True, timeout=120)
+    text = log_file.read_bytes().decode()  # read_text() would turn every \r into \n
+    assert "\r" not in text, repr(text[-500:])
+    lines = [line for line in text.splitlines() if "loading NIfTI" in line]
+    assert 2 <= len(lines) <= 20, text  # one line per step of 5%, not one per volume
+    assert re.fullmatch(r"(ddcnn\.data\.nifti: )?loading NIfTI: 25/25 \(\d+\.\d s\)", lines[-1]), lines[-1]
+    assert lines[-1].startswith("ddcnn.data.nifti: ") == logging_on  # through logging where it is configured
+
+
+def test_progress_on_a_terminal_is_a_bar_and_nothing_when_there_is_nothing_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
     sources = [save(tmp_path / f"v{i}.nii", np.zeros((2, 2, 2), np.float32)) for i in range(12)]
-    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import fails as if tqdm were not installed
-    NiftiCache(tmp_path / "cache").warm(sources)
-    assert capsys.readouterr().err.rstrip().endswith("preprocessing NIfTI: 12/12")
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert NiftiCache(tmp_path / "cache").warm(sources) == 12
+    assert "\r" in sys.stderr.getvalue() and "preprocessing NIfTI" in sys.stderr.getvalue()  # tqdm redraws in place
+    monkeypatch.setattr(sys, "stderr", Terminal())
     assert NiftiCache(tmp_path / "cache").warm(sources) == 0
-    assert capsys.readouterr().err == ""  # nothing to preprocess, no bar
+    assert sys.stderr.getvalue() == ""  # nothing to preprocess, no bar
 
 
 def test_files_get_normal_permissions(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ killed for real (SIGKILL of a ``ddcnn-train`` process) and resumed.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -55,6 +56,11 @@ def _fit(folder: Path, **kwargs) -> FitResult:
     x, y = kwargs.pop("data", None) or _data()
     settings = {"optimizer": ADAMW, "max_epochs": 8, "batch_size": 32, "seed": 7, "scheduler": COSINE}
     return fit_tensors(kwargs.pop("net", None) or _net(), x, y, folder, **(settings | kwargs))
+
+
+def _untimed(history: list[dict]) -> list[dict]:
+    """The rows without the training clock, which differs between two runs of the same training."""
+    return [{k: v for k, v in row.items() if k != "time_s"} for row in history]
 
 
 def _assert_same_weights_dict(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -115,7 +121,9 @@ def test_interrupted_training_resumes_to_exactly_the_uninterrupted_weights(tmp_p
     assert resumed.resumed_from_epoch == expected_last
     _assert_same_weights(resumed.net, reference.net)
     assert resumed.best_epoch == reference.best_epoch
-    assert resumed.history == reference.history
+    assert _untimed(resumed.history) == _untimed(reference.history)
+    times = [row["time_s"] for row in resumed.history]
+    assert times == sorted(times) and times[-1] <= resumed.fit_time_s  # the clock runs on across the resume
     final = torch.load(folder / "last.ckpt", weights_only=False)
     _assert_same_weights_dict(final["net"], torch.load(tmp_path / "reference" / "last.ckpt", weights_only=False)["net"])
 
@@ -152,6 +160,90 @@ def test_fit_time_adds_up_the_work_of_every_process(tmp_path):
     assert resumed.previous_time_s == pytest.approx(first_part)
     assert 0.2 <= resumed.fit_time_s - resumed.previous_time_s <= second_wall
     assert resumed.fit_time_s == pytest.approx(first_part + (resumed.fit_time_s - resumed.previous_time_s))
+
+
+LBFGS = {
+    "_target_": "torch.optim.LBFGS",
+    "_partial_": True,
+    "lr": 1.0,
+    "max_iter": 20,
+    "line_search_fn": "strong_wolfe",
+}
+
+
+def test_closure_optimizer_takes_full_batch_steps_to_a_lower_loss_than_adamw(tmp_path):
+    # A linear model (multinomial logistic regression) on full batches: L-BFGS steps with a closure.
+    linear = {"net": CoarseMLP(N, K, hidden=()), "batch_size": None, "scheduler": None, "max_epochs": 4}
+    lbfgs = _fit(tmp_path / "lbfgs", optimizer=LBFGS, **linear)
+    torch.manual_seed(0)
+    adamw = _fit(tmp_path / "adamw", **{**linear, "net": CoarseMLP(N, K, hidden=())})
+    assert [row["step"] for row in lbfgs.history] == [1, 2, 3, 4]
+    losses = [row["train_loss"] for row in lbfgs.history]
+    assert losses == sorted(losses, reverse=True)  # each step's line search decreases the loss
+    assert losses[-1] < 0.7 * adamw.history[-1]["train_loss"]
+
+
+def test_after_epoch_hook_metrics_join_the_rows_and_its_time_is_not_training_time(tmp_path):
+    calls = []
+
+    def hook(epoch, row, net):
+        assert not net.training  # evaluated as at prediction time
+        calls.append(epoch)
+        time.sleep(0.15)
+        return {"test_acc": 0.5 + epoch / 100, "val_acc": -1.0}  # an existing column is not overwritten
+
+    start = time.perf_counter()
+    result = _fit(tmp_path, max_epochs=4, after_epoch=hook)
+    wall = time.perf_counter() - start
+    assert calls == [0, 1, 2, 3]
+    assert [row["test_acc"] for row in result.history] == [0.5, 0.51, 0.52, 0.53]
+    assert all(row["val_acc"] >= 0 for row in result.history)
+    assert result.hook_time_s >= 0.6
+    assert result.fit_time_s <= wall - 0.6 + 0.05
+    times = [row["time_s"] for row in result.history]
+    assert times == sorted(times) and times[-1] <= result.fit_time_s
+    assert read_metrics_csv(tmp_path / "logs" / "metrics.csv")["test_acc"].tolist() == [0.5, 0.51, 0.52, 0.53]
+
+
+SGD_TOO_FAST = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 500.0}
+
+
+def test_a_diverging_training_raises_or_restarts_with_a_lower_learning_rate(tmp_path):
+    from ddcnn.engine.tensor_fit import Diverged
+
+    data = _data()
+    data[0]["train"] = data[0]["train"] * 50  # badly scaled inputs: SGD at this rate blows up
+    with pytest.raises(Diverged, match="diverged in epoch 0") as err:
+        _fit(tmp_path / "raise", data=data, optimizer=SGD_TOO_FAST, scheduler=None, divergence_restarts=0)
+    assert "Lower the learning rate" in str(err.value)
+
+    result = _fit(tmp_path / "restart", data=data, optimizer=SGD_TOO_FAST, scheduler=None, divergence_restarts=6)
+    assert 1 <= len(result.restarts) <= 6
+    assert [r["lr_scale"] for r in result.restarts] == pytest.approx(
+        [0.1**k for k in range(1, len(result.restarts) + 1)]
+    )
+    assert result.history[0]["lr"] == pytest.approx(500.0 * result.restarts[-1]["lr_scale"])
+    assert [row["epoch"] for row in result.history] == list(range(8))  # the last attempt trained every epoch
+    assert all(math.isfinite(row["train_loss"]) for row in result.history)
+    assert result.history[-1]["train_loss"] < result.initial_loss
+
+
+def test_a_restarted_training_resumes_in_its_last_attempt(tmp_path):
+    data = _data()
+    data[0]["train"] = data[0]["train"] * 50
+    kwargs = {"data": data, "optimizer": SGD_TOO_FAST, "scheduler": None, "divergence_restarts": 6}
+    reference = _fit(tmp_path / "reference", **kwargs)
+    assert reference.restarts, "the test needs a restart"
+
+    def stop_at_5(epoch, row):
+        if epoch == 5:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        _fit(tmp_path / "interrupted", on_epoch_end=stop_at_5, **kwargs)
+    resumed = _fit(tmp_path / "interrupted", net=_net(seed=99), **kwargs)
+    assert resumed.resumed_from_epoch == 5 and resumed.restarts == reference.restarts
+    _assert_same_weights(resumed.net, reference.net)
 
 
 def test_a_checkpoint_of_other_settings_is_refused_and_a_foreign_one_ignored(tmp_path):

@@ -1,7 +1,7 @@
 """On a real SLURM cluster: Hydra's submitit launcher, a requeued job, and the multi-task ``srun`` mode.
 
-CI starts a single-node cluster first (``../shared/tools/slurm/start-slurm.sh``); elsewhere these tests skip at
-once when no controller answers ``scontrol ping`` (tests/conftest.py), and in CI that is an error.
+CI starts a single-node cluster first (``tools/slurm/start.sh``, from ``.ci/run``); elsewhere these tests skip at once
+when no controller answers ``scontrol ping`` (tests/conftest.py), and in CI that is an error.
 """
 
 from __future__ import annotations

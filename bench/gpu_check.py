@@ -1,0 +1,1014 @@
+"""One unattended GPU check (issue 23): the stacking probe, a bare PyTorch loop and end-to-end runs, in under 8 min.
+
+Sections, in this order (each prints as it goes; a section that raises is recorded and the next one still runs):
+
+1. **stacking**: one local net per sub-domain of ``--probe-grid`` (default 16: MNIST 4x4 with overlap 1, 8x8
+   sub-domains; the default local net ``vgg_small``, batch 128, the configured AdamW) trained one after another for
+   ``--probe-steps`` steps each, against the same nets stacked into one training with
+   ``torch.func.stack_module_state`` + ``functional_call`` + ``vmap`` (one AdamW over the stacked parameters).
+   Same batches per net (real MNIST from ``$DDCNN_DATA/mnist.npz`` when present, else random), timed after
+   warm-up (``torch.cuda.synchronize`` around the clock on CUDA). Prints net-steps/s of both and the ratio
+   (sequential time / stacked time for the same work). First the check that it is the same computation: both
+   ways trained ``--check-steps`` steps in float64 from the same initial weights on the same batches must end with
+   the same weights and batch-norm buffers (every element within 1e-6 + 1e-6 |w|) and the same last-step
+   gradients (within 1e-7 (|g| + the net's largest |g|)).
+
+   Batch norm under ``vmap``: ``running_mean``/``running_var``/``num_batches_tracked`` are stacked with the
+   parameters and passed with ``in_dims=0``, so inside ``vmap`` they are batched tensors and batch norm's in-place
+   update of them in training mode is allowed (the batching rule updates each net's slice). PyTorch's "Patching
+   Batch Norm" page (``torch.func.replace_all_batch_norm_modules_``, ``track_running_stats=False``) is about the
+   other case, one unbatched module over batched inputs, where that update is an error; dropping the running
+   statistics would train the same weights but leave the nets without the statistics they evaluate with. The check
+   compares the buffers too.
+
+   Why float64 and why those tolerances: the bias of a convolution followed by batch norm has a zero gradient in
+   exact arithmetic, so Adam (update ~ lr g / (sqrt(v) + 1e-8)) turns the rounding noise of that gradient into
+   steps: about lr in fp32, where such biases differ between any two summation orders; in float64 (noise
+   ~1e-15) about 1e-9 per step (measured here: 3e-9 after 3 steps of vgg_small), hence the weights' 1e-6, which
+   any real difference (another batch, a running statistic not written back: ~lr = 2e-3) exceeds by far. Adam is
+   blind to a gradient's scale (a mean over the nets instead of a sum would train almost the same weights), so the
+   gradients are compared too.
+   With ``--probe-precisions fp32,bf16`` (the default on CUDA) it also times both ways under bf16 autocast and
+   records whether autocast took effect inside ``vmap`` (it does not on CPU: pytorch/functorch#305).
+
+2. **bare**: the global CNN (``vgg_small`` on 28x28 MNIST, batch 128, AdamW) in a bare PyTorch loop with the data on
+   the device, per variant (``fp32``, ``bf16`` autocast, ``bf16+cl`` = bf16 and channels_last; the default on CUDA
+   is all three, on CPU ``fp32``): images/s, step time and peak GPU memory, after warm-up.
+
+3. **e2e**: ``ddcnn-train`` in subprocesses into temporary run directories, row ``digits`` (the default run) and
+   row ``mnist_2x2`` (``data=mnist data.train_subset=... decomposition=2x2 trainer.max_epochs=...``), both with
+   ``device=<--device>`` and ``trainer.precision=<--precision>`` (bf16-mixed on CUDA), and with
+   ``engine.channels_last=true`` when the configuration has that setting (checked with ``ddcnn.config.compose``).
+   From each stage's ``meta.json`` (and ``logs/metrics.csv`` for the steps run, else the configuration) and the
+   run's ``results.json``: per stage time, images/s (training samples x epochs / fit time: validation and
+   checkpoints are in the fit time), step time (fit time / steps) and peak GPU memory when ``meta.json`` records
+   it (any numeric key whose name holds ``peak`` and ``mem``).
+
+The header gives the machine (GPU, CUDA/cuDNN, torch, TF32 and ``cudnn.benchmark`` as found and as applied to the
+in-process sections; the e2e subprocesses follow the package's own policy); a summary table ends the output;
+everything is written to ``--out`` as JSON after every section. ``--budget-s`` is checked before each section and
+row: what would start past it is skipped, and an e2e run is killed at it (reported, not a failure). Exit status 1
+only on a real failure: an e2e run that fails, stacked weights that differ, a section that raised; 2 on bad usage.
+
+    python bench/gpu_check.py                              # on a GPU machine: about 2-4 minutes
+    python bench/gpu_check.py --tiny                       # CPU, tiny settings, seconds (the test runs this)
+    python bench/gpu_check.py --device cpu --sections stacking --probe-steps 20
+
+On this workplace's H200 machine (no package registry there) the image has torch, scikit-learn, scipy, filelock,
+tqdm and PyYAML but not hydra-core, omegaconf or antlr4 (a digits run imports nothing else; nibabel is for NIfTI
+data only). From the checkout that travels, once: ``echo /.pydeps/ >> .git/info/exclude; mkdir -p .pydeps; cp -r
+.venv/lib/python3.*/site-packages/{hydra,omegaconf,antlr4} .pydeps/; cp ../shared/data/mnist.npz data/`` (pure
+Python, about 4 MB, and 11 MB of MNIST; ``data/*`` is ignored), then a run with ``carry=[".pydeps",
+"data/mnist.npz"]``, ``timeout_s`` about 560 and the command
+``PYTHONPATH=.pydeps DDCNN_DATA=data PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out $OUT/gpu_check.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import csv
+import itertools
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# This checkout's ddcnn, not whichever one the environment installed (the subprocesses get the same PYTHONPATH).
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+# The float64 check (see the module docstring): every element of every weight and buffer within
+# WEIGHT_ATOL + WEIGHT_RTOL |sequential value|, and of the last step's gradients within
+# GRAD_TOL (|g| + max |g| of that net).
+WEIGHT_ATOL, WEIGHT_RTOL, GRAD_TOL = 1e-6, 1e-6, 1e-7
+ROWS = ("digits", "mnist_2x2")
+SECTIONS = ("stacking", "bare", "e2e")
+BARE_VARIANTS = ("fp32", "bf16", "bf16+cl")
+# Settings every e2e row gets: the evaluate stage's figures and TorchScript export change no time in meta.json.
+E2E_COMMON = ["trainer.enable_progress_bar=false", "report.plots=false", "report.export=false"]
+TINY_E2E = [
+    "model=vgg_tiny",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=2",
+    "trainer.limit_val_batches=1",
+    "coarse.max_epochs=1",
+    "data.train_subset=200",
+    "data.test_subset=100",
+    "methods.enabled.coarse_alt=false",
+]
+# Defaults of the flags that --tiny shrinks: (normal, tiny). The tiny ones run in seconds on a CPU.
+DEFAULTS = {
+    "threads": (0, 1),  # two threads on a loaded 2-core machine made a tiny step 10-20x slower than one
+    "probe_grid": ("4,4", "2,2"),
+    "probe_model": (None, "vgg_tiny"),
+    "probe_batch": (None, 16),
+    "probe_batches": (8, 2),
+    "probe_steps": (100, 1),
+    "probe_warmup": (5, 1),
+    "probe_rounds": (2, 1),
+    "check_steps": (3, 2),
+    "bare_model": (None, "vgg_tiny"),
+    "bare_batch": (None, 16),
+    "bare_images": (20000, 64),
+    "bare_steps": (300, 3),
+    "bare_warmup": (30, 1),
+}
+# The loop's channels-last setting once issue 23's data-path piece adds it: the first of these the config has.
+CHANNELS_LAST_KEYS = ("engine.channels_last", "trainer.channels_last")
+# What a stage's meta.json may record of the engine's GPU policy (top level, or under "engine"/"gpu"/"cuda").
+ENGINE_KEYS = ("channels_last", "memory_format", "tf32", "cudnn_benchmark", "compile", "data_on_device")
+
+
+# --- small helpers --------------------------------------------------------------------------------------------
+def log(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_mib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def autocast(device: torch.device, precision: str) -> Callable[[], contextlib.AbstractContextManager]:
+    if precision == "fp32":
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def fmt(value, spec: str = ".1f", missing: str = "-") -> str:
+    """``value`` formatted by ``spec``; ``missing`` right-aligned to the spec's width when it is ``None``."""
+    if value is None:
+        width = "".join(itertools.takewhile(str.isdigit, spec))
+        return missing.rjust(int(width or 0))
+    return format(value, spec)
+
+
+def compose(overrides: list[str]):
+    from ddcnn.config import compose as ddcnn_compose
+
+    return ddcnn_compose(overrides)
+
+
+def make_net(cfg, in_channels: int = 1, num_classes: int = 10) -> nn.Module:
+    """The configured network (``cfg.model``), built as :func:`ddcnn.context.build_local_net` builds it."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    spec = OmegaConf.to_container(cfg.model, resolve=True)
+    spec.pop("name", None)
+    return instantiate(spec, spatial_dims=2, in_channels=in_channels, num_classes=num_classes)
+
+
+def make_optimizer(cfg, params) -> torch.optim.Optimizer:
+    from hydra.utils import instantiate
+
+    return instantiate(cfg.optimizer)(params)
+
+
+def mnist_images(path: Path, count: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """``count`` MNIST training images ``(count, 1, 28, 28)``, standardised, and labels; random ones without it."""
+    if path.is_file():
+        import numpy as np
+
+        with np.load(path) as archive:
+            x = torch.from_numpy(archive["x_train"][:count].copy()).float().unsqueeze(1) / 255.0
+            y = torch.from_numpy(archive["y_train"][:count].copy()).long()
+        return (x - x.mean()) / x.std(), y, f"MNIST ({path})"
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(count, 1, 28, 28, generator=gen), torch.randint(10, (count,), generator=gen), "random"
+
+
+# --- the machine ----------------------------------------------------------------------------------------------
+def _read(getter: Callable[[], object]) -> object:
+    try:
+        return getter()
+    except Exception as err:  # torch >= 2.9 refuses some reads of the legacy TF32 flags after the new API was used
+        return f"unreadable ({type(err).__name__})"
+
+
+def math_settings() -> dict:
+    """TF32 and cuDNN settings of this process (the new ``fp32_precision`` API where torch has it)."""
+    out: dict[str, object] = {
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "float32_matmul_precision": _read(torch.get_float32_matmul_precision),
+    }
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        out["matmul_fp32_precision"] = _read(lambda: torch.backends.cuda.matmul.fp32_precision)
+        out["conv_fp32_precision"] = _read(lambda: conv.fp32_precision)
+    else:
+        out["matmul_allow_tf32"] = _read(lambda: torch.backends.cuda.matmul.allow_tf32)
+        out["cudnn_allow_tf32"] = _read(lambda: torch.backends.cudnn.allow_tf32)
+    return out
+
+
+def apply_math_policy(device: torch.device, tf32: str, benchmark: str) -> None:
+    """TF32 and ``cudnn.benchmark`` for the in-process sections (``keep`` leaves torch's setting)."""
+    if device.type != "cuda":
+        return
+    if benchmark != "keep":
+        torch.backends.cudnn.benchmark = benchmark == "on"
+    if tf32 != "keep":
+        conv = getattr(torch.backends.cudnn, "conv", None)
+        if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9: the legacy flags are deprecated
+            mode = "tf32" if tf32 == "on" else "ieee"
+            torch.backends.cuda.matmul.fp32_precision = mode
+            conv.fp32_precision = mode
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = tf32 == "on"
+            torch.backends.cudnn.allow_tf32 = tf32 == "on"
+
+
+def machine(device: torch.device) -> dict:
+    info: dict[str, object] = {
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "cuda_runtime": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "data_dir": os.environ.get("DDCNN_DATA"),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            multiprocessors=props.multi_processor_count,
+        )
+        if shutil.which("nvidia-smi"):
+            with contextlib.suppress(Exception):
+                query = [
+                    "nvidia-smi",
+                    "--query-gpu=driver_version",
+                    "--format=csv,noheader",
+                    f"--id={device.index or 0}",
+                ]
+                info["driver"] = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip()
+    with contextlib.suppress(Exception):
+        git = ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]
+        info["commit"] = subprocess.run(git, capture_output=True, text=True, timeout=20).stdout.strip() or None
+    return info
+
+
+# --- 1. stacking ----------------------------------------------------------------------------------------------
+def stack(nets: list[nn.Module]) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A stateless copy of the architecture (on the meta device) and the nets' stacked parameters and buffers."""
+    from torch.func import stack_module_state
+
+    params, buffers = stack_module_state(nets)  # new leaf tensors (N, ...): the nets keep their own
+    base = copy.deepcopy(nets[0]).to("meta")
+    base.train()
+    return base, params, buffers
+
+
+def stacked_loss(base: nn.Module) -> Callable:
+    """``(params, buffers, x (N, B, ...), y (B,)) -> (N,)``: every net's mean cross-entropy on its own inputs.
+
+    The buffers are batched like the parameters, so batch norm's in-place update of its running statistics
+    writes each net's slice of the stacked buffers (see the module docstring).
+    """
+    from torch.func import functional_call, vmap
+
+    def loss(params, buffers, x, y):
+        return F.cross_entropy(functional_call(base, (params, buffers), (x,)), y)
+
+    # randomness="different": each net draws its own dropout mask, as separate nets would (vgg_small's p is 0).
+    return vmap(loss, in_dims=(0, 0, 0, None), randomness="different")
+
+
+def train_sequential(nets, optimizers, x, y, steps: int, start: int, precision_ctx) -> None:
+    """Each net in turn for ``steps`` steps; net ``i`` at step ``t`` takes batch ``x[t % P, i]``."""
+    for i, (net, opt) in enumerate(zip(nets, optimizers, strict=True)):
+        net.train()
+        for t in range(start, start + steps):
+            p = t % len(x)
+            with precision_ctx():
+                loss = F.cross_entropy(net(x[p, i]), y[p])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+
+def train_stacked(loss_fn, params, buffers, opt, x, y, steps: int, start: int, precision_ctx) -> None:
+    """All nets at once for ``steps`` steps; step ``t`` takes batch ``x[t % P]`` (every net its sub-domain)."""
+    for t in range(start, start + steps):
+        p = t % len(x)
+        with precision_ctx():
+            # The sum's gradient for net i is that of its own loss: the nets share nothing.
+            loss = loss_fn(params, buffers, x[p], y[p]).sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+
+def autocast_reaches_vmap(base: nn.Module, params: dict, buffers: dict, x: torch.Tensor, precision_ctx) -> bool:
+    """Whether autocast casts inside ``vmap`` here (the logits come out bf16); some builds skip it (CPU)."""
+    from torch.func import functional_call, vmap
+
+    buffers = {k: v.clone() for k, v in buffers.items()}  # this forward's running-statistics update is thrown away
+    with torch.no_grad(), precision_ctx():
+        logits = vmap(lambda p, b, xb: functional_call(base, (p, b), (xb,)))(params, buffers, x)
+    return logits.dtype == torch.bfloat16
+
+
+def mismatch(nets: list[nn.Module], params: dict, buffers: dict) -> dict:
+    """The stacked weights, buffers and last-step gradients against the sequential nets' (the float64 check).
+
+    Returns ``ok`` and, for weights/buffers and for gradients, the largest difference and the tensor it is in.
+    """
+    worst = {"weight": (-math.inf, 0.0, None), "grad": (-math.inf, 0.0, None)}
+
+    def keep(kind: str, excess: float, diff: float, where: str) -> None:
+        if excess > worst[kind][0]:
+            worst[kind] = (excess, diff, where)
+
+    for i, net in enumerate(nets):
+        grads = [p.grad.detach().double() for p in net.parameters() if p.grad is not None]
+        grad_scale = max((g.abs().max().item() for g in grads), default=0.0)
+        for name, ref in [*net.named_parameters(), *net.named_buffers()]:
+            stacked = params[name] if name in params else buffers[name]
+            ref64, diff = ref.detach().double(), (stacked[i].detach().double() - ref.detach().double()).abs()
+            excess = (diff - WEIGHT_ATOL - WEIGHT_RTOL * ref64.abs()).max().item()
+            keep("weight", excess, diff.max().item(), f"net {i} {name}")
+            if name in params and ref.grad is not None:
+                if stacked.grad is None:
+                    keep("grad", math.inf, math.inf, f"net {i} {name} (no stacked gradient)")
+                    continue
+                g_ref = ref.grad.detach().double()
+                g_diff = (stacked.grad[i].detach().double() - g_ref).abs()
+                tol = GRAD_TOL * (g_ref.abs() + grad_scale)
+                keep("grad", (g_diff - tol).max().item(), g_diff.max().item() / (grad_scale or 1.0), f"net {i} {name}")
+    return {
+        "ok": worst["weight"][0] <= 0 and worst["grad"][0] <= 0,
+        "weight_abs_diff": worst["weight"][1],
+        "weight_tensor": worst["weight"][2],
+        "grad_rel_diff": worst["grad"][1],
+        "grad_tensor": worst["grad"][2],
+        "compared_grads": worst["grad"][2] is not None,
+    }
+
+
+def probe_data(cfg, args, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], str]:
+    """``(P, N, B, 1, *sub)`` sub-images and ``(P, B)`` labels on ``device``: P batches cut into N sub-domains."""
+    from ddcnn.decomposition import Decomposition
+
+    dec = Decomposition(args.probe_grid, (28, 28), args.probe_overlap)
+    batches, batch = args.probe_batches, int(args.probe_batch or cfg.data.batch_size)
+    images, labels, source = mnist_images(Path(str(cfg.data.path)), batches * batch)
+    parts = dec.split(images).view(batches, batch, dec.num_subdomains, 1, *dec.sub_shape).transpose(1, 2)
+    return parts.contiguous().to(device), labels.view(batches, batch).to(device), dec.sub_shape, source
+
+
+def time_stacking(args, device: torch.device, nets: list[nn.Module], cfg, x, y, precision: str) -> dict:
+    """Net-steps/s of ``nets`` trained one after another and stacked, same work each, after warm-up."""
+    n = len(nets)
+    ctx = autocast(device, precision)
+    base, params, buffers = stack(nets)
+    loss_fn = stacked_loss(base)
+    seq_opts = [make_optimizer(cfg, net.parameters()) for net in nets]
+    stack_opt = make_optimizer(cfg, list(params.values()))
+    row: dict[str, object] = {"precision": precision}
+    if precision != "fp32":
+        row["autocast_in_vmap"] = autocast_reaches_vmap(base, params, buffers, x[0], ctx)
+    train_sequential(nets, seq_opts, x, y, args.probe_warmup, 0, ctx)
+    train_stacked(loss_fn, params, buffers, stack_opt, x, y, args.probe_warmup, 0, ctx)
+    seconds: dict[str, list[float]] = {"sequential": [], "stacked": []}
+    peaks: dict[str, float | None] = {"sequential": None, "stacked": None}
+    step = args.probe_warmup
+    for r in range(args.probe_rounds):
+        # Alternate the order so that a drift of the machine (clocks, other load) hits both alike.
+        for kind in ("sequential", "stacked") if r % 2 == 0 else ("stacked", "sequential"):
+            sync(device)
+            reset_peak(device)
+            start = time.perf_counter()
+            if kind == "sequential":
+                train_sequential(nets, seq_opts, x, y, args.probe_steps, step, ctx)
+            else:
+                train_stacked(loss_fn, params, buffers, stack_opt, x, y, args.probe_steps, step, ctx)
+            sync(device)
+            seconds[kind].append(time.perf_counter() - start)
+            peak = peak_mib(device)
+            peaks[kind] = None if peak is None else max(peak, peaks[kind] or 0.0)
+        step += args.probe_steps
+    seq, stk = min(seconds["sequential"]), min(seconds["stacked"])
+    row.update(
+        sequential_s=seq,
+        stacked_s=stk,
+        sequential_net_steps_per_s=n * args.probe_steps / seq,
+        stacked_steps_per_s=args.probe_steps / stk,
+        stacked_net_steps_per_s=n * args.probe_steps / stk,
+        ratio=seq / stk,
+        sequential_peak_mib=peaks["sequential"],
+        stacked_peak_mib=peaks["stacked"],
+        sequential_s_all=seconds["sequential"],
+        stacked_s_all=seconds["stacked"],
+    )
+    note = "" if row.get("autocast_in_vmap", True) else " (autocast had no effect inside vmap)"
+    log(
+        f"  {precision}: sequential {row['sequential_net_steps_per_s']:.0f} net-steps/s "
+        f"({1e3 * seq / (n * args.probe_steps):.2f} ms/step), stacked {row['stacked_steps_per_s']:.1f} steps/s "
+        f"= {row['stacked_net_steps_per_s']:.0f} net-steps/s; stacked/sequential {row['ratio']:.2f}x{note}; peak "
+        f"{fmt(peaks['sequential'], '.0f')} / {fmt(peaks['stacked'], '.0f')} MiB"
+    )
+    return row
+
+
+def run_stacking(args, device: torch.device) -> dict:
+    cfg = compose(["data=mnist", *([f"model={args.probe_model}"] if args.probe_model else [])])
+    x, y, sub_shape, source = probe_data(cfg, args, device)
+    n = x.shape[1]
+    log(
+        f"  {n} x {cfg.model.name} on {'x'.join(map(str, sub_shape))} sub-domains (grid "
+        f"{'x'.join(map(str, args.probe_grid))} of 28x28, overlap {args.probe_overlap}), batch {y.shape[1]}, "
+        f"{cfg.optimizer._target_.rsplit('.', 1)[-1]} "
+        f"lr {cfg.optimizer.lr}; data: {source}"
+    )
+
+    def fresh_nets(dtype: torch.dtype) -> list[nn.Module]:
+        nets = []
+        for i in range(n):
+            torch.manual_seed(args.seed + i)
+            nets.append(make_net(cfg).to(device=device, dtype=dtype))
+        return nets
+
+    out: dict[str, object] = {
+        "nets": n,
+        "model": str(cfg.model.name),
+        "sub_shape": list(sub_shape),
+        "batch": int(y.shape[1]),
+        "data": source,
+        "steps_per_net": args.probe_steps,
+        "warmup_steps": args.probe_warmup,
+        "rounds": args.probe_rounds,
+    }
+
+    # The check first: a stacking that is not the same computation makes its timing meaningless.
+    nets = fresh_nets(torch.float64)
+    base, params, buffers = stack(nets)
+    loss_fn = stacked_loss(base)
+    x64 = x.double()
+    seq_opts = [make_optimizer(cfg, net.parameters()) for net in nets]
+    train_sequential(nets, seq_opts, x64, y, args.check_steps, 0, contextlib.nullcontext)
+    opt = make_optimizer(cfg, list(params.values()))
+    train_stacked(loss_fn, params, buffers, opt, x64, y, args.check_steps, 0, contextlib.nullcontext)
+    check = mismatch(nets, params, buffers)
+    tolerances = {"weight_atol": WEIGHT_ATOL, "weight_rtol": WEIGHT_RTOL, "grad_tol": GRAD_TOL}
+    check.update(steps=args.check_steps, dtype="float64", **tolerances)
+    out["check"] = check
+    log(
+        f"  check ({args.check_steps} steps, float64): {'PASS' if check['ok'] else 'FAIL'}; weights and buffers "
+        f"differ by at most {check['weight_abs_diff']:.1e} ({check['weight_tensor']}; tolerance {WEIGHT_ATOL:g} + "
+        f"{WEIGHT_RTOL:g} |w|), last-step gradients by {check['grad_rel_diff']:.1e} of the net's largest "
+        f"({check['grad_tensor']}; tolerance {GRAD_TOL:g} (|g| + largest))"
+    )
+    del nets, params, buffers, x64, seq_opts, opt
+
+    timings = []
+    for precision in args.probe_precisions:
+        try:
+            row = time_stacking(args, device, fresh_nets(torch.float32), cfg, x, y, precision)
+        except Exception as err:
+            if precision == "fp32":
+                raise
+            # bf16 autocast under vmap is the experimental part (pytorch#105442, #184890): an answer, not a failure.
+            row = {"precision": precision, "error": f"{type(err).__name__}: {err}"}
+            log(f"  {precision}: {row['error']}")
+        timings.append(row)
+    out["timings"] = timings
+    return out
+
+
+# --- 2. bare loop on the global CNN ---------------------------------------------------------------------------
+def bare_steps(net, opt, images, labels, batch: int, gen, memory_format, precision_ctx, count: int) -> None:
+    """``count`` training steps on random batches of the device-resident ``images``."""
+    for _ in range(count):
+        idx = torch.randint(len(labels), (batch,), device=images.device, generator=gen)
+        xb = images[idx].contiguous(memory_format=memory_format)
+        with precision_ctx():
+            loss = F.cross_entropy(net(xb), labels[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+
+def run_bare(args, device: torch.device) -> dict:
+    cfg = compose(["data=mnist", *([f"model={args.bare_model}"] if args.bare_model else [])])
+    batch = int(args.bare_batch or cfg.data.batch_size)
+    pool = max(batch, min(args.bare_images, 60000))
+    images, labels, source = mnist_images(Path(str(cfg.data.path)), pool)
+    images, labels = images.to(device), labels.to(device)
+    log(
+        f"  {cfg.model.name} on 28x28, batch {batch}, {cfg.optimizer._target_.rsplit('.', 1)[-1]}, "
+        f"{len(labels)} images on {device}; data: {source}"
+    )
+    rows = []
+    for variant in args.bare_variants:
+        precision = "bf16" if variant.startswith("bf16") else "fp32"
+        memory_format = torch.channels_last if variant.endswith("+cl") else torch.contiguous_format
+        torch.manual_seed(args.seed)
+        net = make_net(cfg).to(device=device, memory_format=memory_format).train()
+        opt = make_optimizer(cfg, net.parameters())
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+        ctx = autocast(device, precision)
+
+        train = (net, opt, images, labels, batch, gen, memory_format, ctx)
+        reset_peak(device)
+        bare_steps(*train, args.bare_warmup)
+        sync(device)
+        start = time.perf_counter()
+        bare_steps(*train, args.bare_steps)
+        sync(device)
+        seconds = time.perf_counter() - start
+        row = {
+            "variant": variant,
+            "images_per_s": batch * args.bare_steps / seconds,
+            "step_ms": 1e3 * seconds / args.bare_steps,
+            "peak_mib": peak_mib(device),
+            "seconds": seconds,
+            "steps": args.bare_steps,
+            "batch": batch,
+            "model": str(cfg.model.name),
+        }
+        rows.append(row)
+        log(
+            f"  {variant:8s} {row['images_per_s']:10.0f} images/s  {row['step_ms']:7.2f} ms/step  "
+            f"peak {fmt(row['peak_mib'], '.0f')} MiB"
+        )
+        del net, opt, train
+    return {"rows": rows, "data": source}
+
+
+# --- 3. end to end through the package ------------------------------------------------------------------------
+def row_overrides(name: str, args, device: torch.device) -> list[str]:
+    """The ``ddcnn-train`` overrides of e2e row ``name`` (without ``hydra.run.dir``)."""
+    if name == "digits":
+        data = []
+    elif args.tiny:  # the same path on the bundled data
+        data = ["decomposition=2x2"]
+    else:
+        data = [
+            "data=mnist",
+            f"data.train_subset={args.mnist_subset}",
+            "decomposition=2x2",
+            f"trainer.max_epochs={args.mnist_epochs}",
+        ]
+    run = [f"device={device}", f"trainer.precision={args.precision}", f"seed={args.seed}", *E2E_COMMON]
+    return [*data, *run, *(TINY_E2E if args.tiny else []), *args.e2e_override]
+
+
+def has_setting(cfg, dotted: str) -> bool:
+    from omegaconf import OmegaConf
+
+    parent, _, key = dotted.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    return node is not None and key in node
+
+
+def metrics_steps(folder: Path) -> tuple[int, int] | None:
+    """``(epochs, optimizer steps)`` from the last row of a stage's ``logs/metrics.csv``, if it has them."""
+    path = folder / "logs" / "metrics.csv"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with path.open() as file:
+            rows = list(csv.DictReader(file))
+        if rows:
+            return int(float(rows[-1]["epoch"])) + 1, int(float(rows[-1]["step"]))
+    return None
+
+
+def peak_memory_from_meta(meta: dict) -> tuple[float | None, str | None]:
+    """Peak GPU memory in MiB from any numeric key whose name holds ``peak`` and ``mem`` (bytes unless its name
+    says ``mib``/``mb``/``gib``/``gb``), searched through nested dictionaries; ``(None, None)`` when absent."""
+
+    def walk(node: dict, prefix: str) -> Iterator[tuple[str, object]]:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    for key, value in walk(meta, ""):
+        name = key.lower().rsplit(".", 1)[-1]
+        if "peak" in name and "mem" in name and isinstance(value, int | float) and not isinstance(value, bool):
+            if name.endswith(("gib", "gb")):
+                return float(value) * 1024, key
+            if name.endswith(("mib", "mb")):
+                return float(value), key
+            return float(value) / 2**20, key
+    return None, None
+
+
+def engine_policy(meta: dict) -> dict:
+    """The GPU policy a stage's ``meta.json`` records (``ENGINE_KEYS``), wherever the loop put it."""
+    nodes = [meta, *(meta[k] for k in ("engine", "gpu", "cuda") if isinstance(meta.get(k), dict))]
+    return {k: node[k] for node in nodes for k in ENGINE_KEYS if k in node}
+
+
+def stage_rows(run_dir: Path, cfg, results: dict) -> list[dict]:
+    """One row per trained stage of a finished run directory, from its ``meta.json`` files."""
+    n_train = int(results.get("data", {}).get("n_train") or 0)
+    rows = []
+    # Pipeline order: the local nets by index, then the other stages.
+    order = {"coarse": 0, "coarse_alt": 1, "global": 2}
+    metas = sorted(
+        run_dir.glob("local/*/meta.json"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0
+    )
+    metas += sorted(run_dir.glob("*/meta.json"), key=lambda p: (order.get(p.parent.name, 9), p.parent.name))
+    for path in metas:
+        meta = json.loads(path.read_text())
+        stage = str(meta.get("stage", path.parent.name))
+        coarse = stage.startswith("coarse")
+        batch = int((cfg.coarse.get("batch_size") if coarse else None) or cfg.data.batch_size)
+        fit_s = float(meta.get("fit_time_s") or meta.get("time_s") or 0.0)
+        counted = metrics_steps(path.parent)
+        if counted is not None:
+            epochs, steps = counted
+        else:  # from the configuration (the loop may have stopped writing metrics.csv)
+            epochs = int(meta.get("max_epochs") or (cfg.coarse.max_epochs if coarse else cfg.trainer.max_epochs))
+            from ddcnn.engine.tensor_fit import num_batches
+
+            limit = None if coarse else cfg.trainer.get("limit_train_batches")
+            steps = epochs * num_batches(-(-n_train // min(batch, n_train)), limit, "limit_train_batches")
+        per_epoch = min(n_train, math.ceil(steps / max(epochs, 1)) * batch)
+        peak, peak_key = peak_memory_from_meta(meta)
+        name = f"local {meta['subdomain']}" if "subdomain" in meta else stage
+        rows.append(
+            {
+                "stage": name,
+                "time_s": meta.get("time_s"),
+                "fit_time_s": fit_s,
+                "epochs": epochs,
+                "steps": steps,
+                "samples_per_epoch": per_epoch,
+                "images_per_s": per_epoch * epochs / fit_s if fit_s > 0 else None,
+                "step_ms": 1e3 * fit_s / steps if steps else None,
+                "peak_mib": peak,
+                "peak_key": peak_key,
+                "device": meta.get("device"),
+                "loop": meta.get("loop"),
+                "test_accuracy": (meta.get("accuracy") or {}).get("test"),
+                "engine": engine_policy(meta),
+            }
+        )
+    return rows
+
+
+def run_e2e_row(name: str, args, device: torch.device, base: Path, timeout_s: float) -> dict:
+    overrides = row_overrides(name, args, device)
+    cfg = compose(overrides)
+    key = next((k for k in CHANNELS_LAST_KEYS if has_setting(cfg, k)), None)
+    if key is not None and device.type == "cuda":
+        overrides.append(f"{key}=true")
+        cfg = compose(overrides)
+    run_dir = base / name
+    out: dict[str, object] = {
+        "row": name,
+        "overrides": overrides,
+        "channels_last": (
+            "not a setting of this ddcnn"
+            if key is None
+            else f"{key}=true"
+            if device.type == "cuda"
+            else f"{key} at its default (not on CUDA)"
+        ),
+    }
+    if cfg.data.name == "mnist" and not Path(str(cfg.data.path)).is_file():
+        out.update(status="skipped", reason=f"{cfg.data.path} is missing (set DDCNN_DATA)")
+        log(f"  {name}: skipped, {out['reason']}")
+        return out
+    code = "import sys; from ddcnn.cli import train_main; sys.argv[0] = 'ddcnn-train'; train_main()"
+    cmd = [sys.executable, "-c", code, *overrides, f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    log(f"  {name}: ddcnn-train {' '.join(overrides)}")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        out.update(status="timeout", wall_s=time.perf_counter() - start, reason=f"killed at {timeout_s:.0f} s")
+        log(f"  {name}: killed after {timeout_s:.0f} s (the budget): no figures")
+        return out
+    out["wall_s"] = time.perf_counter() - start
+    if proc.returncode != 0:
+        last = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or [f"exit {proc.returncode}"]
+        out.update(status="failed", returncode=proc.returncode, reason=last[0][-300:], stderr_tail=proc.stderr[-4000:])
+        log(f"  {name}: FAILED (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        return out
+    results = json.loads((run_dir / "results.json").read_text())
+    out.update(
+        status="ok",
+        stages=stage_rows(run_dir, cfg, results),
+        n_train=results.get("data", {}).get("n_train"),
+        accuracy={k: results["accuracy"].get(k) for k in ("global", "cnn_dnn")},
+        projected_speedup=results.get("projected_speedup"),
+    )
+    stage_sum = sum(float(s["time_s"] or 0) for s in out["stages"])
+    log(
+        f"  {name}: {out['wall_s']:.1f} s in all ({stage_sum:.1f} s in stages, the rest start-up, data and "
+        f"evaluate); CNN-DNN test acc {fmt(out['accuracy']['cnn_dnn'], '.4f')}, global "
+        f"{fmt(out['accuracy']['global'], '.4f')}"
+    )
+    for s in out["stages"]:
+        log(
+            f"    {s['stage']:10s} {fmt(s['time_s'], '6.2f')} s  {fmt(s['images_per_s'], '9.0f')} images/s  "
+            f"{fmt(s['step_ms'], '7.2f')} ms/step  peak {fmt(s['peak_mib'], '.0f')} MiB  ({s['loop']}, {s['device']})"
+        )
+    return out
+
+
+def run_e2e(args, device: torch.device, deadline: float) -> dict:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ddcnn-gpu-check-") as tmp:
+        # A fresh folder per run even with --keep: a finished stage found in a run directory is skipped, not timed.
+        base = Path(args.keep) / time.strftime("gpu_check_%Y-%m-%d_%H-%M-%S") if args.keep else Path(tmp)
+        for name in args.rows:
+            left = deadline - time.perf_counter()
+            if left <= 5:
+                rows.append({"row": name, "status": "skipped", "reason": "over the time budget"})
+                log(f"  {name}: skipped, over the time budget")
+                continue
+            try:
+                rows.append(run_e2e_row(name, args, device, base, left))
+            except Exception as err:  # this row's configuration or its files: the next row still runs
+                rows.append({"row": name, "status": "error", "reason": f"{type(err).__name__}: {err}"})
+                log(f"  {name}: ERROR\n{traceback.format_exc()}")
+    return {"rows": rows}
+
+
+# --- the summary ----------------------------------------------------------------------------------------------
+def summary(report: dict) -> list[str]:
+    lines = ["", "=" * 100, "summary"]
+    m = report["machine"]
+    lines.append(
+        f"machine: {m.get('gpu') or 'CPU'} ({m['device']}), torch {m['torch']}, CUDA {m['cuda_runtime']}, cuDNN "
+        f"{m['cudnn']}, {m['cpu_count']} CPUs; applied: {json.dumps(report['math_applied'])}"
+    )
+    stacking = report["sections"].get("stacking", {})
+    if stacking.get("status") == "ok":
+        r, c = stacking["result"], stacking["result"]["check"]
+        lines.append(
+            f"\nstacking: {r['nets']} x {r['model']} on {'x'.join(map(str, r['sub_shape']))}, batch {r['batch']}, "
+            f"{r['steps_per_net']} steps per net; check {'PASS' if c['ok'] else 'FAIL'} "
+            f"(weights {c['weight_abs_diff']:.1e}, gradients {c['grad_rel_diff']:.1e})"
+        )
+        lines.append(
+            f"  {'precision':9s} {'sequential net-steps/s':>22s} {'stacked net-steps/s':>20s} {'ratio':>7s} "
+            f"{'peak MiB seq/stacked':>21s}"
+        )
+        for t in r["timings"]:
+            if "error" in t:
+                lines.append(f"  {t['precision']:9s} {t['error'][:90]}")
+                continue
+            flag = "" if t.get("autocast_in_vmap", True) else "  (autocast not applied in vmap)"
+            peaks = f"{fmt(t['sequential_peak_mib'], '.0f')}/{fmt(t['stacked_peak_mib'], '.0f')}"
+            lines.append(
+                f"  {t['precision']:9s} {t['sequential_net_steps_per_s']:22.0f} {t['stacked_net_steps_per_s']:20.0f} "
+                f"{t['ratio']:6.2f}x {peaks:>21s}{flag}"
+            )
+    bare = report["sections"].get("bare", {})
+    if bare.get("status") == "ok":
+        lines.append(f"\nbare loop, global CNN on 28x28 ({bare['result']['data']}):")
+        lines.append(f"  {'variant':9s} {'images/s':>10s} {'ms/step':>8s} {'peak MiB':>9s}")
+        for b in bare["result"]["rows"]:
+            lines.append(
+                f"  {b['variant']:9s} {b['images_per_s']:10.0f} {b['step_ms']:8.2f} {fmt(b['peak_mib'], '9.0f')}"
+            )
+    e2e = report["sections"].get("e2e", {})
+    if e2e.get("status") == "ok":
+        lines.append("\nend to end (ddcnn-train; images/s = samples x epochs / fit time, step = fit time / steps):")
+        lines.append(
+            f"  {'row':10s} {'stage':10s} {'time s':>7s} {'images/s':>9s} {'ms/step':>8s} {'peak MiB':>9s} {'loop':>6s}"
+        )
+        for row in e2e["result"]["rows"]:
+            if row["status"] != "ok":
+                lines.append(f"  {row['row']:10s} {row['status'].upper()}: {row.get('reason', '')}")
+                continue
+            for s in row["stages"]:
+                lines.append(
+                    f"  {row['row']:10s} {s['stage']:10s} {fmt(s['time_s'], '7.2f')} {fmt(s['images_per_s'], '9.0f')} "
+                    f"{fmt(s['step_ms'], '8.2f')} {fmt(s['peak_mib'], '9.0f')} {s['loop'] or '-':>6s}"
+                )
+            lines.append(
+                f"  {row['row']:10s} {'(process)':10s} {row['wall_s']:7.1f}  channels_last: {row['channels_last']}"
+            )
+    for name, section in report["sections"].items():
+        if section.get("status") not in ("ok", None):
+            lines.append(f"\n{name}: {section['status'].upper()} {section.get('reason', '')}".rstrip())
+    b = report["budget"]
+    lines.append(f"\nwall time {b['elapsed_s']:.0f} s of a {b['budget_s']:.0f} s budget")
+    lines.append("failures: " + ("; ".join(report["failures"]) if report["failures"] else "none"))
+    return lines
+
+
+# --- main -----------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="CPU, tiny nets, step counts and e2e runs, 1 thread (tests)")
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu; cpu with --tiny)")
+    p.add_argument("--out", default="gpu_check.json", help="JSON report (default: ./gpu_check.json)")
+    p.add_argument("--budget-s", type=float, default=450.0, help="wall budget checked before each part (450)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch's CPU threads here, OMP_NUM_THREADS of the e2e runs (0: leave)")
+    p.add_argument("--tf32", choices=("on", "off", "keep"), default="on", help="CUDA, in-process sections (on)")
+    p.add_argument("--cudnn-benchmark", choices=("on", "off", "keep"), default="on", help="likewise (on)")
+    g = p.add_argument_group("stacking probe")
+    g.add_argument("--probe-grid", help="grid of the 28x28 images: one net per sub-domain (4,4)")
+    g.add_argument("--probe-overlap", type=int, default=1, help="(1)")
+    g.add_argument("--probe-model", help="model config (default: the configured local net, vgg_small)")
+    g.add_argument("--probe-batch", type=int, help="batch per net (default: data.batch_size of mnist, 128)")
+    g.add_argument("--probe-batches", type=int, help="distinct batches cycled through (8)")
+    g.add_argument("--probe-steps", type=int, help="timed steps per net and round (100)")
+    g.add_argument("--probe-warmup", type=int, help="untimed steps per net first (5)")
+    g.add_argument("--probe-rounds", type=int, help="timed rounds, order alternating; the best counts (2)")
+    g.add_argument("--probe-precisions", help="fp32[,bf16] (default: fp32,bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--check-steps", type=int, help="float64 steps of the equality check (3)")
+    g = p.add_argument_group("bare loop")
+    g.add_argument("--bare-model", help="model config (default: the configured one, vgg_small)")
+    g.add_argument("--bare-batch", type=int, help="default: data.batch_size of mnist, 128")
+    g.add_argument("--bare-images", type=int, help="images held on the device (20000)")
+    g.add_argument("--bare-steps", type=int, help="timed steps per variant (300)")
+    g.add_argument("--bare-warmup", type=int, help="untimed steps first (30)")
+    g.add_argument("--bare-variants", help=f"subset of {','.join(BARE_VARIANTS)} (default: all on CUDA, fp32 on CPU)")
+    g = p.add_argument_group("end to end")
+    g.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
+    g.add_argument("--precision", help="trainer.precision (default: bf16-mixed on CUDA, 32-true on CPU)")
+    g.add_argument("--mnist-subset", type=int, default=20000, help="data.train_subset of the mnist row (20000)")
+    g.add_argument("--mnist-epochs", type=int, default=3, help="trainer.max_epochs of the mnist row (3)")
+    g.add_argument("--e2e-override", action="append", default=[], help="another override for every row")
+    g.add_argument("--keep", help="keep the run directories in this folder")
+    args = p.parse_args(argv)
+
+    def listed(text: str | None, allowed: tuple[str, ...], what: str) -> list[str]:
+        items = [s for s in (text or "").split(",") if s]
+        bad = sorted(set(items) - set(allowed))
+        if bad:
+            p.error(f"{what}: unknown {bad}; choose from {','.join(allowed)}")
+        return items
+
+    args.device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device")
+    args.sections = listed(args.sections, SECTIONS, "--sections")
+    args.rows = listed(args.rows, ROWS, "--rows")
+    default_precisions, default_variants = ("fp32,bf16", ",".join(BARE_VARIANTS)) if cuda else ("fp32", "fp32")
+    args.probe_precisions = listed(args.probe_precisions or default_precisions, ("fp32", "bf16"), "--probe-precisions")
+    args.bare_variants = listed(args.bare_variants or default_variants, BARE_VARIANTS, "--bare-variants")
+    args.precision = args.precision or ("bf16-mixed" if cuda else "32-true")
+    for name, (normal, tiny) in DEFAULTS.items():  # what the user did not give: normal, or tiny with --tiny
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else normal)
+    try:
+        args.probe_grid = tuple(int(g) for g in str(args.probe_grid).split(","))
+    except ValueError:
+        p.error(f"--probe-grid must be whole numbers separated by commas, e.g. 4,4; got {args.probe_grid!r}")
+    for name in ("probe_batches", "probe_steps", "probe_rounds", "check_steps", "bare_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import hydra  # noqa: F401
+        import omegaconf  # noqa: F401
+    except ImportError as err:
+        log(f"gpu_check: {err}; ddcnn needs hydra-core and omegaconf (see this script's docstring for a GPU machine)")
+        return 2
+    # Development data of this repository beside the checkout, else data/ in it; users set DDCNN_DATA themselves.
+    if "DDCNN_DATA" not in os.environ:
+        for candidate in (ROOT.parent / "shared" / "data", ROOT / "data"):
+            if (candidate / "mnist.npz").is_file():
+                os.environ["DDCNN_DATA"] = str(candidate)
+                break
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return run_all(args)
+    finally:
+        torch.set_num_threads(threads)  # main() also runs inside the test process
+
+
+def run_all(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    deadline = started + args.budget_s
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the stacked and bare sections allocate on the current device too
+        device = torch.device("cuda", torch.cuda.current_device())  # "cuda" -> "cuda:0": one name everywhere
+    found = math_settings()
+    apply_math_policy(device, args.tf32, args.cudnn_benchmark)
+    report: dict[str, object] = {
+        "machine": machine(device),
+        "math_found": found,
+        "math_applied": math_settings(),
+        "args": {k: v for k, v in vars(args).items()},
+        "sections": {},
+        "failures": [],
+        "budget": {"budget_s": args.budget_s, "elapsed_s": 0.0},
+    }
+    out_path = Path(args.out)
+
+    def save() -> None:
+        report["budget"]["elapsed_s"] = time.perf_counter() - started
+        report["budget"]["within"] = report["budget"]["elapsed_s"] <= args.budget_s
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(report, indent=1, default=str))
+
+    m = report["machine"]
+    log(f"gpu_check{' --tiny' if args.tiny else ''}: {m['host']}, device {device}, budget {args.budget_s:.0f} s")
+    if device.type == "cuda":
+        log(
+            f"  GPU {m['gpu']} (sm {m['capability']}, {m['multiprocessors']} SMs, {m['gpu_memory_gib']} GiB), "
+            f"driver {m.get('driver') or '?'}"
+        )
+    log(
+        f"  torch {m['torch']}, CUDA {m['cuda_runtime']}, cuDNN {m['cudnn']}, python {m['python']}, "
+        f"{m['cpu_count']} CPUs, {m['torch_threads']} torch threads, commit {m.get('commit') or '?'}"
+    )
+    log(f"  math found: {json.dumps(found)}")
+    log(f"  math applied to sections 1-2: {json.dumps(report['math_applied'])}")
+    log(f"  data: DDCNN_DATA={os.environ.get('DDCNN_DATA')}")
+
+    runners = {
+        "stacking": lambda: run_stacking(args, device),
+        "bare": lambda: run_bare(args, device),
+        "e2e": lambda: run_e2e(args, device, deadline),
+    }
+    titles = {
+        "stacking": "1. stacking probe: local nets one after another against stacked under torch.func.vmap",
+        "bare": "2. bare PyTorch loop, global CNN",
+        "e2e": "3. end to end: ddcnn-train",
+    }
+    for name in args.sections:
+        log(f"\n{titles[name]}")
+        if time.perf_counter() >= deadline:
+            report["sections"][name] = {"status": "skipped", "reason": "over the time budget"}
+            log("  skipped: over the time budget")
+            save()
+            continue
+        start = time.perf_counter()
+        try:
+            result = runners[name]()
+        except Exception as err:
+            reason = f"{type(err).__name__}: {err}"
+            report["sections"][name] = {"status": "error", "reason": reason, "traceback": traceback.format_exc()}
+            report["failures"].append(f"{name} raised {reason}")
+            log(traceback.format_exc())
+        else:
+            report["sections"][name] = {"status": "ok", "seconds": time.perf_counter() - start, "result": result}
+            if name == "stacking" and not result["check"]["ok"]:
+                c = result["check"]
+                report["failures"].append(
+                    f"stacked training differs from sequential (weights: {c['weight_tensor']} by "
+                    f"{c['weight_abs_diff']:.2e}; gradients: {c['grad_tensor']} by {c['grad_rel_diff']:.2e})"
+                )
+            if name == "e2e":
+                for row in result["rows"]:
+                    if row["status"] in ("failed", "error"):
+                        report["failures"].append(f"e2e {row['row']} {row['status']}: {row['reason']}")
+        log(f"  ({time.perf_counter() - start:.1f} s)")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        save()
+    save()
+    for line in summary(report):
+        log(line)
+    log(f"report: {out_path.resolve()}")
+    return 1 if report["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""bench/gpu_check.py: its tiny mode runs the GPU check's whole path on CPU (stacking probe, bare loop, ddcnn-train)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_check", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_tiny_mode_runs_every_section_and_reads_the_stages(gpu_check, tmp_path):
+    out = tmp_path / "gpu_check.json"
+    threads = torch.get_num_threads()
+    assert gpu_check.main(["--tiny", "--out", str(out), "--rows", "mnist_2x2"]) == 0
+    assert torch.get_num_threads() == threads  # the tiny mode's single thread does not leak into the test process
+    report = json.loads(out.read_text())
+    assert report["failures"] == []
+    assert {name: s["status"] for name, s in report["sections"].items()} == dict.fromkeys(gpu_check.SECTIONS, "ok")
+
+    stacking = report["sections"]["stacking"]["result"]
+    check = stacking["check"]
+    assert stacking["nets"] == 4 and check["ok"] and check["compared_grads"]
+    assert check["weight_abs_diff"] < gpu_check.WEIGHT_ATOL and check["grad_rel_diff"] < gpu_check.GRAD_TOL
+    assert stacking["timings"][0]["ratio"] > 0
+    assert report["sections"]["bare"]["result"]["rows"][0]["images_per_s"] > 0
+
+    (row,) = report["sections"]["e2e"]["result"]["rows"]
+    assert row["status"] == "ok" and "decomposition=2x2" in row["overrides"]
+    stages = {s["stage"]: s for s in row["stages"]}
+    assert list(stages) == ["local 0", "local 1", "local 2", "local 3", "coarse", "global"]
+    for name in ("local 0", "global"):
+        # digits, batch 32, trainer.limit_train_batches=2, 1 epoch: 2 steps of 32 of the 200 training images
+        assert (stages[name]["epochs"], stages[name]["steps"], stages[name]["samples_per_epoch"]) == (1, 2, 64)
+        assert stages[name]["images_per_s"] == pytest.approx(64 / stages[name]["fit_time_s"])
+        assert stages[name]["step_ms"] == pytest.approx(1e3 * stages[name]["fit_time_s"] / 2)
+        assert stages[name]["device"] == "cpu" and stages[name]["peak_mib"] is None
+
+
+def test_stacked_training_is_the_sequential_training_and_the_check_sees_a_difference(gpu_check):
+    """Two float64 steps of 3 nets with batch norm: the stacked weights, running statistics and gradients are the
+    sequential ones (the buffers pass through vmap batched, so batch norm updates each net's own); a running
+    statistic that drifted, or gradients of another scale (which Adam alone would hide), fail the check."""
+    from ddcnn.config import compose
+    from ddcnn.models import vgg_tiny
+
+    cfg = compose([])
+    nets = []
+    for i in range(3):
+        torch.manual_seed(i)
+        nets.append(vgg_tiny(2, 1, 5).double())
+    base, params, buffers = gpu_check.stack(nets)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 8, 1, 6, 6, generator=gen, dtype=torch.float64)  # (batches, nets, batch, C, H, W)
+    y = torch.randint(5, (2, 8), generator=gen)
+    fp32 = gpu_check.autocast(torch.device("cpu"), "fp32")
+    gpu_check.train_sequential(nets, [gpu_check.make_optimizer(cfg, n.parameters()) for n in nets], x, y, 2, 0, fp32)
+    opt = gpu_check.make_optimizer(cfg, list(params.values()))
+    gpu_check.train_stacked(gpu_check.stacked_loss(base), params, buffers, opt, x, y, 2, 0, fp32)
+    check = gpu_check.mismatch(nets, params, buffers)
+    assert check["ok"] and check["compared_grads"]
+    assert int(buffers["features.1.num_batches_tracked"][1]) == 2
+    assert not torch.equal(buffers["features.1.running_mean"][0], buffers["features.1.running_mean"][1])
+
+    params["head.3.weight"].grad[1] /= 3
+    check = gpu_check.mismatch(nets, params, buffers)
+    assert not check["ok"] and check["grad_tensor"] == "net 1 head.3.weight"
+    params["head.3.weight"].grad[1] *= 3
+    buffers["features.1.running_mean"][2, 0] += 1e-4
+    check = gpu_check.mismatch(nets, params, buffers)
+    assert not check["ok"] and check["weight_tensor"] == "net 2 features.1.running_mean"
+
+
+def test_peak_memory_is_read_from_whatever_key_meta_json_gives_it(gpu_check):
+    assert gpu_check.peak_memory_from_meta({"gpu": {"peak_memory_bytes": 3 * 2**20}}) == (3.0, "gpu.peak_memory_bytes")
+    assert gpu_check.peak_memory_from_meta({"gpu_peak_mem_mib": 5, "time_s": 1.0}) == (5.0, "gpu_peak_mem_mib")
+    assert gpu_check.peak_memory_from_meta({"time_s": 1.0, "peak_memory_ok": True}) == (None, None)
