@@ -72,7 +72,11 @@ def test_workers_map_the_parents_store_entry_and_train_the_same_nets(make_cfg, t
         "parallel.threads_per_worker=1",
         run_dir=tmp_path / "m",
     )
-    train(memory)
+    threads = torch.get_num_threads()
+    try:
+        train(memory)
+    finally:
+        torch.set_num_threads(threads)  # parallel.threads_per_worker applies to this process: later tests keep theirs
     for i in (0, 3):
         a = RunDir(memory.paths.run_dir).load_probs("local", "test", i)["logits"]
         assert torch.equal(a, run.load_probs("local", "test", i)["logits"])
