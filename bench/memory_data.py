@@ -13,10 +13,11 @@ that process, ``wait4``), side by side in one run, on ``data=adrenal3d_64`` (1,5
    lower of two runs each: a peak moves by tens of MB from run to run on a busy machine); the growth divided by the
    raw bytes added. Target <= 0.3 (the issue measured about 12).
 3. step time of the local net on mapped data against data in memory, page cache warm, alternating rounds in one
-   process. Target: mapped / memory <= 1.10. On a busy machine the compute of a step varies more than the data path
-   costs: the ratio is given of the medians and of the fastest rounds (the least disturbed, as ``timeit`` takes), and
-   from the data path alone: (memory step + mapped batch - memory batch) / memory step. The target is checked on the
-   fastest rounds and on the data path.
+   process, one thread (the machine's other load then disturbs less). Target: mapped / memory <= 1.10. On a busy
+   machine the compute of a step varies more than the data path costs: the ratio is given of the medians, of the
+   fastest rounds (the least disturbed, as ``timeit`` takes), of the CPU time per step, and from the data path alone:
+   (memory step + mapped batch - memory batch) / memory step. The target is checked on the fastest rounds and on the
+   data path.
 4. ``--ct-gb 3``: a synthetic int16 CT-like study of that size (HU, windowed like ``chest_ct``: ``data.window=
    [-1000, 400]``), written under ``--workdir`` as an uncompressed ``.npz`` and deleted afterwards; a local net
    (2x2x2) trains on it. Target: peak RSS below the dataset's size. Its preparation (streamed into the store) is
@@ -28,6 +29,7 @@ them.
 
     python bench/memory_data.py                 # about 15 minutes on a quiet 2-core machine, 4 GB of /tmp
     python bench/memory_data.py --ct-gb 0       # without the CT study
+    python bench/memory_data.py --parts steps   # one of rss,growth,steps,ct
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ from ddcnn.config import compose
 from ddcnn.context import build_context, build_local_net
 from ddcnn.data.datamodule import PreparedBatches
 overrides, rounds, steps = sys.argv[3:], int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(1)  # no OpenMP threads spinning against the machine's other load: steps vary less
 ctx = {m: build_context(compose([*overrides, f"data.memory.mode={m}"], "/tmp/ddcnn-bench-unused"), claim=False)
        for m in ("mapped", "memory")}
 box = ctx["mapped"].decomposition.box(0)
@@ -135,12 +138,14 @@ net = build_local_net(ctx["memory"].cfg, ctx["memory"].data)
 opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
 n = batches["memory"].size("train")
 order = torch.randperm(n).split(int(ctx["memory"].cfg.data.batch_size))
-def run(dm):
-    start = time.perf_counter()
+cpu = {"mapped": [], "memory": []}
+def run(dm, mode):
+    start, start_cpu = time.perf_counter(), time.process_time()
     for k in range(steps):
         x, y = dm.train_batch(order[k % len(order)], 0, torch.device("cpu"))
         loss = F.cross_entropy(net(x), y)
         opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
+    cpu[mode].append((time.process_time() - start_cpu) / steps)
     return (time.perf_counter() - start) / steps
 def data_only(dm):
     start = time.perf_counter()
@@ -151,8 +156,9 @@ warm = [data_only(batches["mapped"]), data_only(batches["memory"])]  # page cach
 out = {"mapped": [], "memory": [], "data_mapped": [], "data_memory": []}
 for r in range(rounds):
     for m in (("mapped", "memory") if r % 2 == 0 else ("memory", "mapped")):
-        out[m].append(run(batches[m]))
+        out[m].append(run(batches[m], m))
         out["data_" + m].append(data_only(batches[m]))
+out.update({"cpu_" + k: v for k, v in cpu.items()})
 print(json.dumps({**{k: statistics.median(v) for k, v in out.items()}, **{"min_" + k: min(v) for k, v in out.items()}}))
 """
 
@@ -197,30 +203,43 @@ def main() -> None:
     parser.add_argument("--ct-gb", type=float, default=3.0, help="size of the synthetic CT study (0: skip it)")
     parser.add_argument("--rounds", type=int, default=8, help="alternating rounds of the step-time comparison")
     parser.add_argument("--steps", type=int, default=8, help="training steps per round")
+    parser.add_argument("--parts", default="rss,growth,steps,ct", help="which of rss,growth,steps,ct (default: all)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     args = parser.parse_args()
     if not (SHARED_DATA / "adrenalmnist3d_64.npz").is_file() and "DDCNN_DATA" not in os.environ:
         raise SystemExit(f"needs adrenalmnist3d_64.npz (in {SHARED_DATA} or $DDCNN_DATA)")
     work = Path(tempfile.mkdtemp(prefix="ddcnn-memory-data-", dir=args.workdir))
-    store = work / "store"
-    env = _env(store)
+    env = _env(work / "store")
     print(f"work folder {work}; load {_load()} on {os.cpu_count()} cores")
+    results: dict[str, bool] = {}
+    parts = set(args.parts.split(","))
     try:
-        _run(args, work, env)
+        half = 594  # of the 1188 training volumes
+        if parts & {"rss", "growth"}:  # the store entries the rows use, each prepared once (a sweep would find them)
+            for extra in ([], [f"data.train_subset={half}"]):
+                rss = _prepare([*ADRENAL, "data.memory.mode=mapped", *extra], env, work / "prepare.log")
+                print(f"prepared adrenal3d_64 {' '.join(extra) or '(all)'} into the store: peak RSS {rss / GB:.2f} GB")
+        if "rss" in parts:
+            _rss_rows(work, env, results)
+        if "growth" in parts:
+            _growth(work, env, results, half)
+        if "steps" in parts:
+            _steps(args, env, results)
+        if "ct" in parts and args.ct_gb > 0:
+            _ct_study(args, work, env, results)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    print()
+    for name, ok in results.items():
+        print(f"{_status(ok)}  {name}")
+    print(f"(load now {_load()}; times and RSS of a shared machine)")
 
 
-def _run(args, work: Path, env: dict) -> None:
-    results: dict[str, bool] = {}
-    # 0. the store entries the rows use, each prepared once (a sweep would find them)
-    half = 594  # of the 1188 training volumes
-    for extra in ([], [f"data.train_subset={half}"]):
-        rss = _prepare([*ADRENAL, "data.memory.mode=mapped", *extra], env, work / "prepare.log")
-        print(f"prepared adrenal3d_64 {' '.join(extra) or '(all)'} into the store: peak RSS {rss / GB:.2f} GB")
+def _rss_rows(work: Path, env: dict, results: dict) -> None:
+    """1. Peak RSS, mapped (auto) against in memory; the same numbers."""
+    import torch
 
-    # 1. peak RSS, mapped (auto) against in memory; the same numbers
     rows = {}
     for mode in ("auto", "memory"):
         for stage in ("local", "global"):
@@ -234,8 +253,6 @@ def _run(args, work: Path, env: dict) -> None:
                 f"{stage:6s} data.memory.mode={mode:6s}: peak RSS {rss / GB:5.2f} GB, data {_data_mb(meta):7.1f} MB "
                 f"({meta['data']['holding']}), test acc {meta['accuracy']['test']:.4f}, {wall:5.0f} s (load {load})"
             )
-    import torch
-
     same = all(
         torch.equal(
             torch.load(rows[(s, "auto")][3] / d / "probs_test.pt")["logits"],
@@ -247,7 +264,9 @@ def _run(args, work: Path, env: dict) -> None:
     results["global peak RSS <= 3.0 GB (default, mapped)"] = rows[("global", "auto")][0] <= 3.0 * GB
     results["same test logits, mapped and in memory (bitwise)"] = same
 
-    # 2. growth with the training set
+
+def _growth(work: Path, env: dict, results: dict, half: int) -> None:
+    """2. Growth of a local net's peak RSS with the training set."""
     peaks: dict[int, list[float]] = {half: [], 1188: []}
     for repeat in range(2):
         for n, extra in ((half, [f"data.train_subset={half}"]), (1188, [])):
@@ -265,7 +284,9 @@ def _run(args, work: Path, env: dict) -> None:
     )
     results["growth ratio <= 0.3"] = growth <= 0.3
 
-    # 3. step time, mapped against in memory
+
+def _steps(args, env: dict, results: dict) -> None:
+    """3. Step time of a local net, mapped against in memory."""
     load = _load()
     code = [sys.executable, "-c", _STEPS, str(args.rounds), str(args.steps), *ADRENAL]
     out = subprocess.run(code, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -273,62 +294,59 @@ def _run(args, work: Path, env: dict) -> None:
         raise SystemExit(f"step-time comparison failed:\n{out.stderr[-3000:]}")
     t = json.loads(out.stdout.strip().splitlines()[-1])
     ratio, fastest = t["mapped"] / t["memory"], t["min_mapped"] / t["min_memory"]
+    cpu_ratio = t["cpu_mapped"] / t["cpu_memory"]
     data_ratio = (t["memory"] + t["data_mapped"] - t["data_memory"]) / t["memory"]
     print(
-        f"step time of local net 0 ({args.rounds} rounds of {args.steps} steps, warm page cache): median mapped "
-        f"{t['mapped'] * 1e3:.1f} ms, in memory {t['memory'] * 1e3:.1f} ms, ratio {ratio:.3f}; fastest rounds "
-        f"{t['min_mapped'] * 1e3:.1f} and {t['min_memory'] * 1e3:.1f} ms, ratio {fastest:.3f}; the batch alone "
-        f"{t['data_mapped'] * 1e3:.2f} ms and {t['data_memory'] * 1e3:.2f} ms, ratio from the data path "
-        f"{data_ratio:.3f} (load {load} -> {_load()})"
+        f"step time of local net 0 (1 thread, {args.rounds} rounds of {args.steps} steps, warm page cache): median "
+        f"mapped {t['mapped'] * 1e3:.1f} ms, in memory {t['memory'] * 1e3:.1f} ms, ratio {ratio:.3f}; fastest rounds "
+        f"{t['min_mapped'] * 1e3:.1f} and {t['min_memory'] * 1e3:.1f} ms, ratio {fastest:.3f}; CPU time per step "
+        f"ratio {cpu_ratio:.3f}; the batch alone {t['data_mapped'] * 1e3:.2f} ms and {t['data_memory'] * 1e3:.2f} ms, "
+        f"ratio from the data path {data_ratio:.3f} (load {load} -> {_load()})"
     )
     results["step time mapped / in memory <= 1.10 (fastest rounds and data path)"] = (
         fastest <= 1.10 and data_ratio <= 1.10
     )
 
-    # 4. the synthetic CT study
-    if args.ct_gb > 0:
-        path = work / "ct_study.npz"
-        start = time.perf_counter()
-        n, per = _write_ct(path, args.ct_gb)
-        size = path.stat().st_size
-        print(
-            f"CT study: {n} int16 volumes of 128x128x64 HU, {size / GB:.2f} GB on disk ({2 * n * per / GB:.1f} GB as "
-            f"float32), written in {time.perf_counter() - start:.0f} s"
-        )
-        ct = [
-            "data=mnist",
-            f"data.path={path}",
-            "data.name=ct_study",
-            "data.source.name=ct_study",
-            "data.source.spatial_dims=3",
-            "data.spatial_dims=3",
-            "data.num_classes=2",
-            "data.window=[-1000,400]",
-            "data.batch_size=2",
-            "decomposition=2x2x2",
-            "model=vgg_tiny",
-            "data.memory.mode=mapped",
-        ]
-        load, start = _load(), time.perf_counter()
-        rss = _prepare(ct, env, work / "ct_prepare.log")
-        took = time.perf_counter() - start
-        print(f"CT study prepared into the store (streamed): peak RSS {rss / GB:.2f} GB, {took:.0f} s (load {load})")
-        load = _load()
-        run_dir = work / "ct_local"
-        rss, wall = _train([*ct, *SHORT, "trainer.limit_train_batches=4", "stage=local", "subdomain=0"], run_dir, env,
-                           work / "ct.log")  # fmt: skip
-        meta = _meta(run_dir, "local")
-        print(
-            f"CT study, local net 0 of 2x2x2: peak RSS {rss / GB:.2f} GB against {size / GB:.2f} GB of data, data "
-            f"{_data_mb(meta):.1f} MB, {wall:.0f} s (load {load})"
-        )
-        results["CT study: local net peak RSS below the dataset's size"] = rss < size
-        path.unlink()
 
-    print()
-    for name, ok in results.items():
-        print(f"{_status(ok)}  {name}")
-    print(f"(load now {_load()}; times and RSS of a shared machine)")
+def _ct_study(args, work: Path, env: dict, results: dict) -> None:
+    """4. A local net on a synthetic int16 CT study larger than memory would allow as float32."""
+    path = work / "ct_study.npz"
+    start = time.perf_counter()
+    n, per = _write_ct(path, args.ct_gb)
+    size = path.stat().st_size
+    print(
+        f"CT study: {n} int16 volumes of 128x128x64 HU, {size / GB:.2f} GB on disk ({2 * n * per / GB:.1f} GB as "
+        f"float32), written in {time.perf_counter() - start:.0f} s"
+    )
+    ct = [
+        "data=mnist",
+        f"data.path={path}",
+        "data.name=ct_study",
+        "data.source.name=ct_study",
+        "data.source.spatial_dims=3",
+        "data.spatial_dims=3",
+        "data.num_classes=2",
+        "data.window=[-1000,400]",
+        "data.batch_size=2",
+        "decomposition=2x2x2",
+        "model=vgg_tiny",
+        "data.memory.mode=mapped",
+    ]
+    load, start = _load(), time.perf_counter()
+    rss = _prepare(ct, env, work / "ct_prepare.log")
+    took = time.perf_counter() - start
+    print(f"CT study prepared into the store (streamed): peak RSS {rss / GB:.2f} GB, {took:.0f} s (load {load})")
+    load = _load()
+    run_dir = work / "ct_local"
+    overrides = [*ct, *SHORT, "trainer.limit_train_batches=4", "stage=local", "subdomain=0"]
+    rss, wall = _train(overrides, run_dir, env, work / "ct.log")
+    meta = _meta(run_dir, "local")
+    print(
+        f"CT study, local net 0 of 2x2x2: peak RSS {rss / GB:.2f} GB against {size / GB:.2f} GB of data, data "
+        f"{_data_mb(meta):.1f} MB, {wall:.0f} s (load {load})"
+    )
+    results["CT study: local net peak RSS below the dataset's size"] = rss < size
+    path.unlink()
 
 
 if __name__ == "__main__":
