@@ -41,6 +41,8 @@ __all__ = [
     "build_local_net",
     "build_global_net",
     "build_coarse_net",
+    "coarse_net_spec",
+    "finished_coarse_spec",
     "count_parameters",
     "ddp_devices",
     "assemble_cnn_dnn",
@@ -138,11 +140,17 @@ def _positive_int(cfg: DictConfig, key: str) -> None:
 
 def check_settings(cfg: DictConfig) -> None:
     """Settings that would only fail deep inside a stage, checked before anything is read or written."""
-    for key in ("data.batch_size", "coarse.batch_size", "trainer.max_epochs", "coarse.max_epochs"):
+    for key in ("data.batch_size", "trainer.max_epochs"):
         _positive_int(cfg, key)
+    for key in ("coarse.batch_size", "coarse.max_epochs", "coarse.steps"):
+        if OmegaConf.select(cfg, key) not in ("auto", None):
+            _positive_int(cfg, key)
     kind = cfg.coarse.get("input", "probs")
     if kind not in ("probs", "logits"):
         raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
+    monitor = cfg.coarse.get("monitor", "val_loss")
+    if monitor not in ("val_loss", "val_acc"):
+        raise ValueError(f"coarse.monitor must be val_loss or val_acc (the validation split selects), got {monitor!r}.")
     frac = cfg.data.get("val_fraction", 0.1)
     if not isinstance(frac, int | float) or not 0 < frac < 1:
         raise ValueError(f"data.val_fraction must lie strictly between 0 and 1, got {frac!r}.")
@@ -279,8 +287,36 @@ def build_global_net(cfg: DictConfig, data: Prepared) -> nn.Module:
     return _build(cfg.get("global_model") or cfg.model, data)
 
 
-def build_coarse_net(cfg: DictConfig, num_subdomains: int, num_classes: int) -> nn.Module:
-    return instantiate(cfg.coarse.net, num_subdomains=num_subdomains, num_classes=num_classes)
+def coarse_net_spec(cfg: DictConfig, kind: str | None = None) -> dict:
+    """The coarse DNN's constructor settings (``coarse.net``) for local outputs of ``kind`` (default
+    ``coarse.input``), as plain data: the coarse stage records them in its ``meta.json``, and a finished coarse DNN is
+    rebuilt from that record (:func:`finished_coarse_spec`), whatever the configuration says today."""
+    spec = OmegaConf.to_container(cfg.coarse.net, resolve=True)
+    target = str(spec.get("_target_", ""))
+    if target.endswith("CoarseMLP"):
+        spec["inputs"] = str(kind or cfg.coarse.get("input", "probs"))
+    return spec
+
+
+def finished_coarse_spec(ctx: Context, stage: str = "coarse") -> dict:
+    """The settings a finished coarse stage was built with: those recorded in its ``meta.json``; for a stage
+    finished before ddcnn recorded them, the configuration's ``coarse.net`` without the settings added since (input
+    scaling, skips), whose defaults are the plain MLP that such a stage trained."""
+    meta = ctx.run.meta(stage)
+    if isinstance(meta.get("coarse_net"), dict):
+        return dict(meta["coarse_net"])
+    spec = OmegaConf.to_container(ctx.cfg.coarse.net, resolve=True)
+    for key in ("inputs", "input_norm", "skip", "linear"):
+        spec.pop(key, None)
+    return spec
+
+
+def build_coarse_net(
+    cfg: DictConfig, num_subdomains: int, num_classes: int, kind: str | None = None, spec: dict | None = None
+) -> nn.Module:
+    """The coarse DNN of ``spec`` (default: :func:`coarse_net_spec` of ``cfg`` for local outputs of ``kind``)."""
+    spec = coarse_net_spec(cfg, kind) if spec is None else spec
+    return instantiate(spec, num_subdomains=num_subdomains, num_classes=num_classes)
 
 
 def count_parameters(net: nn.Module) -> int:
@@ -298,7 +334,8 @@ def assemble_cnn_dnn(ctx: Context) -> CNNDNN:
         net = build_local_net(ctx.cfg, ctx.data)
         net.load_state_dict(torch.load(ctx.run.stage_dir("local", i) / "net.pt", weights_only=True))
         nets.append(net)
-    coarse = build_coarse_net(ctx.cfg, n, ctx.data.num_classes)
+    kind = str(ctx.run.meta("coarse").get("input") or ctx.cfg.coarse.get("input", "probs"))
+    coarse = build_coarse_net(ctx.cfg, n, ctx.data.num_classes, kind=kind, spec=finished_coarse_spec(ctx))
     coarse.load_state_dict(torch.load(ctx.run.stage_dir("coarse") / "net.pt", weights_only=True))
-    model = CNNDNN(ctx.decomposition, nets, coarse, str(ctx.cfg.coarse.get("input", "probs")))
+    model = CNNDNN(ctx.decomposition, nets, coarse, kind)
     return model.eval()

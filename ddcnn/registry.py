@@ -121,6 +121,22 @@ STAGES: tuple[Stage, ...] = (
         "a second coarse DNN on the other local output (logits vs probabilities)",
     ),
     Stage(
+        "stacker",
+        "ddcnn.stages.stacker",
+        ("local",),
+        -6,
+        True,
+        ResultRow(
+            "stacker",
+            "convex stacker (logistic regression)",
+            ("local_total", "stacker"),
+            ("local_max", "stacker"),
+            _N,
+            4,
+        ),
+        "the convex stacker: multinomial logistic regression on the local outputs, L2 chosen on validation",
+    ),
+    Stage(
         "e2e",
         "ddcnn.stages.e2e",
         (),

@@ -83,13 +83,62 @@ RENAMED_KEYS = {
 }
 
 
+_ABSENT = object()
+_L2_GRID = [10.0, 1.0, 0.1, 0.01, 0.001, 0.0001]
+# Settings added since a run directory may have been recorded, at their defaults: a record without the key matches
+# a configuration that has this value (a run recorded before the key existed was trained as that default does).
+ADDED_DEFAULTS: dict[str, Any] = {
+    "coarse.steps": 400,
+    "coarse.monitor": "val_loss",
+    "coarse.patience": 3,
+    "coarse.divergence_restarts": 3,
+    "coarse.linear.enabled": True,
+    "coarse.linear.l2_grid": _L2_GRID,
+    "coarse.linear.max_rows": 20000,
+    "coarse.linear.max_iter": 200,
+    "coarse.net.input_norm": "standardize",
+    "coarse.net.skip": "mean_prob",
+    "coarse.net.linear": True,
+    "coarse.scheduler._target_": "torch.optim.lr_scheduler.CosineAnnealingLR",
+    "coarse.scheduler._partial_": True,
+    "methods.stacker.l2_grid": _L2_GRID,
+    "methods.stacker.max_iter": 200,
+}
+# Defaults that changed: a record with the old default matches a configuration with the new one (key -> (old, new)).
+# Only the coarse DNN's recipe is here: a finished coarse stage stays finished, and its meta.json records how it was
+# trained (coarse_net, fit); force=true retrains it with today's recipe.
+CHANGED_DEFAULTS: dict[str, tuple[Any, Any]] = {
+    "coarse.max_epochs": (8, "auto"),
+    "coarse.batch_size": (1024, "auto"),
+    "coarse.optimizer.lr": (0.02, 0.003),
+}
+
+
+def _same_value(key: str, old: Any, new: Any) -> bool:
+    if old == new:
+        return True
+    if old is _ABSENT:
+        return key in ADDED_DEFAULTS and new == ADDED_DEFAULTS[key]
+    if key in CHANGED_DEFAULTS:
+        before, now = CHANGED_DEFAULTS[key]
+        return old == before and new == now
+    return False
+
+
 def _same_settings(recorded: Mapping, settings: Mapping) -> bool:
     """Whether recorded settings (maybe of an older ddcnn) match ``settings`` up to renamed keys, keys that no
-    longer change results, and keys added since with a null value."""
+    longer change results, keys added since with a null value or their default (:data:`ADDED_DEFAULTS`), and
+    defaults that changed (:data:`CHANGED_DEFAULTS`)."""
     old = {RENAMED_KEYS.get(k, k): v for k, v in flatten(recorded).items()}
     old = {k: v for k, v in old.items() if not any(k == p or k.startswith(p + ".") for p in NON_RESULT_KEYS)}
     new = flatten(settings)
-    return all(old.get(k) == new.get(k) for k in old.keys() | new.keys())
+    for key in old.keys() | new.keys():
+        before, now = old.get(key, _ABSENT), new.get(key)
+        if before is _ABSENT and now is None:
+            continue
+        if not _same_value(key, before, now):
+            return False
+    return True
 
 
 def _drop(container: dict, dotted: str) -> None:

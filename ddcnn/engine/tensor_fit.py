@@ -27,7 +27,10 @@ What a fit may ask of the loop beyond plain mini-batch steps:
   starts better than chance may wander above its initial loss without diverging). With ``divergence_restarts=0`` the
   fit raises :class:`Diverged`; with ``R > 0`` it starts again from the initial weights with every learning rate
   multiplied by ``divergence_lr_factor``, at most ``R`` times. The restarts are recorded in the result
-  (``restarts``) and in ``last.ckpt``, so a resumed fit continues the same attempt.
+  (``restarts``) and in ``last.ckpt``, so a resumed fit continues the same attempt;
+- **early stopping** (``patience``): the fit ends once the monitored metric has not improved for ``patience``
+  epochs (the selected weights are those of the best epoch, as always); the epoch it stopped after is in the result
+  (``stopped_epoch``) and in ``last.ckpt``.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ _RESUME_SETTINGS = (
     "limit_train_batches",
     "limit_val_batches",
     "divergence_restarts",
+    "patience",
 )
 
 
@@ -118,6 +122,7 @@ class FitResult:
         hook_time_s: Time this process spent in the ``after_epoch`` hook, outside ``fit_time_s``.
         restarts: One entry per divergence restart: ``{"epoch", "reason", "lr_scale"}`` (the scale after it).
         initial_loss: The loss of the first training batch before the first step (of the last attempt).
+        stopped_epoch: The epoch after which early stopping (``patience``) ended the fit, else ``None``.
     """
 
     net: nn.Module
@@ -128,6 +133,7 @@ class FitResult:
     previous_time_s: float = 0.0
     resumed_from_epoch: int | None = None
     hook_time_s: float = 0.0
+    stopped_epoch: int | None = None
     restarts: list[dict] = field(default_factory=list)
     initial_loss: float | None = None
 
@@ -366,6 +372,7 @@ def fit_tensors(
     divergence_restarts: int | None = None,
     divergence_factor: float = 2.0,
     divergence_lr_factor: float = 0.1,
+    patience: int | None = None,
     start: float | None = None,
     write_best: bool = True,
     batches: Any = None,
@@ -418,6 +425,8 @@ def fit_tensors(
             rates times ``divergence_lr_factor``, at most ``R`` times (see the module doc for the rule).
         divergence_factor: An epoch whose mean training loss exceeds this multiple of the initial loss diverged.
         divergence_lr_factor: What each restart multiplies the learning rates by.
+        patience: Stop once the monitored metric has not improved for this many epochs (``None``: train
+            ``max_epochs``).
         start: ``time.perf_counter()`` at the start of the caller's stage, which the training time counts from
             (default: the call of this function).
         write_best: Also write ``best.ckpt`` with the selected weights at the end.
@@ -450,6 +459,8 @@ def fit_tensors(
         raise ValueError(f"gradient_clip_val must be > 0 (or null: no clipping), got {gradient_clip_val!r}.")
     if divergence_restarts is not None and int(divergence_restarts) < 0:
         raise ValueError(f"divergence_restarts must be >= 0 or null (no check), got {divergence_restarts!r}.")
+    if patience is not None and (isinstance(patience, bool) or int(patience) < 1):
+        raise ValueError(f"patience must be a positive number of epochs or null (no early stopping), got {patience!r}.")
     if float(divergence_factor) <= 1.0:
         raise ValueError(f"divergence_factor must be > 1, got {divergence_factor!r}.")
     if not 0.0 < float(divergence_lr_factor) < 1.0:
@@ -485,6 +496,7 @@ def fit_tensors(
         ("limit_train_batches", limit_train_batches),
         ("limit_val_batches", limit_val_batches),
         ("divergence_restarts", divergence_restarts),
+        ("patience", patience),
     ):
         if value is not None:
             settings[key] = value
@@ -511,6 +523,7 @@ def fit_tensors(
     history: list[dict[str, float]] = []
     best_state, best_metric, best_epoch = None, None, -1
     first_epoch, previous_time, resumed_from, step = 0, 0.0, [], 0
+    stopped_epoch: int | None = None
     restarts: list[dict] = []
     lr_scale, initial_loss, num_classes = 1.0, None, 2
     state = _load_checkpoint(last, settings)
@@ -528,6 +541,7 @@ def fit_tensors(
         history = list(state["history"])
         best_state, best_metric, best_epoch = state["best"]["net"], state["best"]["metric"], state["best"]["epoch"]
         first_epoch, previous_time = int(state["epoch"]) + 1, float(state["fit_time_s"])
+        stopped_epoch = state.get("stopped_epoch")
         resumed_from = [*state.get("resumed_from", []), int(state["epoch"])]
         step = int(history[-1]["step"]) if history else 0
         log.info("%s: resuming from %s (after epoch %d)", folder, last, state["epoch"])
@@ -558,6 +572,7 @@ def fit_tensors(
             "initial_loss": initial_loss,
             "num_classes": num_classes,
             "initial_state": initial_state,
+            "stopped_epoch": stopped_epoch,
         }
         atomic_torch_save(checkpoint, last)
         atomic_write_text(metrics_path, _metrics_csv(history))
@@ -592,7 +607,7 @@ def fit_tensors(
     x_epoch = y_epoch = None
     epoch = first_epoch
     with torch.random.fork_rng(devices=devices):  # seeded per epoch below; the caller's generators stay as they were
-        while epoch < max_epochs:
+        while epoch < max_epochs and stopped_epoch is None:
             gen = _epoch_generator(seed, epoch)
             order = torch.randperm(n_train, generator=gen) if batch < n_train else None
             if stream:
@@ -689,7 +704,12 @@ def fit_tensors(
                 due = time.perf_counter() - last_write[0] >= float(checkpoint_every_s)
             else:
                 due = (epoch + 1) % checkpoint_every == 0
-            if due or epoch == max_epochs - 1:
+            if patience is not None and epoch - best_epoch >= int(patience) and epoch < max_epochs - 1:
+                stopped_epoch = epoch
+                log.debug(
+                    "%s: no improvement of %s for %d epochs, stopping after epoch %d", folder, monitor, patience, epoch
+                )
+            if due or epoch == max_epochs - 1 or stopped_epoch is not None:
                 save(epoch)
             if on_epoch_end is not None:
                 on_epoch_end(epoch, row)
@@ -721,6 +741,7 @@ def fit_tensors(
         previous_time_s=previous_time,
         resumed_from_epoch=resumed_from[-1] if resumed_from else None,
         hook_time_s=hook_time[0],
+        stopped_epoch=stopped_epoch,
         restarts=restarts,
         initial_loss=initial_loss,
     )

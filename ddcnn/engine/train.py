@@ -149,12 +149,13 @@ class EpochReporter:
         cfg: The run configuration (``logger``, ``trainer.enable_progress_bar``).
         folder: The stage folder (where the loggers write).
         max_epochs: Epochs of the training.
+        every: Log a line every this many epochs (and after the last one), for trainings of many short epochs.
 
     The bar starts at the first epoch reported (a resumed training's).
     """
 
-    def __init__(self, cfg: DictConfig, folder: Path, max_epochs: int) -> None:
-        self.name, self.max_epochs = stage_name(folder), int(max_epochs)
+    def __init__(self, cfg: DictConfig, folder: Path, max_epochs: int, every: int = 1) -> None:
+        self.name, self.max_epochs, self.every = stage_name(folder), int(max_epochs), max(1, int(every))
         self.loggers = build_loggers(cfg, folder)
         self.use_bar = (cfg.get("trainer") or {}).get("enable_progress_bar") is not False and sys.stderr.isatty()
         self.bar = None
@@ -171,7 +172,7 @@ class EpochReporter:
                 self.bar = tqdm(total=self.max_epochs, initial=epoch, desc=self.name, unit="epoch", leave=False)
             self.bar.set_postfix({k: f"{v:.4f}" for k, v in shown.items()}, refresh=False)
             self.bar.update(1)
-        else:
+        elif (epoch + 1) % self.every == 0 or epoch + 1 == self.max_epochs:
             text = " ".join(f"{k} {v:.4f}" for k, v in shown.items())
             log.info("%s: epoch %d/%d %s", self.name, epoch + 1, self.max_epochs, text)
 

@@ -10,15 +10,17 @@ exported CNN-DNN computes exactly what was trained:
   deviation of the training rows (:meth:`CoarseMLP.fit_input_scaling`, kept as buffers in the state dict). Local
   logits range over tens of units and probabilities saturate near 0 and 1; unscaled, the same learning rate is too
   large for one and too small for the other;
-- **the averaging combiner as its starting point** (``skip="mean_prob"``): the output is ``log(mean_i p_i)``, the
-  log of the mean of the local class probabilities (the "mean probability" combiner), plus the MLP's correction,
-  whose last layer starts near zero. The untrained network is the averaging combiner; training learns what the
-  local nets' joint outputs say beyond their average (which sub-domain to trust for which class), and a correction
-  that does not help on validation can be switched off (:meth:`CoarseMLP.zero_correction`). With few rows per
-  class an MLP fit from scratch cannot learn what averaging gets for free (measured: 100 rows of 100 classes, the
-  mean of 4 local nets 0.80 accuracy, a plain MLP or logistic regression at chance).
+- **skip connections that contain the simpler combiners** (``skip="mean_prob"``, ``linear=True``): the output is
+  ``log(mean_i p_i)`` (the log of the mean of the local class probabilities: the "mean probability" combiner) plus
+  a linear map of the scaled inputs plus the MLP, whose last layers start at (near) zero. The untrained network is
+  the averaging combiner; the linear path can hold a multinomial logistic regression (the convex stacker, fit
+  exactly by :mod:`ddcnn.stages.coarse`); the hidden layers learn what neither captures. With few rows per class
+  an MLP fit from scratch cannot learn what averaging gets for free (measured on synthetic local outputs: 100 rows
+  of 100 classes, the mean of 4 local nets 0.80 accuracy, a plain MLP and a logistic regression near chance); with
+  many classes and rows a small MLP trained for a few hundred steps trails the converged logistic regression by 1-3
+  points. The skips keep both simpler combiners inside the coarse DNN.
 
-``skip="none"`` and ``input_norm="none"`` give the paper's plain MLP on the raw local outputs.
+``skip="none"``, ``linear=False`` and ``input_norm="none"`` give the paper's plain MLP on the raw local outputs.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ INPUT_NORMS = ("standardize", "none")
 SKIPS = ("mean_prob", "none")
 # Standard deviations below this are a constant feature: it is centred but not divided (no noise amplification).
 _MIN_STD = 1e-4
-# The last layer starts at this scale of PyTorch's default initialisation when the averaging skip is on: the
-# untrained network is the averaging combiner up to a small correction, and every weight still gets a gradient.
+# With the averaging skip the MLP's last layer starts at this scale of PyTorch's default initialisation (the linear
+# path at zero): the untrained network is the averaging combiner up to a small correction, and every weight still
+# gets a gradient.
 _SKIP_INIT_SCALE = 1e-2
 # Probabilities are clamped to this before the log of their mean (a class that every local net rules out).
 _MIN_PROB = 1e-12
@@ -62,6 +65,8 @@ class CoarseMLP(nn.Module):
         input_norm: ``standardize`` (per-feature mean and standard deviation of the training rows, set by
             :meth:`fit_input_scaling`; identity until then) or ``none``.
         skip: ``mean_prob`` (output = log of the mean local probability + the MLP's correction) or ``none``.
+        linear: Add a linear map of the scaled inputs to the output, beside the hidden layers (ignored without
+            hidden layers, where the MLP is that map).
 
     Attributes:
         in_features: ``num_subdomains * num_classes``.
@@ -78,6 +83,7 @@ class CoarseMLP(nn.Module):
         inputs: str = "probs",
         input_norm: str = "none",
         skip: str = "none",
+        linear: bool = False,
     ) -> None:
         super().__init__()
         _layers.check_positive(num_subdomains=num_subdomains, num_classes=num_classes)
@@ -110,13 +116,27 @@ class CoarseMLP(nn.Module):
             features = width
         modules.append(nn.Linear(features, num_classes))
         self.mlp = nn.Sequential(*modules)
+        # The linear path: an nn.Linear beside the hidden layers (TorchScript needs a module, not None).
+        self.has_linear = bool(linear) and len(hidden) > 0
+        self.linear = nn.Linear(self.in_features, num_classes) if self.has_linear else nn.Identity()
         self.register_buffer("input_mean", torch.zeros(self.in_features))
         self.register_buffer("input_std", torch.ones(self.in_features))
         if skip == "mean_prob":
-            last = self.mlp[-1]
             with torch.no_grad():
-                last.weight.mul_(_SKIP_INIT_SCALE)
-                last.bias.zero_()
+                self.mlp[-1].weight.mul_(_SKIP_INIT_SCALE)
+                self.mlp[-1].bias.zero_()
+                if self.has_linear:
+                    self.linear.weight.zero_()
+                    self.linear.bias.zero_()
+
+    def linear_layer(self) -> nn.Linear:
+        """The layer that maps the scaled inputs linearly to the output: the linear path, or the whole MLP when it has
+        no hidden layer."""
+        if self.has_linear:
+            return self.linear
+        if len(self.mlp) == 1:
+            return self.mlp[0]
+        raise ValueError("this coarse DNN has no linear path (coarse.net.linear=false with hidden layers).")
 
     def _flat(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 3:
@@ -145,25 +165,23 @@ class CoarseMLP(nn.Module):
         self.input_mean.copy_(mean.to(self.input_mean.dtype))
         self.input_std.copy_(std.to(self.input_std.dtype))
 
-    @torch.no_grad()
-    def zero_correction(self) -> None:
-        """Make the network the averaging combiner exactly (``skip="mean_prob"``): the MLP's last layer to zero."""
-        if self.skip != "mean_prob":
-            raise ValueError("zero_correction needs skip='mean_prob': without the skip the network would output zeros.")
-        last = self.mlp[-1]
-        last.weight.zero_()
-        last.bias.zero_()
+    def scale_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """The scaled, flattened inputs ``(B, N * K)`` that the linear path and the hidden layers see."""
+        return (self._flat(x) - self.input_mean) / self.input_std
 
     def averaging_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``log(mean_i p_i)``: the mean-probability combiner as logits, for local scores ``(B, N, K)`` or flat."""
         scores = self._flat(x).view(-1, self.num_subdomains, self.num_classes)
         probs = scores.softmax(dim=-1) if self.inputs == "logits" else scores
-        return probs.mean(dim=1).clamp_min(_MIN_PROB).log()
+        return probs.mean(dim=1).clamp_min(1e-12).log()  # 1e-12: _MIN_PROB (TorchScript takes no globals)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return logits ``(B, num_classes)`` for local scores ``(B, num_subdomains, num_classes)`` or flattened."""
         flat = self._flat(x)
-        out = self.mlp((flat - self.input_mean) / self.input_std)
+        z = (flat - self.input_mean) / self.input_std
+        out = self.mlp(z)
+        if self.has_linear:
+            out = out + self.linear(z)
         if self.skip == "mean_prob":
             out = out + self.averaging_logits(flat)
         return out
@@ -174,6 +192,4 @@ class CoarseMLP(nn.Module):
             key = prefix + name
             if key not in state_dict:
                 state_dict[key] = torch.zeros_like(default) if name == "input_mean" else torch.ones_like(default)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
-        )
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)

@@ -364,7 +364,7 @@ def method_rows(results: dict) -> list[dict]:
         projected = _sum(t, row.projected)
         if stage is None:
             row_params = p.get("local_total")
-        elif stage in ("coarse", "coarse_alt"):
+        elif stage in ("coarse", "coarse_alt", "stacker"):
             row_params = None if p.get(stage) is None else p.get("local_total", 0) + p[stage]
         else:
             row_params = p.get(stage)

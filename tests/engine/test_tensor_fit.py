@@ -246,6 +246,18 @@ def test_a_restarted_training_resumes_in_its_last_attempt(tmp_path):
     _assert_same_weights(resumed.net, reference.net)
 
 
+def test_early_stopping_ends_after_patience_epochs_without_improvement_and_stays_stopped(tmp_path):
+    # Validation labels disagree with training labels: validation gets worse as training improves.
+    data = _data(flip_val=True)
+    result = _fit(tmp_path, data=data, monitor="val_loss", monitor_mode="min", patience=2, max_epochs=30)
+    values = [row["val_loss"] for row in result.history]
+    assert result.stopped_epoch == result.best_epoch + 2 == len(values) - 1 < 29
+    assert min(values) == values[result.best_epoch]
+    again = _fit(tmp_path, data=data, monitor="val_loss", monitor_mode="min", patience=2, max_epochs=30)
+    assert again.resumed_from_epoch == result.stopped_epoch and len(again.history) == len(result.history)
+    _assert_same_weights(again.net, result.net)
+
+
 def test_a_checkpoint_of_other_settings_is_refused_and_a_foreign_one_ignored(tmp_path):
     _fit(tmp_path, max_epochs=3)
     with pytest.raises(ValueError, match=r"other settings \(batch_size: 32 -> 16\)"):
