@@ -148,7 +148,7 @@ def check_settings(cfg: DictConfig) -> None:
     kind = cfg.coarse.get("input", "probs")
     if kind not in ("probs", "logits"):
         raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
-    monitor = cfg.coarse.get("monitor", "val_loss")
+    monitor = cfg.coarse.get("monitor", "val_acc")
     if monitor not in ("val_loss", "val_acc"):
         raise ValueError(f"coarse.monitor must be val_loss or val_acc (the validation split selects), got {monitor!r}.")
     frac = cfg.data.get("val_fraction", 0.1)

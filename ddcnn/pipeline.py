@@ -34,7 +34,10 @@ def enabled_stages(cfg: DictConfig) -> list[str]:
         raise ValueError(
             f"methods.enabled has unknown stages {unknown}; the optional stages are {list(OPTIONAL_STAGES)}."
         )
-    return [name for name in OPTIONAL_STAGES if bool(enabled.get(name, False))]
+    wanted = {name for name in OPTIONAL_STAGES if bool(enabled.get(name, False))}
+    for name in list(wanted):  # an enabled method brings the optional stages it needs (coarse_oof: local_oof)
+        wanted |= {r for r in registry.get(name).requires if r in OPTIONAL_STAGES}
+    return [name for name in OPTIONAL_STAGES if name in wanted]
 
 
 def _subdomains(cfg: DictConfig, num_subdomains: int) -> list[int]:

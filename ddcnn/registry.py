@@ -8,7 +8,8 @@ left out of the table. Nothing here imports a stage module: :func:`load` does th
 a coordinating process or the report never imports Lightning.
 
 A row's time is a sum of *terms*: ``local_total`` (all local nets one after another), ``local_max`` (the slowest
-local net: the local nets in parallel) or a stage name (that stage's recorded ``time_s``). A ``key`` or ``name``
+local net: the local nets in parallel), ``local_oof_max`` (the slowest sub-domain's local net and its out-of-fold
+trainings, one device per sub-domain) or a stage name (that stage's recorded ``time_s``). A ``key`` or ``name``
 may contain ``{input}``, filled from the stage's ``meta.json`` (the coarse DNN's input: ``probs`` or ``logits``).
 
 Adding a method: its module in ``ddcnn/stages/`` with ``run(ctx, device) -> meta``, one :class:`Stage` entry below,
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 __all__ = ["ResultRow", "Stage", "STAGES", "OPTIONAL_STAGES", "STAGE_NAMES", "TIME_TERMS", "get", "load", "run"]
 
 # Time terms besides stage names: every local net one after another, and the slowest one.
-TIME_TERMS = ("local_total", "local_max")
+TIME_TERMS = ("local_total", "local_max", "local_oof_max")
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,47 @@ STAGES: tuple[Stage, ...] = (
             4,
         ),
         "the convex stacker: multinomial logistic regression on the local outputs, L2 chosen on validation",
+    ),
+    Stage(
+        "local_oof",
+        "ddcnn.stages.local_oof",
+        (),
+        -7,
+        True,
+        None,
+        "out-of-fold local outputs: k local nets per sub-domain, each predicting the training rows it did not see",
+    ),
+    Stage(
+        "coarse_oof",
+        "ddcnn.stages.coarse_oof",
+        ("local", "local_oof"),
+        -1,
+        True,
+        ResultRow(
+            "cnn_dnn_oof",
+            "CNN-DNN, coarse DNN fit on out-of-fold outputs",
+            ("local_total", "local_oof", "coarse_oof"),
+            ("local_oof_max", "coarse_oof"),
+            _N,
+            3.2,
+        ),
+        "the coarse DNN fit on out-of-fold local outputs (cross-fitting)",
+    ),
+    Stage(
+        "coarse_val",
+        "ddcnn.stages.coarse_val",
+        ("local",),
+        -1,
+        True,
+        ResultRow(
+            "cnn_dnn_val",
+            "CNN-DNN, coarse DNN fit on validation outputs",
+            ("local_total", "coarse_val"),
+            ("local_max", "coarse_val"),
+            _N,
+            3.4,
+        ),
+        "the coarse DNN fit on half of the validation split's local outputs, selected on the other half",
     ),
     Stage(
         "e2e",

@@ -32,6 +32,7 @@ __all__ = [
     "RunDir",
     "SPLITS",
     "PROB_FILES",
+    "CURVE_FILE",
     "NON_RESULT_KEYS",
     "fingerprint",
     "flatten",
@@ -49,6 +50,8 @@ __all__ = [
 # The data splits of every run, in this order: a stage saves probs_<split>.pt for each.
 SPLITS = ("train", "val", "test")
 PROB_FILES = tuple(f"probs_{s}.pt" for s in SPLITS)
+# The CNN-DNN's accuracy-versus-training-time curve, in the coarse stage's folder (written by the coarse stage).
+CURVE_FILE = "curve.json"
 
 # Settings that do not change results: where and how a run executes, and what it prints.
 NON_RESULT_KEYS = (
@@ -89,7 +92,7 @@ _L2_GRID = [10.0, 1.0, 0.1, 0.01, 0.001, 0.0001]
 # a configuration that has this value (a run recorded before the key existed was trained as that default does).
 ADDED_DEFAULTS: dict[str, Any] = {
     "coarse.steps": 400,
-    "coarse.monitor": "val_loss",
+    "coarse.monitor": "val_acc",
     "coarse.patience": 3,
     "coarse.divergence_restarts": 3,
     "coarse.linear.enabled": True,
@@ -103,6 +106,7 @@ ADDED_DEFAULTS: dict[str, Any] = {
     "coarse.scheduler._partial_": True,
     "methods.stacker.l2_grid": _L2_GRID,
     "methods.stacker.max_iter": 200,
+    "methods.local_oof.folds": 5,
 }
 # Defaults that changed: a record with the old default matches a configuration with the new one (key -> (old, new)).
 # Only the coarse DNN's recipe is here: a finished coarse stage stays finished, and its meta.json records how it was
@@ -125,20 +129,26 @@ def _same_value(key: str, old: Any, new: Any) -> bool:
     return False
 
 
-def _same_settings(recorded: Mapping, settings: Mapping) -> bool:
-    """Whether recorded settings (maybe of an older ddcnn) match ``settings`` up to renamed keys, keys that no
-    longer change results, keys added since with a null value or their default (:data:`ADDED_DEFAULTS`), and
-    defaults that changed (:data:`CHANGED_DEFAULTS`)."""
+def _differences(recorded: Mapping, settings: Mapping) -> dict[str, tuple[Any, Any]]:
+    """The keys in which recorded settings (maybe of an older ddcnn) differ from ``settings``, up to renamed keys,
+    keys that no longer change results, keys added since with a null value or their default
+    (:data:`ADDED_DEFAULTS`), and defaults that changed (:data:`CHANGED_DEFAULTS`): ``{key: (recorded, now)}``."""
     old = {RENAMED_KEYS.get(k, k): v for k, v in flatten(recorded).items()}
     old = {k: v for k, v in old.items() if not any(k == p or k.startswith(p + ".") for p in NON_RESULT_KEYS)}
     new = flatten(settings)
-    for key in old.keys() | new.keys():
-        before, now = old.get(key, _ABSENT), new.get(key)
-        if before is _ABSENT and now is None:
-            continue
+    out = {}
+    for key in sorted(old.keys() | new.keys()):
+        before, now = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        if (before is _ABSENT and now is None) or (before is None and now is _ABSENT):
+            continue  # a key added or removed since, whose value is null
         if not _same_value(key, before, now):
-            return False
-    return True
+            out[key] = (before, now)
+    return out
+
+
+def _same_settings(recorded: Mapping, settings: Mapping) -> bool:
+    """Whether recorded settings match ``settings`` (:func:`_differences` finds none)."""
+    return not _differences(recorded, settings)
 
 
 def _drop(container: dict, dotted: str) -> None:
@@ -247,10 +257,11 @@ class RunDir:
         self.root = Path(root)
 
     def stage_dir(self, stage: str, subdomain: int | None = None) -> Path:
-        if stage == "local":
-            if subdomain is None:
-                raise ValueError("the local stage needs a sub-domain index.")
-            return self.root / "local" / f"{subdomain:02d}"
+        """``RUN_DIR/<stage>``; the local stage's (and the per-sub-domain parts of another) ``.../<i:02d>``."""
+        if stage == "local" and subdomain is None:
+            raise ValueError("the local stage needs a sub-domain index.")
+        if subdomain is not None:
+            return self.root / stage / f"{subdomain:02d}"
         return self.root / stage
 
     def make_stage_dir(self, stage: str, subdomain: int | None = None) -> Path:
@@ -365,10 +376,14 @@ class RunDir:
         path = self.root / "fingerprint.json"
         if path.is_file():
             recorded = json.loads(path.read_text())
-            if recorded.get("fingerprint") != fp and not _same_settings(recorded.get("settings", {}), settings):
-                old, new = flatten(recorded.get("settings", {})), flatten(settings)
-                diff = sorted(k for k in old.keys() | new.keys() if old.get(k, "<unset>") != new.get(k, "<unset>"))
-                shown = ", ".join(f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in diff[:8])
+            differ = _differences(recorded.get("settings", {}), settings) if recorded.get("fingerprint") != fp else {}
+            if differ:
+                diff = list(differ)
+
+                def shown_value(value: Any) -> str:
+                    return "'<unset>'" if value is _ABSENT else repr(value)
+
+                shown = ", ".join(f"{k}: {shown_value(differ[k][0])} -> {shown_value(differ[k][1])}" for k in diff[:8])
                 more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
                 raise FingerprintMismatch(
                     f"run directory {self.root} holds results of a different configuration ({shown}{more}). "

@@ -32,9 +32,11 @@ TINY_OVERRIDES = [
     "coarse.max_epochs=2",
     "data.train_subset=300",
     "data.test_subset=100",
-    # Plots and the TorchScript export have their own tests; elsewhere they would only cost time.
+    # Plots, the TorchScript export and the accuracy-versus-time curves have their own tests; elsewhere they would
+    # only cost time.
     "report.plots=false",
     "report.export=false",
+    "report.curves.enabled=false",
 ]
 
 

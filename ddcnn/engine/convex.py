@@ -35,6 +35,7 @@ class LogisticFit:
     Attributes:
         weight: ``(K, D)`` weights of the selected strength (as ``nn.Linear.weight``).
         bias: ``(K,)`` bias.
+        offset_scale: The fitted coefficient of the offset logits (1.0 when there is no offset).
         l2: The selected L2 strength.
         val_acc, val_loss: Its validation accuracy and mean cross-entropy.
         path: One entry per strength of the grid: ``l2``, ``val_acc``, ``val_loss``, ``train_loss`` (the penalised
@@ -44,6 +45,7 @@ class LogisticFit:
 
     weight: torch.Tensor
     bias: torch.Tensor
+    offset_scale: float
     l2: float
     val_acc: float
     val_loss: float
@@ -51,19 +53,27 @@ class LogisticFit:
     time_s: float = 0.0
 
 
+def _logits(x, weight, bias, offset, scale) -> torch.Tensor:
+    logits = torch.addmm(bias, x, weight.t())
+    return logits if offset is None else logits + scale * offset
+
+
 def _solve(
     x: torch.Tensor,
     y: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
+    scale: torch.Tensor,
     l2: float,
     offset: torch.Tensor | None,
     max_iter: int,
     tolerance: float,
 ) -> tuple[float, int, bool]:
-    """Minimise the penalised cross-entropy in place from ``weight, bias``; (objective, evaluations, converged)."""
+    """Minimise the penalised cross-entropy in place from ``weight, bias`` (and the offset's ``scale``);
+    (objective, evaluations, converged)."""
+    params = [weight, bias] if offset is None else [weight, bias, scale]
     opt = torch.optim.LBFGS(
-        [weight, bias],
+        params,
         lr=1.0,
         max_iter=max_iter,
         history_size=10,
@@ -76,25 +86,22 @@ def _solve(
     def closure() -> torch.Tensor:
         evaluations[0] += 1
         opt.zero_grad(set_to_none=True)
-        logits = torch.addmm(bias, x, weight.t())
-        if offset is not None:
-            logits = logits + offset
-        loss = F.cross_entropy(logits, y) + 0.5 * l2 * weight.pow(2).sum()
+        loss = F.cross_entropy(_logits(x, weight, bias, offset, scale), y) + 0.5 * l2 * weight.pow(2).sum()
         loss.backward()
         return loss
 
     opt.step(closure)
     with torch.no_grad():
-        grad = torch.cat([weight.grad.flatten(), bias.grad.flatten()]) if weight.grad is not None else None
-        converged = grad is not None and float(grad.abs().max()) <= tolerance * 10
-        logits = torch.addmm(bias, x, weight.t()) + (offset if offset is not None else 0)
+        grads = [p.grad.flatten() for p in params if p.grad is not None]
+        converged = bool(grads) and float(torch.cat(grads).abs().max()) <= tolerance * 10
+        logits = _logits(x, weight, bias, offset, scale)
         objective = float(F.cross_entropy(logits, y) + 0.5 * l2 * weight.pow(2).sum())
     return objective, evaluations[0], converged
 
 
 @torch.no_grad()
-def _score(x, y, weight, bias, offset) -> tuple[float, float]:
-    logits = torch.addmm(bias, x, weight.t()) + (offset if offset is not None else 0)
+def _score(x, y, weight, bias, offset, scale) -> tuple[float, float]:
+    logits = _logits(x, weight, bias, offset, scale)
     return float((logits.argmax(-1) == y).float().mean()), float(F.cross_entropy(logits, y))
 
 
@@ -112,14 +119,16 @@ def fit_logistic(
     tolerance: float = 1e-5,
     select: str = "val_acc",
 ) -> LogisticFit:
-    """Multinomial logistic regression ``x -> x W^T + b (+ offset)`` for every L2 strength of ``l2_grid``.
+    """Multinomial logistic regression ``x -> x W^T + b (+ c * offset)`` for every L2 strength of ``l2_grid``.
 
     Args:
         x_train, y_train: ``(n, D)`` features (already scaled) and labels of the fit.
         x_val, y_val: Those of the selection.
         num_classes: ``K``.
         l2_grid: The strengths tried (sorted strongest first internally).
-        offset_train, offset_val: Fixed logits added to the linear map's (e.g. the averaging combiner's), or ``None``.
+        offset_train, offset_val: Logits added to the linear map's with a fitted, unpenalised coefficient ``c``
+            (starting at 1; e.g. the averaging combiner's: the strongest penalty then gives that combiner, ``c = 0``
+            a plain logistic regression), or ``None``.
         max_iter: L-BFGS function evaluations per strength.
         tolerance: Stop when the largest gradient entry is below it.
         select: ``val_acc`` (validation accuracy, ties by cross-entropy) or ``val_loss`` (validation cross-entropy).
@@ -139,6 +148,7 @@ def fit_logistic(
     y_train, y_val = y_train.long(), y_val.long()
     weight = torch.zeros(num_classes, x_train.shape[1], requires_grad=True)
     bias = torch.zeros(num_classes, requires_grad=True)
+    scale = torch.ones((), requires_grad=True)
     if offset_train is None:  # start from the class frequencies: the optimum of the strongest penalty is near it
         counts = torch.bincount(y_train, minlength=num_classes).float() + 1.0
         with torch.no_grad():
@@ -146,23 +156,24 @@ def fit_logistic(
     path, best = [], None
     for l2 in grid:
         objective, evaluations, converged = _solve(
-            x_train, y_train, weight, bias, l2, offset_train, max_iter, tolerance
+            x_train, y_train, weight, bias, scale, l2, offset_train, max_iter, tolerance
         )
         if not math.isfinite(objective):
             raise ValueError(f"logistic regression diverged at L2 strength {l2:g}: are the features finite and scaled?")
-        val_acc, val_loss = _score(x_val, y_val, weight, bias, offset_val)
+        val_acc, val_loss = _score(x_val, y_val, weight, bias, offset_val, scale)
         path.append(
             {
                 "l2": l2,
                 "val_acc": val_acc,
                 "val_loss": val_loss,
                 "train_loss": objective,
+                "offset_scale": float(scale.detach()) if offset_train is not None else None,
                 "iterations": evaluations,
                 "converged": converged,
             }
         )
         key = (val_acc, -val_loss) if select == "val_acc" else (-val_loss,)
         if best is None or key > best[0]:
-            best = (key, l2, weight.detach().clone(), bias.detach().clone(), val_acc, val_loss)
-    _, l2, w, b, val_acc, val_loss = best
-    return LogisticFit(w, b, l2, val_acc, val_loss, path, time.perf_counter() - start)
+            best = (key, l2, weight.detach().clone(), bias.detach().clone(), float(scale.detach()), val_acc, val_loss)
+    _, l2, w, b, c, val_acc, val_loss = best
+    return LogisticFit(w, b, c, l2, val_acc, val_loss, path, time.perf_counter() - start)

@@ -198,7 +198,9 @@ def _deterministic(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(previous)
 
 
-def _fit_plain(cfg, net, datamodule, folder: Path, device, start: float, epochs: int, optimizer_cfg) -> FitResult:
+def _fit_plain(
+    cfg, net, datamodule, folder: Path, device, start: float, epochs: int, optimizer_cfg, after_epoch=None
+) -> FitResult:
     settings = engine_settings(cfg)
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     reporter = EpochReporter(cfg, folder, epochs)
@@ -221,6 +223,7 @@ def _fit_plain(cfg, net, datamodule, folder: Path, device, start: float, epochs:
                 device=device,
                 eval_batch_size=datamodule.eval_batch_size,
                 on_epoch_end=reporter,
+                after_epoch=after_epoch,
                 batches=datamodule,  # the data's Batches protocol: reads, moves, normalises, augments, crops
                 limit_train_batches=trainer.get("limit_train_batches"),
                 limit_val_batches=trainer.get("limit_val_batches"),
@@ -247,6 +250,7 @@ def fit(
     start: float,
     max_epochs: int | None = None,
     optimizer_cfg: DictConfig | None = None,
+    after_epoch=None,
 ) -> FitResult:
     """Train ``net`` on ``datamodule`` into ``folder``, resuming from ``folder/last.ckpt``; see the module doc.
 
@@ -260,6 +264,8 @@ def fit(
         start: ``time.perf_counter()`` at the start of the stage in this process.
         max_epochs: Overrides ``trainer.max_epochs``.
         optimizer_cfg: Overrides ``cfg.optimizer``.
+        after_epoch: ``(epoch, row, net) -> metrics | None`` after each epoch, outside the training clock (the
+            plain loop: :func:`ddcnn.engine.tensor_fit.fit_tensors`); the Lightning loop does not call it.
 
     Returns:
         The network with its best weights and the stage's training time over all processes that worked on it.
@@ -273,4 +279,4 @@ def fit(
 
         return fit_lightning(cfg, net, datamodule, folder, device, seed, start, epochs, optimizer_cfg)
     seed_everything(seed)
-    return _fit_plain(cfg, net, datamodule, folder, device, start, epochs, optimizer_cfg)
+    return _fit_plain(cfg, net, datamodule, folder, device, start, epochs, optimizer_cfg, after_epoch)

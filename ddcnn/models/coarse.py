@@ -119,6 +119,8 @@ class CoarseMLP(nn.Module):
         # The linear path: an nn.Linear beside the hidden layers (TorchScript needs a module, not None).
         self.has_linear = bool(linear) and len(hidden) > 0
         self.linear = nn.Linear(self.in_features, num_classes) if self.has_linear else nn.Identity()
+        # The averaging combiner's weight in the output (fitted with the linear path; 1: the plain combiner).
+        self.skip_scale = nn.Parameter(torch.ones(()), requires_grad=skip == "mean_prob")
         self.register_buffer("input_mean", torch.zeros(self.in_features))
         self.register_buffer("input_std", torch.ones(self.in_features))
         if skip == "mean_prob":
@@ -183,13 +185,14 @@ class CoarseMLP(nn.Module):
         if self.has_linear:
             out = out + self.linear(z)
         if self.skip == "mean_prob":
-            out = out + self.averaging_logits(flat)
+            out = out + self.skip_scale * self.averaging_logits(flat)
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
-        # A coarse DNN saved before the input scaling existed computed on unscaled inputs: identity scaling.
-        for name, default in (("input_mean", self.input_mean), ("input_std", self.input_std)):
-            key = prefix + name
-            if key not in state_dict:
-                state_dict[key] = torch.zeros_like(default) if name == "input_mean" else torch.ones_like(default)
+        # A coarse DNN saved before the input scaling and the skips existed: identity scaling, unit skip weight.
+        defaults = {"input_mean": torch.zeros_like(self.input_mean), "input_std": torch.ones_like(self.input_std)}
+        defaults["skip_scale"] = torch.ones(())
+        for name, default in defaults.items():
+            if prefix + name not in state_dict:
+                state_dict[prefix + name] = default
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)

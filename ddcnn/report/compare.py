@@ -86,6 +86,9 @@ CSV_COLUMNS = (
     "projected_time_s",
     "devices",
     "speedup",
+    "speedup_equal_accuracy_mean",
+    "speedup_equal_accuracy_std",
+    "equal_accuracy_reached",
     "params",
 )
 
@@ -266,6 +269,9 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
             backbone, n, grid, overlap, label, context, method = key
             entries = cells[key]
             acc = [float(row["accuracy"]) for _, row in entries]
+            equal = [e for e in (_equal_accuracy(run, method) for run, _ in entries) if e is not None]
+            reached = [e for e in equal if e.get("reached")]
+            equal_speedup = _mean_std([e["speedup"] for e in reached]) if reached else (None, None)
             balanced = _mean_std([row.get("balanced_accuracy") for _, row in entries])
             auc = _mean_std([row.get("auc") for _, row in entries])
             rows.append(
@@ -291,11 +297,37 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
                     "projected_time_s": _mean(row.get("projected_time_s") for _, row in entries),
                     "devices": entries[0][1].get("devices"),
                     "speedup": _mean(row.get("speedup") for _, row in entries),
+                    "speedup_equal_accuracy_mean": equal_speedup[0],
+                    "speedup_equal_accuracy_std": equal_speedup[1],
+                    "equal_accuracy_reached": (
+                        f"{len(reached)}/{sum(e is not None for e in equal)}"
+                        if any(e is not None for e in equal)
+                        else None
+                    ),
                     "params": _mean(row.get("params") for _, row in entries),
                 }
             )
         tables[dataset] = rows
     return tables
+
+
+def _equal_accuracy(run: Run, method: str) -> dict | None:
+    """The run's speedup at equal accuracy (at the CNN-DNN's validation accuracy) if ``method`` is its CNN-DNN row."""
+    equal = run.results.get("speedup_at_equal_accuracy")
+    inputs = run.results.get("coarse_input") or {}
+    if not equal or method != f"cnn_dnn_{inputs.get('coarse', 'probs')}":
+        return None
+    return equal.get("at_cnn_dnn_accuracy")
+
+
+def _equal_cell(row: Mapping) -> str:
+    reached = row.get("equal_accuracy_reached")
+    if not reached:
+        return "-"
+    mean, std = row.get("speedup_equal_accuracy_mean"), row.get("speedup_equal_accuracy_std")
+    if mean is None:
+        return f"not reached ({reached})"
+    return (f"{mean:.2f}x" if std is None else f"{mean:.2f} ± {std:.2f}x") + f" ({reached})"
 
 
 def _num(value: Any, digits: int) -> str:
@@ -330,6 +362,7 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
         "projected time (s)",
         "devices",
         "speedup vs global",
+        "speedup at equal acc.",
         "parameters",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -345,6 +378,7 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
             _num(r["projected_time_s"], 1),
             "-" if r["devices"] is None else str(r["devices"]),
             "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            _equal_cell(r),
             "-" if r["params"] is None else f"{int(round(r['params'])):,}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -494,7 +528,9 @@ def write_report(
         "seed shows no ±). Times are training times in seconds on the machine that ran each stage: sequential = "
         "every stage the method needs one after another on one device; projected = on the devices it can use "
         "(N local nets in parallel, then the coarse DNN and any further training; 1 device for the global CNN and "
-        "the end-to-end CNN-DNN); speedup = global CNN time / projected time. " + TIMING_RULE + " Runs whose times "
+        "the end-to-end CNN-DNN); speedup = global CNN time / projected time; speedup at equal accuracy = the global "
+        "CNN's time to the CNN-DNN's validation accuracy / the CNN-DNN's time, training clocks only, mean over the "
+        "runs where the global CNN reached it (reached/runs). " + TIMING_RULE + " Runs whose times "
         "were measured in different contexts (device, threads, trainings sharing the machine, host) are never "
         "averaged together; a `timing context` column appears when a table holds more than one, and `mixed (...)` "
         "marks a run whose own compared times come from different contexts.",

@@ -39,6 +39,7 @@ __all__ = [
     "plot_training_curves",
     "plot_series",
     "plot_grid_comparison",
+    "plot_accuracy_vs_time",
     "plot_run_confusion",
     "run_curve_files",
     "save_run_plots",
@@ -516,6 +517,41 @@ def _series_ax(ax, x, series, xlabel, ylabel, xticklabels=None, logy=False) -> N
         ax.legend(fontsize=8)
 
 
+def plot_accuracy_vs_time(
+    curves: Mapping[str, Mapping[str, Sequence[float | None]]],
+    path: str | Path,
+    title: str = "Accuracy against training time",
+    equal: Mapping | None = None,
+) -> Path:
+    """Validation (solid) and test (dashed, where measured) accuracy of each method against its training time.
+
+    Args:
+        curves: ``{method: {"time_s", "val_acc", "test_acc"}}`` (``results.json`` ``curves``).
+        equal: ``results.json`` ``speedup_at_equal_accuracy``: the CNN-DNN's target is drawn as a dotted line.
+    """
+    fig, axes = _new_figure(panel=(6.0, 4.2))
+    ax = axes[0, 0]
+    colours = _colours(max(len(curves), 1))
+    for colour, (name, curve) in zip(colours, curves.items(), strict=False):
+        t = np.asarray(curve["time_s"], dtype=np.float64)
+        val = np.asarray([np.nan if v is None else v for v in curve["val_acc"]], dtype=np.float64)
+        ax.plot(t, val, "o-", color=colour, label=f"{name} (val)", markersize=3)
+        test = np.asarray([np.nan if v is None else v for v in curve.get("test_acc", [])], dtype=np.float64)
+        ok = np.isfinite(test)
+        if ok.any():
+            ax.plot(t[ok], test[ok], "s--", color=colour, alpha=0.7, label=f"{name} (test)", markersize=3)
+    if equal and equal.get("at_cnn_dnn_accuracy"):
+        target = equal["at_cnn_dnn_accuracy"]["target_val_acc"]
+        ax.axhline(target, color="0.4", linestyle=":", linewidth=1, label="CNN-DNN val accuracy")
+    ax.set_xlabel("training time (s; decomposed methods: on one device per local net)")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    ax.set_title(_wrap(title, fig), fontsize=10)
+    return _save(fig, path)
+
+
 def plot_grid_comparison(
     results: Sequence[Mapping], path: str | Path, title: str = "CNN-DNN against grid size"
 ) -> Path:
@@ -621,7 +657,8 @@ def save_run_plots(run, decomposition: Decomposition, data, results: Mapping) ->
 
     Returns:
         The PNG files written: ``decomposition.png``, ``subdomain_accuracy.png``, ``confusion.png`` (when the
-        global CNN or the coarse DNN finished) and ``training_curves.png``.
+        global CNN or the coarse DNN finished), ``training_curves.png`` and ``accuracy_vs_time.png`` (when the run
+        has curves).
     """
     from ddcnn.rundir import RunDir
 
@@ -657,5 +694,14 @@ def save_run_plots(run, decomposition: Decomposition, data, results: Mapping) ->
     written.append(
         plot_training_curves(curves, out_dir / "training_curves.png", title=f"{data.name}, {decomposition.describe()}")
     )
+    if results.get("curves"):
+        written.append(
+            plot_accuracy_vs_time(
+                results["curves"],
+                out_dir / "accuracy_vs_time.png",
+                title=f"{data.name}, {decomposition.describe()}: accuracy against training time",
+                equal=results.get("speedup_at_equal_accuracy"),
+            )
+        )
     log.info("plots: %d figures in %s", len(written), out_dir)
     return written

@@ -21,8 +21,10 @@ from omegaconf import DictConfig
 
 from ddcnn import registry
 from ddcnn.io import atomic_write_json, atomic_write_text
+from ddcnn.metrics import majority_rate, near_chance
 from ddcnn.registry import ResultRow
 from ddcnn.report.combiners import majority_vote, mean_probability
+from ddcnn.report.curves import run_curves, speedup_at_equal_accuracy
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,11 @@ __all__ = [
     "method_rows",
     "results_markdown",
     "timing_contexts",
+    "flag_rows",
 ]
+
+# Stages that combine the saved local outputs (their parameters add to the local nets').
+COMBINER_STAGES = ("coarse", "coarse_alt", "coarse_oof", "coarse_val", "stacker")
 
 # The cheap combiners of the local outputs: rows of the table that no stage trains.
 COMBINER_ROWS = (
@@ -150,6 +156,69 @@ def _short(stages: list[str]) -> list[str]:
     return ([f"{len(local)} local nets"] if len(local) > 1 else local) + others
 
 
+# How far below the averaging combiner a combiner of the local nets may fall before it is flagged: 3 points, or
+# 3 standard errors of an accuracy on the test split if that is more.
+_BELOW_AVERAGING = 0.03
+
+
+def flag_rows(results: dict, rate: float, n_test: int) -> list[dict]:
+    """Rows a reader must not take at face value: at chance (within noise of the majority-class ``rate``), or a
+    combiner of the local nets far below averaging them. Each flag says what to try."""
+    flags = []
+    mean = (results.get("accuracy") or {}).get("mean_prob")
+    for row in results.get("methods") or []:
+        acc, key, name = row["accuracy"], row["key"], row["name"]
+        coarse = row.get("stage") in COMBINER_STAGES
+        if near_chance(acc, rate, n_test):
+            hint = (
+                "The coarse DNN did not learn: read the fit record in its meta.json (kept, restarts, refits); the "
+                "default coarse.net (input_norm=standardize, skip=mean_prob) cannot end below averaging the local nets."
+                if coarse
+                else "The network did not learn: lower optimizer.lr, train longer (trainer.max_epochs) and check the "
+                "labels and data.num_classes."
+            )
+            flags.append(
+                {
+                    "method": key,
+                    "kind": "chance",
+                    "message": f"{name}: test accuracy {acc:.4f} is at chance (majority-class rate {rate:.4f}).",
+                    "try": hint,
+                }
+            )
+            continue
+        se = math.sqrt(max(acc * (1 - acc), 1e-6) / max(n_test, 1))
+        if coarse and mean is not None and acc < mean - max(_BELOW_AVERAGING, 3 * se):
+            flags.append(
+                {
+                    "method": key,
+                    "kind": "below_averaging",
+                    "message": f"{name}: test accuracy {acc:.4f} is far below averaging the local nets ({mean:.4f}).",
+                    "try": "Use the default coarse.net (its averaging skip keeps it at or above averaging on "
+                    "validation); with few validation samples per class prefer coarse.monitor=val_loss.",
+                }
+            )
+    return flags
+
+
+def _equal_accuracy_line(equal: dict | None) -> str | None:
+    if not equal:
+        return None
+    parts = []
+    for key, what in (("at_cnn_dnn_accuracy", "the CNN-DNN's"), ("at_global_accuracy", "the global CNN's")):
+        e = equal[key]
+        where = f"{what} validation accuracy {e['target_val_acc']:.4f}"
+        if not e["reached"]:
+            who = "global CNN" if key == "at_cnn_dnn_accuracy" else "CNN-DNN"
+            parts.append(f"at {where}: not reached by the {who}")
+        else:
+            parts.append(
+                f"at {where}: {e['speedup']:.2f}x (global CNN {e['global_s']:.1f} s, CNN-DNN {e['cnn_dnn_s']:.1f} s)"
+            )
+    return (
+        "- Speedup at equal accuracy (training clocks, first epoch at or above the target): " + "; ".join(parts) + "."
+    )
+
+
 def results_markdown(results: dict) -> str:
     """A Markdown table of a run's results (one row per method, then one per local net)."""
     m, t = results["metrics"], results["time_s"]
@@ -185,6 +254,11 @@ def results_markdown(results: dict) -> str:
         f"{results['data']['n_test']} test samples of shape {results['data']['image_shape']}.",
         f"- {TIMING_RULE}",
     ]
+    equal = _equal_accuracy_line(results.get("speedup_at_equal_accuracy"))
+    if equal:
+        lines.append(equal)
+    for flag in results.get("flags") or []:
+        lines.append(f"- **Check this row:** {flag['message']} {flag['try']}")
     note = _context_note(results.get("timing"))
     if note:
         lines.append(note)
@@ -221,9 +295,18 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
     val: dict[str, dict] = {"local": [_metrics_of(val_probs[:, i], val_labels, k) for i in range(n)]}
     val.update(_combiner_metrics(val_probs, val_labels, n, k))
     local_meta = [run.meta("local", i) for i in range(n)]
+    # Training clocks only (no predictions): the times of the accuracy-versus-time curves.
+    fit_times: dict[str, Any] = {"local": [m.get("fit_time_s", m["time_s"]) for m in local_meta]}
+    fit_times["local_max"], fit_times["local_total"] = max(fit_times["local"]), sum(fit_times["local"])
     time_s: dict[str, Any] = {"local": [m["time_s"] for m in local_meta]}
     time_s["local_max"] = max(time_s["local"])
     time_s["local_total"] = sum(time_s["local"])
+    if run.is_done("local_oof"):  # the out-of-fold trainings (coarse_oof): each sub-domain's device trains them too
+        oof = run.meta("local_oof")
+        for times, key in ((time_s, "time_s"), (fit_times, "fit_time_s")):
+            per = oof.get("subdomain_time_s") or [oof[key] / n] * n
+            times["local_oof"] = oof[key]
+            times["local_oof_max"] = max(a + b for a, b in zip(times["local"], per, strict=True))
     params: dict[str, Any] = {"local": local_meta[0]["params"], "local_total": sum(m["params"] for m in local_meta)}
     contexts: dict[str, dict | None] = {f"local {i}": m.get("context") for i, m in enumerate(local_meta)}
     inputs: dict[str, str] = {}  # stages whose row key depends on their input (the coarse DNNs)
@@ -250,6 +333,7 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         saved_val = run.load_probs(stage.name, "val")
         val[key] = _metrics_of(saved_val["probs"], saved_val["labels"], k)
         time_s[stage.name] = meta["time_s"]
+        fit_times[stage.name] = meta.get("fit_time_s", meta["time_s"])
         params[stage.name] = meta["params"]
         contexts[stage.name] = meta.get("context")
         if meta.get("startup_s"):
@@ -307,6 +391,15 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
     if not results["timing"]["comparable"]:
         log.warning("evaluate: %s", _context_note(results["timing"]).lstrip("- ").replace("**", ""))
     results["methods"] = method_rows(results)
+    results["fit_time_s"] = fit_times
+    results["curves"] = run_curves(run, results)
+    cnn_dnn_time = fit_times["local_max"] + fit_times["coarse"] if fit_times.get("coarse") is not None else None
+    results["speedup_at_equal_accuracy"] = speedup_at_equal_accuracy(results["curves"], cnn_dnn_time)
+    rate = majority_rate(data.y["train"], labels)
+    results["majority_rate"] = rate
+    results["flags"] = flag_rows(results, rate, len(labels))
+    for flag in results["flags"]:
+        log.warning("evaluate: %s %s", flag["message"], flag["try"])
     atomic_write_json(run.root / "results.json", results)
     atomic_write_text(run.root / "results.md", results_markdown(results))
     return results
@@ -364,7 +457,7 @@ def method_rows(results: dict) -> list[dict]:
         projected = _sum(t, row.projected)
         if stage is None:
             row_params = p.get("local_total")
-        elif stage in ("coarse", "coarse_alt", "stacker"):
+        elif stage in COMBINER_STAGES:
             row_params = None if p.get(stage) is None else p.get("local_total", 0) + p[stage]
         else:
             row_params = p.get(stage)

@@ -5,12 +5,14 @@ What the fit is (:func:`fit_coarse`, the same for every dataset size and class c
 1. **Scaled inputs.** The network standardises its inputs with the training rows' mean and standard deviation
    (:meth:`~ddcnn.models.coarse.CoarseMLP.fit_input_scaling`; buffers of the module, so the exported CNN-DNN
    computes the same).
-2. **The convex part first.** The default network (``coarse.net``) is the averaging combiner (``log`` of the mean
-   local probability) plus a linear path plus the hidden layers. The linear path is fit exactly: multinomial
-   logistic regression on the scaled inputs with the averaging combiner as a fixed offset, by full-batch L-BFGS
-   for every L2 strength of ``coarse.linear.l2_grid``, selected on validation together with the averaging combiner
-   itself (no linear path). This is convex, needs no learning rate, and on few rows per class keeps the averaging
-   combiner (``coarse.linear.max_rows`` caps the rows of this solve on large data).
+2. **The convex part first.** The default network (``coarse.net``) is a weighted averaging combiner (``log`` of the
+   mean local probability) plus a linear path plus the hidden layers. The linear path is fit exactly as the convex
+   stacker is (:mod:`ddcnn.stages.stacker`): multinomial logistic regression on the scaled inputs by full-batch
+   L-BFGS for every L2 strength of ``coarse.linear.l2_grid``, the strength chosen on validation accuracy. The
+   averaging combiner alone is the other candidate: whichever does better on validation is the starting point
+   (the other's weight at zero). This is convex, needs no learning rate, and on few rows per class keeps the
+   averaging combiner, which a regression fit from so few rows cannot match (``coarse.linear.max_rows`` caps the
+   rows of this solve on large data).
 3. **Then all weights** by AdamW from there (the hidden layers' output starts at zero): ``coarse.steps`` optimizer
    steps, ``coarse.batch_size: auto`` = the power of two nearest ``n_train / 40`` within ``[32, 1024]`` and
    ``coarse.max_epochs: auto`` = enough epochs for those steps within ``[5, 200]``, a cosine schedule, selection on
@@ -23,7 +25,13 @@ What the fit is (:func:`fit_coarse`, the same for every dataset size and class c
    ends at or near chance on the validation split while the averaging combiner is well above it (possible only
    without the averaging skip, e.g. the paper's plain MLP) is refit the same way.
 
-Every decision (the L2 path, which candidate was kept, restarts) is in the stage's ``meta.json``. A plain PyTorch
+Every decision (the L2 path, which candidate was kept, restarts) is in the stage's ``meta.json``.
+
+The CNN-DNN's accuracy-versus-time curve (``coarse/curve.json``, with ``report.curves``): at each snapshot epoch of
+the local nets (:class:`ddcnn.stages.common.LocalSnapshots`) a coarse DNN is fit the same way on that epoch's local
+outputs; a point's time is the slowest local net's training clock at that epoch plus that coarse fit's time (the
+projected time on one device per local net), and the averaging combiner's points come with it. This is reporting
+work: it is not in the stage's ``time_s``. A plain PyTorch
 loop trains it (:func:`ddcnn.engine.tensor_fit.fit_tensors`, ``coarse.num_threads`` CPU threads); it resumes from
 ``last.ckpt`` like the other stages, and its ``meta.json`` times include the training time of processes that were
 interrupted.
@@ -34,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -50,21 +59,28 @@ from ddcnn.data.datamodule import TensorDataModule
 from ddcnn.engine.convex import L2_GRID, fit_logistic
 from ddcnn.engine.tensor_fit import EVAL_CHUNK, fit_tensors, torch_threads
 from ddcnn.engine.train import EpochReporter, FitResult
-from ddcnn.rundir import SPLITS
-from ddcnn.stages.common import finish_stage, skip, stage_seed
+from ddcnn.io import atomic_write_json
+from ddcnn.metrics import chance_margin, majority_rate, near_chance
+from ddcnn.rundir import CURVE_FILE, SPLITS
+from ddcnn.stages.common import SNAPSHOT_DIR, curve_settings, finish_stage, skip, stage_seed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["run", "coarse_inputs", "coarse_plan", "fit_coarse", "CoarseFit", "near_chance"]
+__all__ = [
+    "run",
+    "coarse_inputs",
+    "coarse_plan",
+    "fit_coarse",
+    "CoarseFit",
+    "cnn_dnn_curve",
+]
+
 
 # coarse.batch_size: auto -> the power of two nearest n_train / _ROWS_PER_STEP_DIVISOR, within these bounds.
 _AUTO_BATCH = (32, 1024)
 _ROWS_PER_STEP_DIVISOR = 40
 # coarse.max_epochs: auto -> enough epochs for coarse.steps optimizer steps, within these bounds.
 _AUTO_EPOCHS = (5, 200)
-# A validation accuracy within this many standard errors (and at least 1 point) of the majority-class rate is "at
-# chance"; the averaging combiner "well above" it is another such margin higher.
-_CHANCE_SE = 3.0
 
 
 def coarse_inputs(ctx: Context, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -111,17 +127,6 @@ def coarse_plan(n_train: int, coarse: Mapping) -> dict:
     elif isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"coarse.max_epochs must be a positive whole number or auto, got {epochs!r}.")
     return {"batch_size": batch, "max_epochs": int(epochs), "steps_per_epoch": per_epoch, "steps": per_epoch * epochs}
-
-
-def _chance_margin(majority_rate: float, n: int) -> float:
-    se = math.sqrt(max(majority_rate * (1 - majority_rate), 1e-6) / max(n, 1))
-    return max(0.01, _CHANCE_SE * se)
-
-
-def near_chance(accuracy: float, majority_rate: float, n: int) -> bool:
-    """Whether ``accuracy`` on ``n`` samples is within noise (3 standard errors, at least 1 point) of the
-    majority-class rate: the accuracy of always predicting the most frequent training class."""
-    return accuracy <= majority_rate + _chance_margin(majority_rate, n)
 
 
 @torch.no_grad()
@@ -192,7 +197,7 @@ def fit_coarse(
     start = time.perf_counter() if start is None else float(start)
     folder = Path(folder)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    monitor = str(_setting(coarse, "monitor", "val_loss"))
+    monitor = str(_setting(coarse, "monitor", "val_acc"))
     if monitor not in ("val_loss", "val_acc"):
         raise ValueError(f"coarse.monitor must be val_loss or val_acc, got {monitor!r}.")
     restarts = int(_setting(coarse, "divergence_restarts", 3))
@@ -250,11 +255,10 @@ def fit_coarse(
             )
             report["restarts"] = fitted.restarts
             trained = _scores(fitted.net, x_val, y_val, device)
-            majority_rate = float((y_val == int(torch.bincount(y_train).argmax())).float().mean())
+            rate = majority_rate(y_train, y_val)
             averaging = _averaging_scores(x_val, y_val, getattr(net, "inputs", "probs"))
-            margin = _chance_margin(majority_rate, len(y_val))
-            collapsed = near_chance(trained["acc"], majority_rate, len(y_val)) and (
-                averaging["acc"] > majority_rate + 2 * margin
+            collapsed = near_chance(trained["acc"], rate, len(y_val)) and (
+                averaging["acc"] > rate + 2 * chance_margin(rate, len(y_val))
             )
             if not collapsed or attempts >= restarts:
                 break
@@ -263,14 +267,14 @@ def fit_coarse(
             attempts += 1
             lr_scale *= 0.1
             report.setdefault("refits", []).append(
-                {"val_acc": trained["acc"], "majority_rate": majority_rate, "lr_scale": lr_scale}
+                {"val_acc": trained["acc"], "majority_rate": rate, "lr_scale": lr_scale}
             )
             log.warning(
                 "%s: the coarse DNN ended at chance on the validation split (accuracy %.3f, majority class %.3f, "
                 "averaging %.3f); fitting again with the learning rate x %g",
                 folder,
                 trained["acc"],
-                majority_rate,
+                rate,
                 averaging["acc"],
                 lr_scale,
             )
@@ -299,15 +303,14 @@ def _averaging_scores(x: torch.Tensor, y: torch.Tensor, inputs: str) -> dict[str
 def _fit_linear_path(
     net, x_train, y_train, x_val, y_val, node: Mapping, seed: int, skip_on: bool, monitor: str, report
 ) -> str:
-    """Step 2: the linear path by convex logistic regression (with the averaging offset); returns the candidate it
-    leaves in ``net``: ``linear`` or ``averaging`` (the averaging combiner beat every L2 strength on validation)."""
+    """Step 2: the linear path by convex logistic regression (the convex stacker's fit), or the averaging combiner
+    when that does better on validation; returns the candidate it leaves in ``net``: ``linear`` or ``averaging``."""
     max_rows = _setting(node, "max_rows", 20_000)
     rows = torch.arange(len(y_train))
     if max_rows and len(rows) > int(max_rows):  # a fixed random subset of the rows: the solve's cost is bounded
         rows = torch.randperm(len(rows), generator=torch.Generator().manual_seed(int(seed)))[: int(max_rows)]
     with torch.no_grad():
         z_train, z_val = net.scale_inputs(x_train[rows]), net.scale_inputs(x_val)
-        offsets = (net.averaging_logits(x_train[rows]), net.averaging_logits(x_val)) if skip_on else (None, None)
     grid = tuple(float(v) for v in _setting(node, "l2_grid", L2_GRID))
     fit = fit_logistic(
         z_train,
@@ -316,54 +319,110 @@ def _fit_linear_path(
         y_val,
         net.num_classes,
         l2_grid=grid,
-        offset_train=offsets[0],
-        offset_val=offsets[1],
         max_iter=int(_setting(node, "max_iter", 200)),
-        select=monitor,
+        select="val_acc",
     )
     report["linear"] = {"l2": fit.l2, "rows": len(rows), "time_s": fit.time_s, "path": fit.path}
     layer = net.linear_layer()
-    with torch.no_grad():
+    linear = {"acc": fit.val_acc, "loss": fit.val_loss}
+    if skip_on and not _better(linear, _averaging_scores(x_val, y_val, net.inputs), monitor):
+        with torch.no_grad():  # the averaging combiner alone (skip weight 1, no linear path)
+            layer.weight.zero_()
+            layer.bias.zero_()
+            net.skip_scale.fill_(1.0)
+        report["linear"]["kept"] = False
+        return "averaging"
+    with torch.no_grad():  # the logistic regression alone (the averaging skip's weight 0: step 3 may raise it)
         layer.weight.copy_(fit.weight)
         layer.bias.copy_(fit.bias)
-    if skip_on:
-        averaging = _averaging_scores(x_val, y_val, net.inputs)
-        if not _better({"acc": fit.val_acc, "loss": fit.val_loss}, averaging, monitor):
-            with torch.no_grad():
-                layer.weight.zero_()
-                layer.bias.zero_()
-            report["linear"]["kept"] = False
-            return "averaging"
+        if skip_on:
+            net.skip_scale.fill_(0.0)
     report["linear"]["kept"] = True
     return "linear"
 
 
-def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = None) -> dict:
+FIT_ON = ("in_sample", "out_of_fold", "val")
+
+
+def _fit_data(ctx: Context, kind: str, fit_on: str, seed: int):
+    """The coarse DNN's fit (``train``) and selection (``val``) rows, and all local outputs (for predictions).
+
+    ``in_sample``: the local nets' outputs on their own training images (the paper's fit), selected on validation;
+    ``out_of_fold``: the training images' out-of-fold outputs (stage ``local_oof``), selected on validation;
+    ``val``: the validation split's outputs, half to fit and half to select (stratified, fixed by ``seed``).
+    """
+    x, y = coarse_inputs(ctx, kind)
+    if fit_on == "in_sample":
+        return x, y, x, y
+    if fit_on == "out_of_fold":
+        n = ctx.decomposition.num_subdomains
+        missing = [i for i in range(n) if not ctx.run.is_done("local_oof", i)]
+        if missing:
+            raise FileNotFoundError(
+                f"the out-of-fold local outputs of sub-domains {missing} have not finished in {ctx.run.root}; run "
+                f"stage=local_oof first (stage=all with methods.enabled.coarse_oof=true runs it)."
+            )
+        oof = torch.stack([ctx.run.load_probs("local_oof", "train", i)[kind] for i in range(n)], dim=1)
+        return {**x, "train": oof}, y, x, y
+    from sklearn.model_selection import train_test_split
+
+    labels = y["val"].numpy()
+    rows = torch.arange(len(labels)).numpy()
+    try:
+        fit_rows, select_rows = train_test_split(rows, test_size=0.5, stratify=labels, random_state=int(seed))
+    except ValueError:  # a class too small to stratify: a plain seeded half
+        fit_rows, select_rows = train_test_split(rows, test_size=0.5, random_state=int(seed))
+    fit_rows, select_rows = torch.from_numpy(fit_rows).sort().values, torch.from_numpy(select_rows).sort().values
+    fit_x = {"train": x["val"][fit_rows], "val": x["val"][select_rows]}
+    fit_y = {"train": y["val"][fit_rows], "val": y["val"][select_rows]}
+    return fit_x, fit_y, x, y
+
+
+def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = None, fit_on: str = "in_sample") -> dict:
     """Train the coarse DNN on the saved local probabilities (or logits: ``kind``, default ``coarse.input``).
 
-    ``stage`` and ``kind`` let a second coarse DNN train on the other input into its own stage folder
-    (``coarse_alt``) by exactly the same procedure and seed.
+    ``stage``, ``kind`` and ``fit_on`` (:data:`FIT_ON`) let another coarse DNN train into its own stage folder by
+    exactly the same procedure and seed: on the other input (``coarse_alt``), on out-of-fold local outputs
+    (``coarse_oof``) or on the validation split's (``coarse_val``).
     """
+    if fit_on not in FIT_ON:
+        raise ValueError(f"fit_on must be one of {', '.join(FIT_ON)}, got {fit_on!r}.")
     if (done := skip(ctx, stage)) is not None:
         return done
     folder = ctx.run.make_stage_dir(stage)
     start = time.perf_counter()
     n = ctx.decomposition.num_subdomains
     kind = str(kind or ctx.cfg.coarse.get("input", "probs"))
-    x, y = coarse_inputs(ctx, kind)
     seed = stage_seed(ctx, stage)
+    fit_x, fit_y, x, y = _fit_data(ctx, kind, fit_on, seed)
     coarse = ctx.cfg.coarse
     torch.manual_seed(seed)
     spec = coarse_net_spec(ctx.cfg, kind)
     net = build_coarse_net(ctx.cfg, n, ctx.data.num_classes, kind=kind, spec=spec)
-    plan = coarse_plan(len(y["train"]), coarse)
+    plan = coarse_plan(len(fit_y["train"]), coarse)
     reporter = EpochReporter(ctx.cfg, folder, plan["max_epochs"], every=max(1, plan["max_epochs"] // 10))
     with torch_threads(coarse.get("num_threads")), contextlib.ExitStack() as stack:
         stack.callback(reporter.close)
-        fitted = fit_coarse(net, x, y, folder, coarse, seed=seed, device=device, on_epoch_end=reporter, start=start)
+        fitted = fit_coarse(
+            net, fit_x, fit_y, folder, coarse, seed=seed, device=device, on_epoch_end=reporter, start=start
+        )
         dm = TensorDataModule(x, y, eval_batch_size=EVAL_CHUNK, seed=seed)  # predictions only
+        if stage == "coarse" and curve_settings(ctx.cfg)["enabled"]:
+            curve = cnn_dnn_curve(ctx, kind, seed)  # reporting work, outside the stage's time (fitted.result)
+            if curve is not None:
+                atomic_write_json(folder / CURVE_FILE, curve)
         meta = finish_stage(
-            ctx, stage, fitted.net, dm, device, seed, fitted.result, input=kind, coarse_net=spec, fit=fitted.report
+            ctx,
+            stage,
+            fitted.net,
+            dm,
+            device,
+            seed,
+            fitted.result,
+            input=kind,
+            fit_on=fit_on,
+            coarse_net=spec,
+            fit=fitted.report,
         )
     log.info(
         "%s (on %s): test acc %.4f in %.1f s (kept: %s)",
@@ -374,3 +433,67 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
         fitted.kept,
     )
     return meta
+
+
+def _snapshot_files(ctx: Context) -> dict[int, list]:
+    """``{epoch: [snapshot file of local net i, ...]}`` for the epochs every local net has a snapshot of."""
+    n = ctx.decomposition.num_subdomains
+    per_net = []
+    for i in range(n):
+        folder = ctx.run.stage_dir("local", i) / SNAPSHOT_DIR
+        per_net.append({int(f.stem.split("_")[1]): f for f in folder.glob("epoch_*.pt")} if folder.is_dir() else {})
+    common = set.intersection(*(set(d) for d in per_net)) if per_net else set()
+    return {e: [d[e] for d in per_net] for e in sorted(common)}
+
+
+def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
+    """The CNN-DNN's and the averaging combiner's accuracy-versus-time curve from the local nets' snapshots (module
+    doc), or ``None`` when the local nets kept none."""
+    files = _snapshot_files(ctx)
+    if not files:
+        return None
+    coarse = ctx.cfg.coarse
+    n, k = ctx.decomposition.num_subdomains, ctx.data.num_classes
+    points, averaging = [], []
+    for epoch, paths in files.items():
+        snaps = [torch.load(p, weights_only=True) for p in paths]
+        rows = snaps[0]["train_rows"]
+        if any(not torch.equal(s["train_rows"], rows) for s in snaps):
+            log.warning("coarse curve: the local nets' snapshots of epoch %d hold other training rows; skipped", epoch)
+            continue
+        x = {split: torch.stack([s["logits"][split].float() for s in snaps], dim=1) for split in SPLITS}
+        if kind == "probs":
+            x = {split: v.softmax(-1) for split, v in x.items()}
+        y = {"train": ctx.data.y["train"][rows], "val": ctx.data.y["val"], "test": ctx.data.y["test"]}
+        times = [float(s["time_s"]) for s in snaps]
+        torch.manual_seed(seed)
+        net = build_coarse_net(ctx.cfg, n, k, kind=kind, spec=coarse_net_spec(ctx.cfg, kind))
+        fit_start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as folder:
+            fitted = fit_coarse(net, x, y, folder, coarse, seed=seed)
+        coarse_s = time.perf_counter() - fit_start
+        val, test = _scores(fitted.net, x["val"], y["val"], "cpu"), _scores(fitted.net, x["test"], y["test"], "cpu")
+        base = {"epoch": epoch, "local_max_s": max(times), "local_total_s": sum(times), "train_rows": len(rows)}
+        points.append(
+            {
+                **base,
+                "coarse_s": coarse_s,
+                "time_s": max(times) + coarse_s,
+                "val_acc": val["acc"],
+                "val_loss": val["loss"],
+                "test_acc": test["acc"],
+                "test_loss": test["loss"],
+            }
+        )
+        mean_val = _averaging_scores(x["val"], y["val"], kind)
+        mean_test = _averaging_scores(x["test"], y["test"], kind)
+        averaging.append({**base, "time_s": max(times), "val_acc": mean_val["acc"], "test_acc": mean_test["acc"]})
+        log.info(
+            "coarse curve: epoch %d, slowest local net %.1f s + coarse DNN %.1f s: val acc %.4f, test acc %.4f",
+            epoch,
+            max(times),
+            coarse_s,
+            val["acc"],
+            test["acc"],
+        )
+    return {"input": kind, "cnn_dnn": points, "mean_prob": averaging}

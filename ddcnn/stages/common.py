@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
+import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -18,6 +21,7 @@ from ddcnn import registry
 from ddcnn.context import Context, build_augment, count_parameters, subdomain_seed
 from ddcnn.data.datamodule import Batches, PreparedBatches
 from ddcnn.engine.train import FitResult, fit, predict_logits, save_net, save_predictions
+from ddcnn.io import atomic_torch_save
 from ddcnn.rundir import PROB_FILES
 from ddcnn.runtime import execution_context, run_generation, slurm_info
 
@@ -34,7 +38,17 @@ __all__ = [
     "full_image_data",
     "val_accuracy",
     "train_full_images",
+    "curve_hook",
+    "curve_settings",
+    "snapshot_epochs",
+    "snapshot_train_rows",
+    "TestCurve",
+    "LocalSnapshots",
+    "SNAPSHOT_DIR",
 ]
+
+# Where a local net keeps the logits of its snapshot epochs (the CNN-DNN's accuracy-versus-time curve).
+SNAPSHOT_DIR = "snapshots"
 
 
 def stage_seed(ctx: Context, stage: str) -> int:
@@ -155,6 +169,105 @@ def val_accuracy(net: nn.Module, dm: Batches, device) -> float:
     return float((logits.argmax(-1) == labels).float().mean())
 
 
+# --- accuracy-versus-time curves ---------------------------------------------------------------------
+def curve_settings(cfg: DictConfig) -> dict:
+    """``report.curves`` with defaults: ``enabled``, ``points`` (snapshot epochs per training), ``max_train_rows``."""
+    node = (cfg.get("report") or {}).get("curves")
+    node = {"enabled": node} if isinstance(node, bool) else dict(node or {})
+    out = {
+        "enabled": bool(node.get("enabled", True)),
+        "points": int(node.get("points", 6) or 0),
+        "max_train_rows": int(node.get("max_train_rows", 10_000) or 0),
+    }
+    if out["points"] < 0 or out["max_train_rows"] < 0:
+        raise ValueError(f"report.curves.points and max_train_rows must be >= 0, got {out}.")
+    return out
+
+
+def snapshot_epochs(max_epochs: int, points: int) -> list[int]:
+    """The epochs (1-based) at which a training's curve is sampled: about ``points`` epochs spread geometrically from
+    the first to the last (every epoch when there are no more than ``points``); the last is always one."""
+    if points <= 0 or max_epochs < 1:
+        return []
+    if max_epochs <= points:
+        return list(range(1, max_epochs + 1))
+    if points == 1:
+        return [max_epochs]
+    return sorted({max(1, round(max_epochs ** (i / (points - 1)))) for i in range(points)} | {max_epochs})
+
+
+def snapshot_train_rows(n_train: int, max_rows: int, seed: int) -> torch.Tensor:
+    """The training rows whose local outputs a snapshot keeps: all, or a fixed random subset of ``max_rows`` (the
+    same in every local net: it depends on the data's size and split seed only), sorted."""
+    if not max_rows or n_train <= max_rows:
+        return torch.arange(n_train)
+    return torch.randperm(n_train, generator=torch.Generator().manual_seed(int(seed)))[:max_rows].sort().values
+
+
+@torch.no_grad()
+def _logits(net: nn.Module, dm: Batches, split: str, idx: torch.Tensor, device) -> torch.Tensor:
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    out = [net(dm.eval_batch(split, chunk, device)[0]).float().cpu() for chunk in idx.split(dm.eval_batch_size)]
+    return torch.cat(out)
+
+
+class TestCurve:
+    """An ``after_epoch`` hook: the test accuracy and cross-entropy at the snapshot epochs (columns ``test_acc``,
+    ``test_loss`` of ``logs/metrics.csv``); its time is not training time."""
+
+    def __init__(self, dm: Batches, device, epochs: list[int]) -> None:
+        self.dm, self.device, self.epochs = dm, device, set(epochs)
+
+    def _test(self, net: nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
+        labels = self.dm.labels("test")
+        logits = _logits(net, self.dm, "test", torch.arange(len(labels)), self.device)
+        metrics = {
+            "test_acc": float((logits.argmax(-1) == labels).float().mean()),
+            "test_loss": float(F.cross_entropy(logits, labels)),
+        }
+        return logits, metrics
+
+    def __call__(self, epoch: int, row: dict, net: nn.Module) -> dict | None:
+        if epoch + 1 not in self.epochs:
+            return None
+        return self._test(net)[1]
+
+
+class LocalSnapshots(TestCurve):
+    """:class:`TestCurve` that also keeps a local net's logits at each snapshot epoch (``snapshots/epoch_<e>.pt``:
+    the training rows of :func:`snapshot_train_rows`, the validation and test splits, in float16, and the training
+    clock): the coarse stage fits a coarse DNN on each to draw the CNN-DNN's curve."""
+
+    def __init__(self, dm: Batches, device, epochs: list[int], folder: Path, train_rows: torch.Tensor):
+        super().__init__(dm, device, epochs)
+        self.folder, self.train_rows = Path(folder) / SNAPSHOT_DIR, train_rows
+
+    def __call__(self, epoch: int, row: dict, net: nn.Module) -> dict | None:
+        if epoch + 1 not in self.epochs:
+            return None
+        test, metrics = self._test(net)
+        logits = {
+            "train": _logits(net, self.dm, "train", self.train_rows, self.device),
+            "val": _logits(net, self.dm, "val", torch.arange(self.dm.size("val")), self.device),
+            "test": test,
+        }
+        snapshot = {
+            "epoch": epoch + 1,
+            "time_s": float(row["time_s"]),
+            "train_rows": self.train_rows,
+            "logits": {split: v.half() for split, v in logits.items()},
+        }
+        atomic_torch_save(snapshot, self.folder / f"epoch_{epoch + 1:04d}.pt")
+        return metrics
+
+
+def curve_hook(ctx: Context, dm: Batches, device, max_epochs: int) -> TestCurve | None:
+    settings = curve_settings(ctx.cfg)
+    if not settings["enabled"]:
+        return None
+    return TestCurve(dm, device, snapshot_epochs(max_epochs, settings["points"]))
+
+
 def train_full_images(
     ctx: Context, stage: str, net: nn.Module, start: float, device, extra: dict, measure_start: bool = False
 ) -> dict:
@@ -168,7 +281,8 @@ def train_full_images(
     before = val_accuracy(net, dm, device) if measure_start else None
     net.train()
     epochs = method_epochs(ctx.cfg, stage)
-    result = fit(ctx.cfg, net, dm, folder, device, seed, start, epochs, method_optimizer(ctx.cfg, stage))
+    hook = curve_hook(ctx, dm, device, epochs)
+    result = fit(ctx.cfg, net, dm, folder, device, seed, start, epochs, method_optimizer(ctx.cfg, stage), hook)
     extra = {"max_epochs": epochs, **extra}
     if before is not None:
         extra["start_accuracy"] = {"val": before}

@@ -11,7 +11,7 @@ from omegaconf import open_dict
 from ddcnn.context import Context, build_global_net
 from ddcnn.engine.train import fit, seed_everything
 from ddcnn.runtime import srun_task
-from ddcnn.stages.common import batch_size, finish_stage, full_image_data, skip, stage_seed
+from ddcnn.stages.common import batch_size, curve_hook, finish_stage, full_image_data, skip, stage_seed
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ def run(ctx: Context, device=None, stage: str = "global", num_devices: int = 1) 
     start = time.perf_counter()
     seed_everything(seed)
     net = build_global_net(ctx.cfg, ctx.data)
-    result = fit(cfg, net, dm, folder, device, seed, start)
+    hook = curve_hook(ctx, dm, device, int(cfg.trainer.max_epochs)) if num_devices == 1 else None
+    result = fit(cfg, net, dm, folder, device, seed, start, after_epoch=hook)
     if result.global_rank != 0:  # a peer of rank 0 in DDP across srun tasks: rank 0 alone writes the artifacts
         return {"stage": stage, "global_rank": result.global_rank}
     if num_devices > 1:

@@ -8,7 +8,15 @@ import time
 from ddcnn.context import Context, build_augment, build_local_net, subdomain_seed
 from ddcnn.data.datamodule import PreparedBatches
 from ddcnn.engine.train import fit, seed_everything
-from ddcnn.stages.common import batch_size, finish_stage, skip
+from ddcnn.stages.common import (
+    LocalSnapshots,
+    batch_size,
+    curve_settings,
+    finish_stage,
+    skip,
+    snapshot_epochs,
+    snapshot_train_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +43,15 @@ def run(ctx: Context, device=None, subdomain: int = 0) -> dict:
     start = time.perf_counter()
     seed_everything(seed)
     net = build_local_net(ctx.cfg, ctx.data)
-    result = fit(ctx.cfg, net, dm, folder, device, seed, start)
+    curves = curve_settings(ctx.cfg)
+    hook = None
+    if curves["enabled"]:  # the local outputs at a few epochs: the CNN-DNN's accuracy-versus-time curve
+        epochs = snapshot_epochs(int(ctx.cfg.trainer.max_epochs), curves["points"])
+        rows = snapshot_train_rows(
+            len(ctx.data.y["train"]), curves["max_train_rows"], ctx.cfg.data.get("split_seed", 0)
+        )
+        hook = LocalSnapshots(dm, device, epochs, folder, rows)
+    result = fit(ctx.cfg, net, dm, folder, device, seed, start, after_epoch=hook)
     meta = finish_stage(
         ctx,
         "local",

@@ -38,7 +38,8 @@ def test_gradients_reach_every_parameter():
 
 def test_no_hidden_layer_is_linear():
     net = CoarseMLP(NUM_SUBDOMAINS, NUM_CLASSES, hidden=())
-    assert [type(m) for m in net.modules() if not isinstance(m, nn.Sequential | CoarseMLP)] == [nn.Linear]
+    layers = [type(m) for m in net.modules() if not isinstance(m, nn.Sequential | CoarseMLP | nn.Identity)]
+    assert layers == [nn.Linear]
     a, b = _local_probabilities(), _local_probabilities()
     zero = torch.zeros_like(a)
     torch.testing.assert_close(net(a + b), net(a) + net(b) - net(zero))
@@ -67,6 +68,9 @@ def test_wrong_input_shape_raises(shape):
         ({"hidden": (16, 0)}, "hidden"),
         ({"dropout": 1.5}, "dropout"),
         ({"act": "swish"}, "act must be one of"),
+        ({"inputs": "scores"}, "coarse.net.inputs must be one of probs, logits"),
+        ({"input_norm": "minmax"}, "coarse.net.input_norm must be one of standardize, none"),
+        ({"skip": "vote"}, "coarse.net.skip must be one of mean_prob, none"),
     ],
 )
 def test_bad_arguments_raise(kwargs, message):
@@ -75,8 +79,66 @@ def test_bad_arguments_raise(kwargs, message):
         CoarseMLP(**arguments)
 
 
-def test_torchscript():
-    net = CoarseMLP(NUM_SUBDOMAINS, NUM_CLASSES, norm=True).eval()
+ROBUST = {"input_norm": "standardize", "skip": "mean_prob", "linear": True}
+
+
+@pytest.mark.parametrize("inputs", ["probs", "logits"])
+def test_the_untrained_robust_net_is_the_averaging_combiner(inputs):
+    logits = 4 * torch.randn(64, NUM_SUBDOMAINS, NUM_CLASSES)
+    scores = logits.softmax(-1) if inputs == "probs" else logits
+    net = CoarseMLP(NUM_SUBDOMAINS, NUM_CLASSES, hidden=(16,), inputs=inputs, **ROBUST).eval()
+    net.fit_input_scaling(scores)
+    averaging = logits.softmax(-1).mean(1).log()
+    out = net(scores)
+    # Only the hidden layers' small starting correction separates them.
+    assert (out - averaging).abs().max() < 0.1
+    assert (out.argmax(-1) == averaging.argmax(-1)).float().mean() > 0.9
+    with torch.no_grad():
+        net.mlp[-1].weight.zero_()
+    torch.testing.assert_close(net(scores), averaging)
+
+
+def test_input_scaling_standardises_the_training_rows_and_is_in_the_state_dict():
+    rows = 30 * torch.randn(500, NUM_SUBDOMAINS, NUM_CLASSES) + 7
+    rows[:, 0, 0] = 3.0  # a constant feature is centred, not divided by ~0
+    net = CoarseMLP(NUM_SUBDOMAINS, NUM_CLASSES, inputs="logits", input_norm="standardize")
+    net.fit_input_scaling(rows)
+    z = net.scale_inputs(rows)
+    assert z.mean(0).abs().max() < 1e-4
+    assert torch.allclose(z.std(0)[1:], torch.ones(NUM_SUBDOMAINS * NUM_CLASSES - 1), atol=1e-4)
+    assert float(z[:, 0].abs().max()) == 0.0 and float(net.input_std[0]) == 1.0
+    copy = CoarseMLP(NUM_SUBDOMAINS, NUM_CLASSES, inputs="logits", input_norm="standardize")
+    copy.load_state_dict(net.state_dict())
+    torch.testing.assert_close(copy(rows), net(rows))
+    plain = CoarseMLP(NUM_SUBDOMAINS, NUM_CLASSES, inputs="logits")  # input_norm none: fitting changes nothing
+    plain.fit_input_scaling(rows)
+    assert float(plain.input_mean.abs().max()) == 0.0
+
+
+def test_a_coarse_dnn_saved_before_input_scaling_loads_and_computes_as_before():
+    net = CoarseMLP(NUM_SUBDOMAINS, NUM_CLASSES, hidden=(16,)).eval()
+    old = {k: v for k, v in net.state_dict().items() if not k.startswith("input_")}
+    loaded = CoarseMLP(NUM_SUBDOMAINS, NUM_CLASSES, hidden=(16,)).eval()
+    loaded.load_state_dict(old)
+    scores = _local_probabilities()
+    torch.testing.assert_close(loaded(scores), net(scores))
+
+
+def test_the_linear_path_adds_a_linear_map_of_the_scaled_inputs():
+    net = CoarseMLP(NUM_SUBDOMAINS, NUM_CLASSES, hidden=(8,), inputs="logits", **ROBUST).eval()
+    scores = torch.randn(5, NUM_SUBDOMAINS, NUM_CLASSES)
+    before = net(scores)
+    with torch.no_grad():
+        net.linear_layer().bias.fill_(1.5)
+    torch.testing.assert_close(net(scores), before + 1.5)
+    assert CoarseMLP(NUM_SUBDOMAINS, NUM_CLASSES, hidden=()).linear_layer() is not None
+    with pytest.raises(ValueError, match="no linear path"):
+        CoarseMLP(NUM_SUBDOMAINS, NUM_CLASSES, hidden=(8,)).linear_layer()
+
+
+@pytest.mark.parametrize("options", [{}, ROBUST])
+def test_torchscript(options):
+    net = CoarseMLP(NUM_SUBDOMAINS, NUM_CLASSES, norm=True, **options).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated but still what many deploy
         scripted = torch.jit.script(net)

@@ -84,7 +84,7 @@ def test_table_has_every_row_and_column(report):
     header = md.splitlines()[2]
     for column in ("method", "seeds", "test accuracy (%)", "sequential time (s)", "projected time (s)"):
         assert f"| {column} |" in header
-    assert "| speedup vs global | parameters |" in header
+    assert "| speedup vs global | speedup at equal acc. | parameters |" in header
     for name in METHODS.values():
         assert f"| {name} |" in md
     report_md = (report / "report.md").read_text()
