@@ -664,7 +664,9 @@ def stage_rows(run_dir: Path, cfg, results: dict) -> list[dict]:
             epochs, steps = counted
         else:  # from the configuration (the loop may have stopped writing metrics.csv)
             planned = ((meta.get("fit") or {}).get("plan") or {}).get("max_epochs")
-            epochs = int(meta.get("max_epochs") or planned or (cfg.coarse.max_epochs if coarse else cfg.trainer.max_epochs))
+            epochs = int(
+                meta.get("max_epochs") or planned or (cfg.coarse.max_epochs if coarse else cfg.trainer.max_epochs)
+            )
             from ddcnn.engine.settings import num_batches
 
             limit = None if coarse else cfg.trainer.get("limit_train_batches")

@@ -19,14 +19,17 @@ from torch import nn
 
 from ddcnn import registry
 from ddcnn.data.augment import Augment
-from ddcnn.data.prepare import Prepared, prepare
+from ddcnn.data.prepare import Prepared, PrepareSettings, load_prepared
+from ddcnn.data.sources import NOT_IDENTITY
 from ddcnn.decomposition import Decomposition
 from ddcnn.models.cnn_dnn import CNNDNN
 from ddcnn.rundir import RunDir
+from ddcnn.store import Store, default_root
 
 __all__ = [
     "Context",
     "load_data",
+    "data_store",
     "build_context",
     "check_settings",
     "check_networks",
@@ -56,21 +59,54 @@ class Context:
     decomposition: Decomposition
 
 
+def data_store(cfg: DictConfig) -> Store:
+    """The store of prepared data (``store.root``, else ``$DDCNN_STORE``, else ``~/.cache/ddcnn``)."""
+    node = cfg.get("store") or {}
+    return Store(default_root(node.get("root")), stale_after_s=float(node.get("stale_after_s", 120) or 120))
+
+
+def _accepts_lazy(target: str) -> bool:
+    import inspect
+
+    from hydra.utils import get_method
+
+    try:
+        return "lazy" in inspect.signature(get_method(target)).parameters
+    except (ValueError, TypeError, ImportError, AttributeError):
+        return False
+
+
 def load_data(cfg: DictConfig) -> Prepared:
-    """Instantiate the configured source and prepare its splits (same result in every stage and process)."""
+    """The configured source's prepared splits, in memory or memory-mapped from the store as ``data.memory`` says
+    (same numbers in every stage and process; see :mod:`ddcnn.data.prepare`)."""
     d = cfg.data
-    splits = instantiate(d.source)
-    return prepare(
-        splits,
+    spec = OmegaConf.to_container(d.source, resolve=True)
+    lazy = {"lazy": True} if _accepts_lazy(str(spec.get("_target_", ""))) else {}
+    image_size, window = d.get("image_size"), d.get("window")
+    settings = PrepareSettings(
         num_classes=int(d.num_classes),
         in_channels=int(d.in_channels),
         spatial_dims=int(d.spatial_dims),
-        image_size=d.get("image_size"),
+        image_size=tuple(image_size) if image_size is not None else None,
         val_fraction=float(d.get("val_fraction", 0.1)),
         split_seed=int(d.get("split_seed", 0)),
         train_subset=d.get("train_subset"),
         test_subset=d.get("test_subset"),
         normalize=bool(d.get("normalize", True)),
+        float_storage=d.get("float_storage"),
+        window=tuple(window) if window is not None else None,
+    )
+    memory = d.get("memory") or {}
+    store = cfg.get("store") or {}
+    return load_prepared(
+        lambda: instantiate(d.source, **lazy),
+        {k: v for k, v in spec.items() if k not in NOT_IDENTITY},
+        settings,
+        mode=str(memory.get("mode", "auto")),
+        auto_max_mb=float(memory.get("auto_max_mb", 256)),
+        limit_gb=memory.get("limit_gb"),
+        store=data_store(cfg),
+        stage_to=store.get("stage_to"),
     )
 
 
@@ -81,7 +117,8 @@ def build_context(
 
     With ``claim=False`` the caller checks further settings first and then calls
     ``ctx.run.check_fingerprint(cfg)`` itself. ``data`` skips loading: the parent of the parallel workers hands
-    them the tensors it prepared (in shared memory) instead of each worker reading and preparing them again.
+    them the data it prepared (the tensors in shared memory, or the store entry that each worker maps) instead of
+    each worker reading and preparing them again.
     """
     run = RunDir(run_dir if run_dir is not None else cfg.paths.run_dir)
     check_settings(cfg)

@@ -11,13 +11,15 @@ torch 2.x this package targets, and ``tests/test_export.py`` checks the file on 
 ``torch.export`` would mean fixing the input dtype at export time and moving the shape checks out of the model.
 
 The scripted module (:class:`ExportedCNNDNN`) takes raw inputs ``(B, C, *spatial)`` and applies exactly what
-training applied to the data (:func:`ddcnn.data.datamodule.prepare`):
+training applied to the data (:mod:`ddcnn.data.prepare`, :mod:`ddcnn.data.encoding`):
 
 1. ``uint8`` values are divided by 255, any other dtype is used as float32 unchanged;
 2. when the run used ``data.image_size``, inputs of another spatial shape are resized to it (bilinear or
    trilinear, ``align_corners=False``, antialiasing when shrinking 2D images); without it, the shape must be
    the training shape;
-3. each channel is normalised with the training split's mean and std.
+3. when training stored its values as float16 (``data.float_storage=float16``), they are rounded to float16;
+4. the intensity window (``data.window``) and the per-channel normalisation with the training split's mean and std,
+   by the module the training batches go through (:class:`ddcnn.data.encoding.Normalize`).
 
 ``model(x)`` returns class logits ``(B, K)``; ``model.predict_proba(x)`` returns probabilities;
 ``model.preprocess(x)`` shows what the networks see. The file's extra file ``metadata.json`` (read with
@@ -40,6 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ddcnn.data.encoding import Normalize
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +87,19 @@ class Preprocess(nn.Module):
         image_shape: Spatial shape the networks take (after ``data.image_size``).
         mean, std: Per-channel normalisation statistics of the training split.
         resize: Whether training resized its data (``data.image_size``); if not, other shapes are an error.
+        round_float16: Whether training stored its values as float16 (they are rounded the same way).
+        window: The intensity window of training (``data.window``), or ``None``.
     """
 
-    def __init__(self, image_shape: Sequence[int], mean: torch.Tensor, std: torch.Tensor, resize: bool) -> None:
+    def __init__(
+        self,
+        image_shape: Sequence[int],
+        mean: torch.Tensor,
+        std: torch.Tensor,
+        resize: bool,
+        round_float16: bool = False,
+        window: tuple[float, float] | None = None,
+    ) -> None:
         super().__init__()
         self.spatial_dims = len(image_shape)
         if self.spatial_dims not in (2, 3):
@@ -94,9 +108,8 @@ class Preprocess(nn.Module):
         self.in_channels = int(mean.numel())
         self.resize = bool(resize)
         self.mode = "bilinear" if self.spatial_dims == 2 else "trilinear"
-        view = [1, -1] + [1] * self.spatial_dims
-        self.register_buffer("mean", mean.detach().to(torch.float32).reshape(view).clone())
-        self.register_buffer("std", std.detach().to(torch.float32).reshape(view).clone())
+        self.round_float16 = bool(round_float16)
+        self.normalize = Normalize(mean.detach(), std.detach(), self.spatial_dims, scale_uint8=False, window=window)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 + self.spatial_dims:
@@ -110,7 +123,7 @@ class Preprocess(nn.Module):
             raise ValueError(
                 "expected " + str(self.in_channels) + " channel(s) on axis 1, got shape " + str(list(x.shape))
             )
-        # As ddcnn.data.datamodule._to_float: uint8 is scaled to [0, 1], everything else is taken as it is.
+        # As the preparation of the training data: uint8 is scaled to [0, 1], everything else is taken as it is.
         x = x.to(torch.float32) / 255.0 if x.dtype == torch.uint8 else x.to(torch.float32)
         size: list[int] = list(x.shape[2:])
         if size != self.image_shape:
@@ -122,14 +135,16 @@ class Preprocess(nn.Module):
                     + str(size)
                     + "; resize the input to the training shape"
                 )
-            # As ddcnn.data.datamodule._resize: antialiasing exists for 2D only, used when shrinking.
+            # As ddcnn.data.prepare._resize: antialiasing exists for 2D only, used when shrinking.
             shrink = False
             for a in range(self.spatial_dims):
                 if self.image_shape[a] < size[a]:
                     shrink = True
             antialias = self.spatial_dims == 2 and shrink
             x = F.interpolate(x, size=self.image_shape, mode=self.mode, align_corners=False, antialias=antialias)
-        return (x - self.mean) / self.std
+        if self.round_float16:
+            x = x.to(torch.float16).to(torch.float32)
+        return self.normalize(x)
 
 
 class ExportedCNNDNN(nn.Module):
@@ -196,6 +211,8 @@ def _metadata(ctx, model_results: dict | None = None) -> dict:
                 "align_corners": False,
                 "antialias": "2D when shrinking",
             },
+            "stored_as": "float16" if data.stored_dtype == torch.float16 else None,
+            "window": list(data.window) if data.window is not None else None,
             "normalize": {"mean": data.mean.tolist(), "std": data.std.tolist()},
             **_file_reading(cfg),
         },
@@ -238,7 +255,14 @@ def export_context(ctx, path: str | Path | None = None) -> Path:
 
     model = assemble_cnn_dnn(ctx)
     data = ctx.data
-    pre = Preprocess(data.image_shape, data.mean, data.std, resize=ctx.cfg.data.get("image_size") is not None)
+    pre = Preprocess(
+        data.image_shape,
+        data.mean,
+        data.std,
+        resize=ctx.cfg.data.get("image_size") is not None,
+        round_float16=data.stored_dtype == torch.float16,
+        window=data.window,
+    )
     wrapped = ExportedCNNDNN(pre, model).eval()
     with _jit_deprecation_quiet():
         scripted = torch.jit.script(wrapped)

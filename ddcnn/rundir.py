@@ -75,6 +75,8 @@ NON_RESULT_KEYS = (
     "optimized_metric",
     "run_generation",
     "logger",
+    "store",  # where prepared data are kept and copied to
+    "data.memory",  # how a process holds them (in memory or memory-mapped): the same numbers either way
 )
 # Settings that moved: a run directory recorded under the old name still matches (old -> new).
 RENAMED_KEYS = {

@@ -40,6 +40,18 @@ TINY_OVERRIDES = [
 ]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _store_in_tmp(tmp_path_factory):
+    """Prepared data that tests memory-map go to a store of the test session, never to the user's ~/.cache/ddcnn."""
+    previous = os.environ.get("DDCNN_STORE")
+    os.environ["DDCNN_STORE"] = str(tmp_path_factory.mktemp("store"))
+    yield
+    if previous is None:
+        os.environ.pop("DDCNN_STORE", None)
+    else:
+        os.environ["DDCNN_STORE"] = previous
+
+
 def compose_config(overrides: list[str] | None = None, run_dir: Path | None = None, tiny: bool = True) -> DictConfig:
     """The real ``conf/config.yaml`` with ``overrides`` (tiny settings first), run directory set."""
     return compose((TINY_OVERRIDES if tiny else []) + list(overrides or []), run_dir)

@@ -231,3 +231,32 @@ def test_report_flags_turn_plots_and_export_off(digits_run, tmp_path):
     results = train(cfg)
     assert results["accuracy"]["cnn_dnn"] is not None
     assert not (copy / "plots").exists() and not (copy / "export").exists()
+
+
+@pytest.mark.parametrize("case", ["uint8 resized, stored as float16", "int16 HU, windowed"])
+def test_export_preprocessing_is_the_training_preprocessing(case):
+    from ddcnn.data.prepare import prepare
+    from ddcnn.data.sources import Splits
+    from ddcnn.export import Preprocess, _jit_deprecation_quiet
+
+    rng = np.random.default_rng(0)
+    if case.startswith("uint8"):
+        x = rng.integers(0, 256, size=(40, 1, 10, 12), dtype=np.uint8)
+        kw = {"spatial_dims": 2, "image_size": (16, 14), "float_storage": "float16"}
+    else:
+        x = rng.integers(-1500, 1500, size=(40, 1, 6, 8, 10)).astype(np.int16)
+        kw = {"spatial_dims": 3, "window": (-1000, 400)}
+    y = np.arange(40) % 2
+    data = prepare(Splits(x[:30], y[:30], x[30:], y[30:], class_names=["a", "b"]), num_classes=2, in_channels=1, **kw)
+    pre = Preprocess(
+        data.image_shape,
+        data.mean,
+        data.std,
+        resize="image_size" in kw,
+        round_float16=data.stored_dtype == torch.float16,
+        window=data.window,
+    )
+    with _jit_deprecation_quiet():
+        scripted = torch.jit.script(pre)
+    # Raw test samples through the exported preprocessing = what the networks saw in training, bit for bit.
+    assert torch.equal(scripted(torch.from_numpy(x[30:])), data.inputs("test"))

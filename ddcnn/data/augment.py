@@ -3,6 +3,11 @@
 The random parameters of sample ``j`` in epoch ``e`` depend only on ``(seed, e, j)``: every local net,
 trained independently in its own process, sees the same augmented version of a sample, so the local views
 stay consistent with each other (and with the global net when it uses the same seed).
+
+A local net needs only its box of the augmented image: :meth:`Augment.support` gives the region of the image that
+box depends on (the box itself for flips, read mirrored for a flipped sample; a slightly larger box for a small
+rotation), and :meth:`Augment.rotate_box` computes the box from that region alone, with the whole image's sampling
+coordinates.
 """
 
 from __future__ import annotations
@@ -45,26 +50,107 @@ class Augment:
             out[row] = torch.rand(n, generator=g)
         return out
 
-    def __call__(self, x: torch.Tensor, index: torch.Tensor, epoch: int) -> torch.Tensor:
-        spatial = x.dim() - 2
-        if any(not 0 <= a < spatial for a in self.flip_axes):
-            raise ValueError(f"augment.flip_axes {self.flip_axes} must be spatial axes 0..{spatial - 1}.")
+    def check(self, spatial_dims: int) -> None:
+        """Raise a clear error for flip axes that images of ``spatial_dims`` axes do not have."""
+        if any(not 0 <= a < spatial_dims for a in self.flip_axes):
+            raise ValueError(f"augment.flip_axes {self.flip_axes} must be spatial axes 0..{spatial_dims - 1}.")
+
+    def draw(self, index: torch.Tensor, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The random parameters of samples ``index`` in ``epoch``: ``flips (B, len(flip_axes))`` (bool) and
+        rotation ``angles (B,)`` in radians (zero without rotation)."""
         u = self._params(index, epoch, len(self.flip_axes) + 1)
+        flips = u[:, : len(self.flip_axes)] < 0.5
+        angles = (u[:, -1] * 2 - 1) * math.radians(self.rotate_deg) if self.rotate_deg > 0 else torch.zeros(len(u))
+        return flips, angles
+
+    def __call__(self, x: torch.Tensor, index: torch.Tensor, epoch: int) -> torch.Tensor:
+        self.check(x.dim() - 2)
+        flips, angle = self.draw(index, epoch)
         out = x
         for k, axis in enumerate(self.flip_axes):
-            flip = (u[:, k] < 0.5).view(-1, *([1] * (x.dim() - 1)))
+            flip = flips[:, k].to(x.device).view(-1, *([1] * (x.dim() - 1)))
             out = torch.where(flip, out.flip(2 + axis), out)
         if self.rotate_deg > 0:
-            angle = (u[:, -1] * 2 - 1) * math.radians(self.rotate_deg)
             out = _rotate_last_two_axes(out, angle)
         return out
+
+    # --- the augmented view of one box, from the region of the image it depends on -------------------------------
+    def support(self, box: Sequence[slice], image_shape: Sequence[int]) -> tuple[slice, ...]:
+        """The region of the (flipped) image that the rotated image's ``box`` is computed from: ``box`` itself
+        without rotation; with it, ``box`` grown in the plane of the last two axes by what any angle up to
+        ``rotate_deg`` brings in (bilinear neighbours included), clipped to the image."""
+        box = tuple(slice(*b.indices(n)[:2]) for b, n in zip(box, image_shape, strict=True))
+        if self.rotate_deg <= 0:
+            return box
+        h, w = int(image_shape[-2]), int(image_shape[-1])
+        ys = torch.tensor([box[-2].start, box[-2].stop - 1], dtype=torch.float64)
+        xs = torch.tensor([box[-1].start, box[-1].stop - 1], dtype=torch.float64)
+        limit = math.radians(self.rotate_deg)
+        angles = torch.linspace(-limit, limit, 721, dtype=torch.float64)
+        ix, iy = _source_pixels(ys[:, None, None], xs[None, :, None], angles[None, None, :], h, w)
+        y0 = max(0, math.floor(float(iy.min())) - 1)
+        y1 = min(h, math.floor(float(iy.max())) + 3)
+        x0 = max(0, math.floor(float(ix.min())) - 1)
+        x1 = min(w, math.floor(float(ix.max())) + 3)
+        return (*box[:-2], slice(y0, y1), slice(x0, x1))
+
+    def rotate_box(
+        self,
+        region_x: torch.Tensor,
+        angles: torch.Tensor,
+        region: Sequence[slice],
+        box: Sequence[slice],
+        image_shape: Sequence[int],
+    ) -> torch.Tensor:
+        """``box`` of the rotated image, from ``region_x``: the normalised (and flipped) image's ``region``.
+
+        Equal to rotating the whole image and cutting ``box`` out of it, up to float rounding: the sampling
+        coordinates are the whole image's, moved to the region (flips alone are exact).
+        """
+        h, w = int(image_shape[-2]), int(image_shape[-1])
+        dev = region_x.device
+        ys = torch.arange(box[-2].start, box[-2].stop, dtype=torch.float64)
+        xs = torch.arange(box[-1].start, box[-1].stop, dtype=torch.float64)
+        a = angles.to(torch.float64).view(-1, 1, 1)
+        ix, iy = _source_pixels(ys.view(1, -1, 1), xs.view(1, 1, -1), a, h, w)  # (B, bh, bw) pixels of the image
+        rh, rw = region[-2].stop - region[-2].start, region[-1].stop - region[-1].start
+        gx = (2 * (ix - region[-1].start) + 1) / rw - 1  # the same points in the region's normalised coordinates
+        gy = (2 * (iy - region[-2].start) + 1) / rh - 1
+        if region_x.dim() == 4:
+            grid = torch.stack([gx, gy], dim=-1)
+        else:  # 3D: the first axis is not rotated; the region spans exactly the box's slices along it
+            depth = region[0].stop - region[0].start
+            gz = (2 * torch.arange(depth, dtype=torch.float64) + 1) / depth - 1
+            b, bh, bw = gx.shape
+            grid = torch.stack(
+                [
+                    gx[:, None].expand(b, depth, bh, bw),
+                    gy[:, None].expand(b, depth, bh, bw),
+                    gz.view(1, -1, 1, 1).expand(b, depth, bh, bw),
+                ],
+                dim=-1,
+            )
+        grid = grid.to(device=dev, dtype=region_x.dtype)
+        return F.grid_sample(region_x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
+def _source_pixels(
+    ys: torch.Tensor, xs: torch.Tensor, angle: torch.Tensor, h: int, w: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pixel coordinates ``(ix, iy)`` in the image that output pixel ``(ys, xs)`` of the rotation by ``angle`` samples
+    (the arithmetic of ``affine_grid`` + ``grid_sample`` with ``align_corners=False``; broadcasting)."""
+    xn, yn = (2 * xs + 1) / w - 1, (2 * ys + 1) / h - 1
+    cos, sin = angle.cos(), angle.sin()
+    gx, gy = cos * xn - sin * yn, sin * xn + cos * yn
+    return ((gx + 1) * w - 1) / 2, ((gy + 1) * h - 1) / 2
 
 
 def _rotate_last_two_axes(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
     """Rotate every sample by its angle in the plane of the last two axes (bilinear, zero padding)."""
     b, spatial = x.shape[0], x.dim() - 2
+    angle = angle.to(device=x.device, dtype=x.dtype)
     cos, sin = angle.cos(), angle.sin()
-    theta = torch.zeros(b, spatial, spatial + 1, dtype=x.dtype)
+    theta = torch.zeros(b, spatial, spatial + 1, dtype=x.dtype, device=x.device)
     for i in range(spatial):
         theta[:, i, i] = 1.0
     # affine_grid's coordinates are (x=last axis, y=second last, z=...); rotate x and y.

@@ -1,28 +1,39 @@
-"""The loaders every stage trains on: in-memory tensors served one whole batch at a time.
+"""The batches every stage trains on, through one protocol: :class:`Batches`.
 
 The training loop reads batches through one small protocol (:class:`Batches`): it owns the order of the samples
 (from ``(seed, epoch)``, sharded by rank under DDP) and asks the data for the batch of a list of sample indices,
-ready for the network on the training device. :class:`TensorDataModule` implements it for in-memory tensors.
+ready for the network on the training device.
 
-:class:`TensorDataModule` holds the tensors of :func:`ddcnn.data.prepare.prepare` for ddcnn's plain loop (which reads
-them directly, :mod:`ddcnn.engine.train`) and serves them to Lightning as data loaders. Whole
-batches are taken by one index operation (no per-sample ``__getitem__`` and collate), which keeps the
-framework overhead of small local nets negligible. An optional ``view`` turns each batch of full images
-into what the network sees, e.g. sub-domain ``i`` of the decomposition, after an optional augmentation of
-the whole image.
+:class:`PreparedBatches` implements it for the images of a :class:`~ddcnn.data.prepare.Prepared` dataset, for one
+network: the full images (global CNN) or the box of one sub-domain (local net ``i``). It reads only what that
+network sees of the samples of a batch, in their compact stored type, from this process's memory or from the
+memory-mapped store, moves it to the device, and there normalises it, augments it (training only) and cuts the box:
+
+- no augmentation: the box alone is read;
+- flips: the box is read mirrored for a flipped sample, then flipped;
+- a rotation: the slightly larger region the rotated box is computed from (:meth:`Augment.support`) is read, then
+  rotated with the whole image's sampling coordinates (:meth:`Augment.rotate_box`).
+
+For data held in memory (small data, ``data.memory.mode``) and no augmentation, the network's inputs of every split
+are made once and kept (float32, the box only): each step is then one gather from contiguous memory, the fastest
+path for small networks whose steps take a millisecond.
+
+:class:`TensorDataModule` implements the protocol for tensors that are already network inputs (the coarse DNN's
+features). Both also serve Lightning's ``Trainer`` as data loaders, whole batches at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
 
+from ddcnn.data.augment import Augment
 from ddcnn.data.prepare import Prepared, prepare
 
-__all__ = ["Prepared", "prepare", "Batches", "TensorDataModule", "Crop"]
+__all__ = ["Prepared", "prepare", "Batches", "PreparedBatches", "RowSubset", "TensorDataModule", "Crop"]
 
 
 @runtime_checkable
@@ -162,6 +173,46 @@ class Crop:
         return x[self.box]
 
 
+class RowSubset:
+    """A :class:`Batches` source restricted to some rows of some splits (e.g. the training folds of a k-fold
+    cross-fitting): sample ``i`` of a restricted split is row ``rows[split][i]`` of ``base``. Training batches keep
+    the base's sample indices, so augmentation draws the same as for the full source.
+
+    Args:
+        base: The full source.
+        rows: Per split, the rows kept (a 1-d index tensor); splits not named are served whole.
+    """
+
+    def __init__(self, base: Batches, rows: dict[str, torch.Tensor]) -> None:
+        self.base = base
+        self.rows = {}
+        for split, kept in rows.items():
+            kept = torch.as_tensor(kept, dtype=torch.long).cpu()
+            n = base.size(split)
+            if kept.dim() != 1 or (len(kept) and (int(kept.min()) < 0 or int(kept.max()) >= n)):
+                raise ValueError(f"rows of split {split!r} must be a 1-d index into its {n} samples.")
+            self.rows[split] = kept
+        self.batch_size, self.eval_batch_size, self.seed = base.batch_size, base.eval_batch_size, base.seed
+
+    def _map(self, split: str, idx: torch.Tensor) -> torch.Tensor:
+        kept = self.rows.get(split)
+        idx = torch.as_tensor(idx, dtype=torch.long).cpu()
+        return idx if kept is None else kept[idx]
+
+    def size(self, split: str) -> int:
+        return len(self.rows[split]) if split in self.rows else self.base.size(split)
+
+    def labels(self, split: str) -> torch.Tensor:
+        labels = self.base.labels(split)
+        return labels[self.rows[split]] if split in self.rows else labels
+
+    def train_batch(self, idx: torch.Tensor, epoch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.base.train_batch(self._map("train", idx), epoch, device)
+
+    def eval_batch(self, split: str, idx: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.base.eval_batch(split, self._map(split, idx), device)
+
+
 class TensorDataModule:
     """Serves in-memory ``(x, y)`` tensors of the three splits in shuffled (train) or ordered batches.
 
@@ -238,3 +289,158 @@ class TensorDataModule:
 
     def test_dataloader(self) -> DataLoader:
         return self.loader("test")
+
+
+class _IndexDataset(Dataset):
+    """Lightning's view of a :class:`Batches`: indexed by ``(epoch, indices)`` (training) or by indices."""
+
+    def __init__(self, batches: Batches, split: str, train: bool) -> None:
+        self.batches, self.split, self.train = batches, split, train
+
+    def __len__(self) -> int:
+        return self.batches.size(self.split)
+
+    def __getitem__(self, index):
+        epoch = 0
+        if isinstance(index, tuple):
+            epoch, index = index
+        idx = torch.as_tensor(index, dtype=torch.long)
+        cpu = torch.device("cpu")
+        if self.train:
+            return self.batches.train_batch(idx, epoch, cpu)
+        return self.batches.eval_batch(self.split, idx, cpu)
+
+
+def _identity(batch):
+    return batch
+
+
+class _Loaders:
+    """Data loaders over the :class:`Batches` methods, for Lightning's Trainer and for predictions."""
+
+    def loader(self, split: str, shuffle: bool = False, shard: bool = False) -> DataLoader:
+        n = self.size(split)
+        if shuffle:
+            sampler = _EpochBatchSampler(n, self.batch_size, self.seed)
+        elif shard:
+            sampler = _ShardedBatchSampler(n, self.eval_batch_size)
+        else:
+            sampler = BatchSampler(SequentialSampler(range(n)), self.eval_batch_size, drop_last=False)
+        dataset = _IndexDataset(self, split, train=shuffle)
+        return DataLoader(dataset, sampler=sampler, batch_size=None, collate_fn=_identity)
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.loader("val", shard=True)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.loader("test")
+
+
+class PreparedBatches(_Loaders):
+    """Batches of a prepared dataset for one network: the full images, or one box (a sub-domain), on a device.
+
+    Args:
+        data: The prepared data (in memory or memory-mapped).
+        batch_size: Training batch size.
+        eval_batch_size: Batch size for validation and prediction (defaults to ``4 * batch_size``).
+        seed: Seed of the training order.
+        box: Spatial slices of the box the network sees (``None``: the full images).
+        augment: Whole-image augmentation of training batches (its draws depend only on the sample and the epoch,
+            so every local net sees its box of the same augmented image).
+        cache: Keep the network inputs of every split (float32, the box only) after first use instead of reading
+            them per batch; ``None``: when the data are held in memory and there is no augmentation.
+    """
+
+    def __init__(
+        self,
+        data: Prepared,
+        batch_size: int = 64,
+        eval_batch_size: int | None = None,
+        seed: int = 0,
+        box: Sequence[slice] | None = None,
+        augment: Augment | None = None,
+        cache: bool | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        self.data = data
+        self.batch_size = int(batch_size)
+        self.eval_batch_size = int(eval_batch_size or 4 * batch_size)
+        self.seed = int(seed)
+        shape = data.image_shape
+        if box is not None:
+            box = tuple(slice(*b.indices(n)[:2]) for b, n in zip(box, shape, strict=True))
+            if box == tuple(slice(0, n) for n in shape):
+                box = None
+        self.box = box
+        self.augment = augment if augment is not None and augment.active else None
+        if self.augment is not None:
+            self.augment.check(len(shape))
+            self.support = self.augment.support(self.box, shape) if self.box is not None else None
+        self.cache = (data.holding == "memory" and self.augment is None) if cache is None else bool(cache)
+        self._cached: dict[str, torch.Tensor] = {}
+
+    # --- the Batches protocol ---
+    def size(self, split: str) -> int:
+        return len(self.data.y[split])
+
+    def labels(self, split: str) -> torch.Tensor:
+        return self.data.y[split]
+
+    def eval_batch(self, split: str, idx: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        device = torch.device(device)
+        idx = torch.as_tensor(idx, dtype=torch.long).cpu()
+        y = self.data.y[split][idx].to(device, non_blocking=True)
+        if self.cache:
+            return self._inputs(split)[idx].to(device, non_blocking=True), y
+        x = self.data.read(split, idx, self.box).to(device, non_blocking=True)
+        return self.data.normalizer(device)(x), y
+
+    def train_batch(self, idx: torch.Tensor, epoch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.augment is None:
+            return self.eval_batch("train", idx, device)
+        device = torch.device(device)
+        idx = torch.as_tensor(idx, dtype=torch.long).cpu()
+        y = self.data.y["train"][idx].to(device, non_blocking=True)
+        normalize = self.data.normalizer(device)
+        if self.box is None:  # the whole image, as the global CNN sees it
+            x = normalize(self.data.read("train", idx).to(device, non_blocking=True))
+            return self.augment(x, idx, epoch).contiguous(), y
+        return self._augmented_box(idx, epoch, device, normalize).contiguous(), y
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_cached"] = {}  # a DDP rank or a worker makes its own (it may not need them)
+        return state
+
+    # --- internals ---
+    def _inputs(self, split: str) -> torch.Tensor:
+        if split not in self._cached:
+            self._cached[split] = self.data.inputs(split, region=self.box).contiguous()
+        return self._cached[split]
+
+    def _augmented_box(self, idx: torch.Tensor, epoch: int, device, normalize: Callable) -> torch.Tensor:
+        """The box of the augmented images of ``idx``, from the region each sample's augmentation needs."""
+        aug, shape, region = self.augment, self.data.image_shape, self.support
+        flips, angles = aug.draw(idx, epoch)
+        out = None
+        patterns = flips.unique(dim=0) if flips.numel() else torch.zeros(1, 0, dtype=torch.bool)
+        for pattern in patterns:
+            rows = (flips == pattern).all(dim=1).nonzero().view(-1) if flips.numel() else torch.arange(len(idx))
+            axes = [a for a, on in zip(aug.flip_axes, pattern.tolist(), strict=True) if on]
+            mirrored = list(region)
+            for a in axes:  # a flipped image's region is the mirror image of the unflipped region
+                n = shape[a]
+                mirrored[a] = slice(n - region[a].stop, n - region[a].start)
+            x = normalize(self.data.read("train", idx[rows], mirrored).to(device, non_blocking=True))
+            if axes:
+                x = x.flip([2 + a for a in axes])
+            if out is None:
+                out = torch.empty((len(idx), *x.shape[1:]), dtype=x.dtype, device=device)
+            out[rows.to(device)] = x
+        if aug.rotate_deg > 0:
+            out = aug.rotate_box(out, angles, region, self.box, shape)
+        return out

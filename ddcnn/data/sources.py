@@ -13,7 +13,19 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Splits", "digits", "npz", "torchvision_dataset", "image_folder", "nifti", "stratified_split"]
+from ddcnn.data.arrays import FileRows, Rows, channel_axis_fix, npz_member
+
+__all__ = [
+    "Splits",
+    "digits",
+    "npz",
+    "torchvision_dataset",
+    "image_folder",
+    "nifti",
+    "stratified_split",
+    "source_identity",
+    "NOT_IDENTITY",
+]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".pgm", ".tif", ".tiff", ".gif")
 
@@ -23,7 +35,8 @@ class Splits:
     """Train/test (and optional validation) arrays of one dataset.
 
     Attributes:
-        x_train: ``(n, C, *spatial)`` images, ``uint8`` (0..255) or floating point.
+        x_train: ``(n, C, *spatial)`` images, ``uint8`` (0..255), other integers or floating point: a numpy array,
+            or :class:`~ddcnn.data.arrays.Rows` read lazily (sources called with ``lazy=True``).
         y_train: ``(n,)`` integer labels in ``[0, num_classes)``.
         x_test, y_test: The test split.
         x_val, y_val: An official validation split, or ``None`` (the datamodule carves one from train).
@@ -31,11 +44,11 @@ class Splits:
         name: Short dataset name for reports.
     """
 
-    x_train: np.ndarray
+    x_train: np.ndarray | Rows
     y_train: np.ndarray
-    x_test: np.ndarray
+    x_test: np.ndarray | Rows
     y_test: np.ndarray
-    x_val: np.ndarray | None = None
+    x_val: np.ndarray | Rows | None = None
     y_val: np.ndarray | None = None
     class_names: list[str] = field(default_factory=list)
     name: str = "data"
@@ -74,17 +87,9 @@ def stratified_split(y: np.ndarray, fraction: float, seed: int) -> tuple[np.ndar
 
 
 def _with_channel_axis(x: np.ndarray, spatial_dims: int, source: str) -> np.ndarray:
-    if x.ndim == spatial_dims + 1:
-        return x[:, None]
-    if x.ndim == spatial_dims + 2:
-        # Channel-last colour images (n, H, W, 3) are the common archive layout; move channels first.
-        if x.shape[-1] in (1, 3, 4) and x.shape[1] not in (1, 3, 4):
-            return np.moveaxis(x, -1, 1)
-        return x
-    raise ValueError(
-        f"{source}: images of shape {x.shape[1:]} do not fit spatial_dims={spatial_dims}; expected "
-        f"(n, *spatial) or (n, C, *spatial) with {spatial_dims} spatial axes. Set data.spatial_dims to match."
-    )
+    # Channel-last colour images (n, H, W, 3) are the common archive layout; channels move first.
+    _, fix = channel_axis_fix(x.shape, spatial_dims, source)
+    return fix(x) if fix is not None else x
 
 
 def _labels(y: np.ndarray, source: str) -> np.ndarray:
@@ -116,10 +121,12 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> Splits:
     return Splits(x[train], y[train], x[test], y[test], class_names=[str(c) for c in range(10)], name="digits")
 
 
-def npz(path: str | Path, spatial_dims: int = 2, name: str | None = None) -> Splits:
+def npz(path: str | Path, spatial_dims: int = 2, name: str | None = None, lazy: bool = False) -> Splits:
     """A ``.npz`` archive with ``x_train, y_train, x_test, y_test`` and optionally ``x_val, y_val, class_names``.
 
-    This is the format of the archives in ``shared/data`` (MNIST, Fashion-MNIST, AdrenalMNIST3D).
+    This is the format of the archives in ``shared/data`` (MNIST, Fashion-MNIST, AdrenalMNIST3D). With ``lazy`` the
+    images are :class:`~ddcnn.data.arrays.Rows`: members stored uncompressed (``np.savez``) are memory-mapped in
+    place, compressed ones decompressed as a stream when read, so a study larger than memory can be prepared.
     """
     path = Path(path).expanduser()
     if not path.is_file():
@@ -148,9 +155,22 @@ def npz(path: str | Path, spatial_dims: int = 2, name: str | None = None) -> Spl
                 f"dataset archive {path}: array {key!r} cannot be read ({err}); the file is corrupt."
             ) from err
 
-    x_train = _with_channel_axis(arr("x_train"), spatial_dims, src)
-    x_test = _with_channel_axis(arr("x_test"), spatial_dims, src)
-    x_val = _with_channel_axis(arr("x_val"), spatial_dims, src) if "x_val" in keys else None
+    def images(key: str):
+        if lazy:
+            try:
+                rows = npz_member(path, key, spatial_dims)
+            except (ValueError, OSError, KeyError) as err:
+                if "spatial_dims" in str(err):
+                    raise
+                raise ValueError(
+                    f"dataset archive {path}: array {key!r} cannot be read ({err}); the file is corrupt."
+                ) from err
+            if rows is not None:
+                return rows
+        return _with_channel_axis(arr(key), spatial_dims, src)
+
+    x_train, x_test = images("x_train"), images("x_test")
+    x_val = images("x_val") if "x_val" in keys else None
     y_train, y_test = _labels(arr("y_train"), src), _labels(arr("y_test"), src)
     y_val = _labels(arr("y_val"), src) if "y_val" in keys else None
     if "class_names" in keys:
@@ -293,15 +313,17 @@ def nifti(
     test_fraction: float = 0.2,
     seed: int = 0,
     progress: bool = True,
+    lazy: bool = False,
 ) -> Splits:
     """NIfTI volumes from a class-per-folder root or a CSV manifest (see :mod:`ddcnn.data.nifti`).
 
     A manifest's ``split`` column gives train/val/test; without one, the test split is stratified with a fixed
     seed. Preprocessed volumes are cached under ``cache_dir`` (default ``<root>/.ddcnn_cache``), keyed by the
     preprocessing settings. Values are returned as float32 after windowing/normalisation, so the datamodule
-    does not rescale them.
+    does not rescale them. With ``lazy`` the volumes are :class:`~ddcnn.data.arrays.Rows` read (and preprocessed,
+    when not cached yet) one at a time as they are needed, so a study larger than memory can be prepared.
     """
-    from ddcnn.data.nifti import NiftiPreprocess, load_arrays, scan_nifti
+    from ddcnn.data.nifti import NiftiCache, NiftiPreprocess, load_arrays, scan_nifti
 
     root = Path(root).expanduser()
     if not root.exists():
@@ -319,21 +341,84 @@ def nifti(
     )
     if cache_dir is None:
         cache_dir = (root if root.is_dir() else root.parent) / ".ddcnn_cache"
-    x, y = load_arrays(index, prep, cache_dir=cache_dir, progress=progress)
+    if lazy:
+        cache = NiftiCache(cache_dir, prep)
+        first = np.asarray(cache.load(index.paths[0]))
+        x = FileRows(index.paths, lambda p: np.asarray(cache.load(p)), first.shape, first.dtype, name=str(root))
+        y = np.asarray(index.labels, dtype=np.int64)
+    else:
+        x, y = load_arrays(index, prep, cache_dir=cache_dir, progress=progress)
     names = list(index.class_names)
     if index.splits is not None and "train" in index.splits and "test" in index.splits:
         split = np.asarray(index.splits)
         parts = {s: np.flatnonzero(split == s) for s in ("train", "val", "test")}
         has_val = len(parts["val"]) > 0
+
+        def take(rows: np.ndarray):
+            return x.select(rows) if isinstance(x, FileRows) else x[rows]
+
         return Splits(
-            x[parts["train"]],
+            take(parts["train"]),
             y[parts["train"]],
-            x[parts["test"]],
+            take(parts["test"]),
             y[parts["test"]],
-            x[parts["val"]] if has_val else None,
+            take(parts["val"]) if has_val else None,
             y[parts["val"]] if has_val else None,
             class_names=names,
             name=root.stem,
         )
     train, test = stratified_split(y, test_fraction, seed)
+    if isinstance(x, FileRows):
+        return Splits(x.select(train), y[train], x.select(test), y[test], class_names=names, name=root.stem)
     return Splits(x[train], y[train], x[test], y[test], class_names=names, name=root.stem)
+
+
+# Source settings that name where a copy or a cache goes, not what is read: not part of a source's identity.
+NOT_IDENTITY = ("cache_dir", "progress", "lazy")
+
+
+def _files_digest(paths: list[Path]) -> dict:
+    import hashlib
+
+    digest = hashlib.sha256()
+    total = 0
+    for path in sorted(paths):
+        stat = path.stat()
+        total += stat.st_size
+        digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return {"count": len(paths), "bytes": total, "stat_sha256": digest.hexdigest()[:32]}
+
+
+def _visible_files(root: Path) -> list[Path]:
+    """Files under ``root``, hidden files and folders (``.ddcnn_cache``, ``.git``) left out."""
+    out = []
+    for path in root.rglob("*"):
+        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(root).parts):
+            out.append(path)
+    return out
+
+
+def source_identity(spec: dict) -> dict:
+    """What identifies the files a source configuration reads, found cheaply: the path, size and modification time of
+    each (an edited, replaced or added file changes it). Part of the key of a prepared dataset in the store.
+
+    Args:
+        spec: The resolved ``data.source`` node (``_target_`` and its arguments).
+    """
+    target = str(spec.get("_target_", ""))
+    if target.endswith(".nifti") and spec.get("root"):
+        from ddcnn.data.nifti import FORMAT_VERSION, scan_nifti
+
+        index = scan_nifti(Path(str(spec["root"])).expanduser(), spec.get("class_names"))
+        files = list(index.paths) + ([index.source] if index.source is not None and index.source.is_file() else [])
+        return {"nifti_format": FORMAT_VERSION, "files": _files_digest(files)}
+    paths: list[Path] = []
+    for key, value in spec.items():
+        if key in NOT_IDENTITY or key.startswith("_") or not isinstance(value, str):
+            continue
+        path = Path(value).expanduser()
+        if path.is_file():
+            paths.append(path)
+        elif path.is_dir():
+            paths += _visible_files(path)
+    return {"files": _files_digest(paths)} if paths else {}

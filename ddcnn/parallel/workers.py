@@ -7,7 +7,7 @@
 - ``parallel.workers=P > 1``: :func:`run_local_parallel` starts P processes (spawn: forking a process that
   has initialised torch's threads or CUDA is unsafe), each owning one device from
   :func:`ddcnn.parallel.devices.plan_workers`. Every worker takes the data the parent prepared
-  (shared memory, one copy), measures its speed
+  (its tensors in shared memory, or the memory-mapped store entry: one copy), measures its speed
   (:func:`ddcnn.parallel.schedule.calibrate`), and trains the sub-domains the LPT placement gives it;
 - otherwise: one sub-domain after another in this process.
 
@@ -290,7 +290,8 @@ def _worker_main(
             "images_per_s": images_per_s,
             "pixels_per_image": math.prod(ctx.decomposition.sub_shape),
             "costs": _worker_costs(ctx),
-            "data": "loaded" if data is None else "shared",
+            # The parent's prepared data: tensors in shared memory, or the store entry every worker maps.
+            "data": "loaded" if data is None else "mapped" if getattr(data, "holding", None) == "mapped" else "shared",
         }
         result_q.put(("ready", rank, ready))
     except BaseException:

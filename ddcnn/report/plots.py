@@ -665,7 +665,7 @@ def save_run_plots(run, decomposition: Decomposition, data, results: Mapping) ->
     run = run if isinstance(run, RunDir) else RunDir(run)
     out_dir = Path(run.root) / PLOTS_DIR
     written = []
-    sample = data.x["test"][0]
+    sample = data.sample("test", 0)  # one sample's network input: the data may be memory-mapped and large
     label = data.class_names[int(data.y["test"][0])]
     written.append(
         plot_decomposition(

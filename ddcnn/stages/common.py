@@ -19,7 +19,7 @@ from torch import nn
 
 from ddcnn import registry
 from ddcnn.context import Context, build_augment, count_parameters, subdomain_seed
-from ddcnn.data.datamodule import TensorDataModule
+from ddcnn.data.datamodule import Batches, PreparedBatches
 from ddcnn.engine.common import predict_logits, save_net, save_predictions
 from ddcnn.engine.train import FitResult, fit
 from ddcnn.io import atomic_torch_save
@@ -90,7 +90,7 @@ def finish_stage(
     ctx: Context,
     stage: str,
     net: nn.Module,
-    dm: TensorDataModule,
+    dm: Batches,
     device,
     seed: int,
     result: FitResult,
@@ -132,6 +132,7 @@ def finish_stage(
         **({"num_devices": num_devices} if num_devices > 1 else {}),
         "context": execution_context(device, num_devices, threads_by_design=threads_by_design),
         "slurm": slurm_info(),
+        "data": ctx.data.describe(),
         **extra,
     }
     meta["generation"] = run_generation(ctx.cfg)
@@ -164,13 +165,13 @@ def method_optimizer(cfg: DictConfig, stage: str) -> DictConfig:
     return OmegaConf.create(opt)
 
 
-def full_image_data(ctx: Context, seed: int, batch: int | None = None) -> TensorDataModule:
-    """The global CNN's loader: full images, the configured augmentation, batches fixed by the seed."""
+def full_image_data(ctx: Context, seed: int, batch: int | None = None) -> PreparedBatches:
+    """The global CNN's batches: full images, the configured augmentation, batches fixed by the seed."""
     size = batch_size(ctx.cfg) if batch is None else batch
-    return TensorDataModule(ctx.data.x, ctx.data.y, size, seed=seed, augment=build_augment(ctx.cfg))
+    return PreparedBatches(ctx.data, size, seed=seed, augment=build_augment(ctx.cfg))
 
 
-def val_accuracy(net: nn.Module, dm: TensorDataModule, device) -> float:
+def val_accuracy(net: nn.Module, dm: Batches, device) -> float:
     logits, labels = predict_logits(net, dm, "val", device)
     return float((logits.argmax(-1) == labels).float().mean())
 
@@ -211,7 +212,7 @@ def snapshot_train_rows(n_train: int, max_rows: int, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _logits(net: nn.Module, dm: TensorDataModule, split: str, idx: torch.Tensor, device) -> torch.Tensor:
+def _logits(net: nn.Module, dm: Batches, split: str, idx: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device) if device is not None else torch.device("cpu")
     out = [net(dm.eval_batch(split, chunk, device)[0]).float().cpu() for chunk in idx.split(dm.eval_batch_size)]
     return torch.cat(out)
@@ -221,7 +222,7 @@ class TestCurve:
     """An ``after_epoch`` hook: the test accuracy and cross-entropy at the snapshot epochs (columns ``test_acc``,
     ``test_loss`` of ``logs/metrics.csv``); its time is not training time."""
 
-    def __init__(self, dm: TensorDataModule, device, epochs: list[int]) -> None:
+    def __init__(self, dm: Batches, device, epochs: list[int]) -> None:
         self.dm, self.device, self.epochs = dm, device, set(epochs)
 
     def _test(self, net: nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
@@ -244,7 +245,7 @@ class LocalSnapshots(TestCurve):
     the training rows of :func:`snapshot_train_rows`, the validation and test splits, in float16, and the training
     clock): the coarse stage fits a coarse DNN on each to draw the CNN-DNN's curve."""
 
-    def __init__(self, dm: TensorDataModule, device, epochs: list[int], folder: Path, train_rows: torch.Tensor):
+    def __init__(self, dm: Batches, device, epochs: list[int], folder: Path, train_rows: torch.Tensor):
         super().__init__(dm, device, epochs)
         self.folder, self.train_rows = Path(folder) / SNAPSHOT_DIR, train_rows
 
@@ -267,7 +268,7 @@ class LocalSnapshots(TestCurve):
         return metrics
 
 
-def curve_hook(ctx: Context, dm: TensorDataModule, device, max_epochs: int) -> TestCurve | None:
+def curve_hook(ctx: Context, dm: Batches, device, max_epochs: int) -> TestCurve | None:
     settings = curve_settings(ctx.cfg)
     if not settings["enabled"]:
         return None

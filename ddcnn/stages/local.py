@@ -6,7 +6,7 @@ import logging
 import time
 
 from ddcnn.context import Context, build_augment, build_local_net, subdomain_seed
-from ddcnn.data.datamodule import Crop, TensorDataModule
+from ddcnn.data.datamodule import PreparedBatches
 from ddcnn.engine.train import fit, seed_everything
 from ddcnn.stages.common import (
     LocalSnapshots,
@@ -35,14 +35,11 @@ def run(ctx: Context, device=None, subdomain: int = 0) -> dict:
     folder = ctx.run.make_stage_dir("local", subdomain)
     seed = subdomain_seed(ctx.cfg.seed, subdomain)
     dec = ctx.decomposition
-    box = (slice(None), slice(None), *dec.box(subdomain))
-    augment = build_augment(ctx.cfg)
-    if augment is None:
-        # Cut the sub-images once: every epoch then reads contiguous memory, as a hand-written loop would.
-        x_sub = {split: x[box].contiguous() for split, x in ctx.data.x.items()}
-        dm = TensorDataModule(x_sub, ctx.data.y, batch_size(ctx.cfg), seed=seed)
-    else:  # augment the whole image, then cut: every local net sees the same augmented image
-        dm = TensorDataModule(ctx.data.x, ctx.data.y, batch_size(ctx.cfg), seed=seed, view=Crop(box), augment=augment)
+    # Only the sub-domain's box is read of every sample (with augmentation: the region of the augmented whole image
+    # that the box shows), so every local net sees its part of the same augmented image.
+    dm = PreparedBatches(
+        ctx.data, batch_size(ctx.cfg), seed=seed, box=dec.box(subdomain), augment=build_augment(ctx.cfg)
+    )
     start = time.perf_counter()
     seed_everything(seed)
     net = build_local_net(ctx.cfg, ctx.data)

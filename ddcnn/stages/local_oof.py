@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ddcnn.context import Context, build_augment, build_local_net, subdomain_seed
-from ddcnn.data.datamodule import Crop, TensorDataModule
+from ddcnn.data.datamodule import PreparedBatches, RowSubset
 from ddcnn.engine.common import predict_logits, save_net
 from ddcnn.engine.train import fit, seed_everything
 from ddcnn.io import atomic_torch_save
@@ -51,15 +51,13 @@ def oof_folds(labels: torch.Tensor, folds: int, seed: int) -> list[torch.Tensor]
     return [torch.from_numpy(np.sort(held)) for _, held in splitter.split(np.zeros(len(y)), y)]
 
 
-def _fold_data(ctx: Context, subdomain: int, keep: torch.Tensor, seed: int) -> TensorDataModule:
-    """Local net ``subdomain``'s data with only the training rows ``keep`` (validation and test as the local net)."""
-    box = (slice(None), slice(None), *ctx.decomposition.box(subdomain))
-    x = {split: v[keep] if split == "train" else v for split, v in ctx.data.x.items()}
-    y = {split: v[keep] if split == "train" else v for split, v in ctx.data.y.items()}
-    augment = build_augment(ctx.cfg)
-    if augment is None:
-        return TensorDataModule({s: v[box].contiguous() for s, v in x.items()}, y, batch_size(ctx.cfg), seed=seed)
-    return TensorDataModule(x, y, batch_size(ctx.cfg), seed=seed, view=Crop(box), augment=augment)
+def _fold_data(ctx: Context, subdomain: int, keep: torch.Tensor, seed: int) -> RowSubset:
+    """Local net ``subdomain``'s batches with only the training rows ``keep`` (validation and test as the local
+    net's)."""
+    full = PreparedBatches(
+        ctx.data, batch_size(ctx.cfg), seed=seed, box=ctx.decomposition.box(subdomain), augment=build_augment(ctx.cfg)
+    )
+    return RowSubset(full, {"train": keep})
 
 
 def _train_fold(ctx: Context, subdomain: int, fold: int, held: torch.Tensor, device) -> tuple[torch.Tensor, dict]:

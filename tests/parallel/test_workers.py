@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from ddcnn.parallel.devices import WorkerDevice
 from ddcnn.parallel.workers import LocalStageFailed, _Session, record_failure, wait_for_local
@@ -52,6 +53,33 @@ def test_two_workers_train_all_report_a_failure_and_a_rerun_trains_only_it(make_
     assert not (run.stage_dir("local", 1) / "error.log").exists()
     # The results do not depend on where a net trained: same seed per sub-domain in every process.
     assert out["local"][0]["seed"] == metas[0]["seed"]
+
+
+@pytest.mark.slow
+def test_workers_map_the_parents_store_entry_and_train_the_same_nets(make_cfg, tmp_path):
+    mapped = make_cfg("stage=local", "parallel.workers=2", "parallel.threads_per_worker=1", "data.memory.mode=mapped")
+    train(mapped)
+    run = RunDir(mapped.paths.run_dir)
+    workers = json.loads((run.root / "parallel.json").read_text())["workers"]
+    assert [w["data"] for w in workers] == ["mapped", "mapped"]  # the entry's files, not a copy of the tensors
+    meta = run.meta("local", 0)
+    assert meta["data"]["holding"] == "mapped" and meta["data"]["store_entry"]
+    # In memory, in this process (with the same number of threads: reductions depend on it): the same numbers.
+    memory = make_cfg(
+        "stage=local",
+        "subdomain=[0,3]",
+        "data.memory.mode=memory",
+        "parallel.threads_per_worker=1",
+        run_dir=tmp_path / "m",
+    )
+    threads = torch.get_num_threads()
+    try:
+        train(memory)
+    finally:
+        torch.set_num_threads(threads)  # parallel.threads_per_worker applies to this process: later tests keep theirs
+    for i in (0, 3):
+        a = RunDir(memory.paths.run_dir).load_probs("local", "test", i)["logits"]
+        assert torch.equal(a, run.load_probs("local", "test", i)["logits"])
 
 
 class _FakePool:
