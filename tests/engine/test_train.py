@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from ddcnn.data.datamodule import TensorDataModule
+from ddcnn.data.datamodule import PreparedBatches, TensorDataModule
 from ddcnn.engine.loop import fit_batches
 from ddcnn.engine.settings import ENGINE_KEYS, TRAINER_KEYS, check_training_settings
 from ddcnn.engine.train import fit
@@ -373,9 +373,8 @@ def test_a_local_net_and_a_one_rank_ddp_training_of_it_record_the_same_time(make
     from ddcnn.engine.train import seed_everything
 
     ctx = build_context(cfg, claim=False)
-    box = (slice(None), slice(None), *ctx.decomposition.box(0))
     seed = subdomain_seed(cfg.seed, 0)
-    data = TensorDataModule({s: x[box].contiguous() for s, x in ctx.data.x.items()}, ctx.data.y, 64, seed=seed)
+    data = PreparedBatches(ctx.data, 64, seed=seed, box=ctx.decomposition.box(0))  # as the local stage reads them
     start = time.perf_counter()
     seed_everything(seed)
     net = build_local_net(cfg, ctx.data)

@@ -106,6 +106,13 @@ def test_face_folder_experiment_runs_through_the_pipeline(tmp_path):
     for split in ("train", "test"):
         assert set(run.load_probs("local", split, 0)["labels"].tolist()) == set(range(12))
     assert results["decomposition"]["sub_shape"] == [10, 10]  # 2x2 with overlap 4 of 16x16
-    assert {row["key"] for row in results["methods"]} == {"global", "mean_prob", "majority_vote", "cnn_dnn_probs"}
+    assert {row["key"] for row in results["methods"]} == {
+        "global",
+        "mean_prob",
+        "majority_vote",
+        "cnn_dnn_probs",
+        "cnn_dnn_val",
+        "stacker",
+    }
     written = write_report([load_run(run_dir)], tmp_path / "report", plots=False)
     assert (tmp_path / "report" / "faces.md") in written["markdown"]
