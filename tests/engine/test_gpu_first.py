@@ -274,3 +274,30 @@ def test_profile_steps_writes_a_chrome_trace_of_that_many_steps(make_cfg, tmp_pa
     assert trace["traceEvents"] and result.engine["profile_steps"] == 2
     _fit(make_cfg, tmp_path / "none")
     assert not (tmp_path / "none" / "profile").exists()
+
+
+def test_compile_compiles_the_network_outside_the_training_clock(make_cfg, tmp_path, monkeypatch):
+    # torch.compile of even a tiny convnet takes about two minutes of CPU here (inductor builds C++ kernels), so the
+    # compiler is replaced by a recorder that takes a measurable time: what is checked is the plumbing and the clock.
+    compiled = []
+
+    def recording_compile(net, **kwargs):
+        compiled.append(net)
+        original = net.forward
+
+        def slow_first_forward(*args):
+            if len(compiled) == 1:
+                compiled.append("compiled")
+                time.sleep(0.3)
+            return original(*args)
+
+        net.forward = slow_first_forward
+        return net
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    net = _Recording()
+    result = _fit(make_cfg, tmp_path / "compiled", "engine.compile=true", net=net)
+    assert compiled[0] is net and result.engine["compile"] is True
+    assert result.compile_time_s >= 0.3 and result.warmup_s >= 0.3
+    plain = _fit(make_cfg, tmp_path / "plain")
+    assert plain.engine["compile"] is False and plain.compile_time_s is None and len(compiled) == 2
