@@ -178,13 +178,16 @@ def data_placement(
         mode: ``engine.data_on_device``: ``auto`` (on the device when it is CUDA and the splits fit), ``True`` (on the
             device, whichever it is: on CPU the stored splits are simply held as tensors there) or ``False``.
         device: Where it trains.
-        nbytes: Bytes the splits take on the device; ``None`` when the data cannot be placed (not stored splits).
+        nbytes: Bytes the splits take on the device; ``None`` when the data cannot be placed (not stored splits:
+            then ``host``, the source reads its batches as it does).
         free_bytes: Free device memory (``None``: unknown).
         fraction: ``engine.device_data_fraction``: the share of the free memory they may take.
     """
     cuda = torch.device(device).type == "cuda"
     streamed = "pinned" if cuda else "host"
-    if nbytes is None or mode is False:
+    if nbytes is None:  # not stored splits (the coarse DNN's tensors): read as they are
+        return "host"
+    if mode is False:
         return streamed
     if mode is True:
         return "device"
@@ -203,9 +206,9 @@ def place_data(data: Any, device: str | torch.device, mode: str | bool, fraction
     """
     device = torch.device(device)
     placeable = callable(getattr(data, "placed", None)) and callable(getattr(data, "placed_nbytes", None))
-    nbytes = int(data.placed_nbytes()) if placeable else None
+    nbytes = data.placed_nbytes() if placeable else None
     where = data_placement(mode, device, nbytes, free_memory_bytes(device), fraction)
-    if not placeable or where == "host":
+    if where == "host":
         return data, where
     if where == "device":
         return data.placed(device, pin=False), where

@@ -211,7 +211,8 @@ def test_peak_memory_is_counted_on_cuda_only(monkeypatch):
     [
         ("auto", "cuda:0", 100, 1000, "device"),
         ("auto", "cuda:0", 600, 1000, "pinned"),  # more than half the free memory
-        ("auto", "cuda:0", None, 1000, "pinned"),  # not stored splits (the coarse DNN's tensors)
+        ("auto", "cuda:0", None, 1000, "host"),  # not stored splits (the coarse DNN's tensors): as they are
+        (True, "cuda:0", None, 1000, "host"),
         ("auto", "cpu", 100, None, "host"),
         (True, "cpu", 100, None, "device"),
         (True, "cuda", 10**12, 1000, "device"),
