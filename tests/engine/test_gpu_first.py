@@ -302,3 +302,25 @@ def test_compile_compiles_the_network_outside_the_training_clock(make_cfg, tmp_p
     assert result.compile_time_s >= 0.3 and result.warmup_s >= 0.3
     plain = _fit(make_cfg, tmp_path / "plain")
     assert plain.engine["compile"] is False and plain.compile_time_s is None and len(compiled) == 2
+
+
+def test_the_streamed_cuda_path_pins_every_batch_and_prefetches_without_changing_the_training(
+    make_cfg, tmp_path, monkeypatch
+):
+    # Pinned memory needs a GPU; on CPU the pinning is recorded instead, so that the path a CUDA run takes when its
+    # splits do not fit (pinned batches, the next one read by a background thread) runs here.
+    plain = _fit(make_cfg, tmp_path / "plain")
+    pinned, threads = [], set()
+
+    def pin_memory(tensor):
+        pinned.append(tensor.shape)
+        threads.add(threading.current_thread().name)
+        return tensor.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(gpu, "data_placement", lambda *args, **kwargs: "pinned")
+    streamed = _fit(make_cfg, tmp_path / "pinned")
+    assert streamed.engine["data_placement"] == "pinned" and streamed.engine["prefetch"] is True
+    assert pinned and any(name.startswith("ddcnn-prefetch") for name in threads)
+    times = [row["time_s"] for row in streamed.history]
+    assert streamed.history == [{**row, "time_s": t} for row, t in zip(plain.history, times, strict=True)]
