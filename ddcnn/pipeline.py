@@ -17,7 +17,7 @@ from omegaconf import DictConfig, ListConfig, open_dict
 from ddcnn import registry
 from ddcnn.context import Context, build_context
 from ddcnn.engine.settings import check_training_settings
-from ddcnn.runtime import run_generation, srun_task
+from ddcnn.runtime import resolve_device, run_generation, srun_task
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def _train(cfg: DictConfig, run_dir, stage: str, optional: list[str], pool) -> d
         )
     ctx.run.check_fingerprint(cfg)
     log.info("run directory %s: %s", ctx.run.root, ctx.decomposition.describe())
-    device = cfg.get("device")
+    device = resolve_device(cfg.get("device"))  # auto: every stage of this process on the same kind of device
     out: dict = {}
     start = time.perf_counter()
     task = srun_task(str((cfg.get("parallel") or {}).get("mode", "auto")))

@@ -70,6 +70,14 @@ NON_RESULT_KEYS = (
     "device",
     "engine.checkpoint_every_s",
     "engine.loop",  # which loop trained a stage is in its meta.json ("loop")
+    # The GPU policy follows the device (itself not a result setting); meta.json records what each stage used.
+    "engine.channels_last",
+    "engine.tf32",
+    "engine.cudnn_benchmark",
+    "engine.data_on_device",
+    "engine.device_data_fraction",
+    "engine.compile",
+    "engine.profile_steps",
     "coarse.checkpoint_every",
     "coarse.num_threads",
     "optimized_metric",

@@ -34,7 +34,32 @@ __all__ = [
     "run_generation",
     "HARMLESS_WARNINGS",
     "quiet_process",
+    "resolve_device",
 ]
+
+
+def resolve_device(device: str | None, cuda_count: int | None = None) -> str:
+    """The device a ``device`` setting names: ``auto`` is ``cuda`` when torch sees a CUDA device, else ``cpu``.
+
+    ``auto`` never picks MPS (Apple GPUs): its kernels and numbers differ enough that it is opt-in (``device=mps``).
+    The rule is :func:`ddcnn.parallel.devices.plan_workers`'s for ``parallel.accelerator=auto`` (a GPU when
+    ``cuda_count > 0``), so that the local nets of parallel workers and the one-device stages (coarse DNN, global
+    CNN) train on the same kind of device. ``None`` is ``cpu`` (as before ``auto`` existed); anything else is returned
+    as given (``cpu``, ``cuda``, ``cuda:1``, ``mps``).
+
+    Args:
+        device: The setting (``cfg.device``).
+        cuda_count: CUDA devices torch sees (default: asks torch); for tests and planning.
+    """
+    spec = "cpu" if device is None else str(device).strip()
+    if spec.lower() != "auto":
+        return spec
+    if cuda_count is None:
+        import torch
+
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "cuda" if int(cuda_count) > 0 else "cpu"
+
 
 # Set by the executors of ddcnn.parallel in each worker: how many trainings share this machine at once.
 WORKERS_ENV = "DDCNN_CONCURRENT_TRAININGS"

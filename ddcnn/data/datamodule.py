@@ -24,6 +24,7 @@ features). Both also serve Lightning's ``Trainer`` as data loaders, whole batche
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -212,6 +213,16 @@ class RowSubset:
     def eval_batch(self, split: str, idx: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
         return self.base.eval_batch(split, self._map(split, idx), device)
 
+    def placed_nbytes(self) -> int | None:
+        nbytes = getattr(self.base, "placed_nbytes", None)
+        return nbytes() if callable(nbytes) else None
+
+    def placed(self, device, pin: bool = False) -> RowSubset:
+        """This subset of ``base.placed(device, pin)`` (see :meth:`PreparedBatches.placed`)."""
+        out = copy.copy(self)
+        out.base = self.base.placed(device, pin)
+        return out
+
 
 class TensorDataModule:
     """Serves in-memory ``(x, y)`` tensors of the three splits in shuffled (train) or ordered batches.
@@ -382,6 +393,24 @@ class PreparedBatches(_Loaders):
             self.support = self.augment.support(self.box, shape) if self.box is not None else None
         self.cache = (data.holding == "memory" and self.augment is None) if cache is None else bool(cache)
         self._cached: dict[str, torch.Tensor] = {}
+        self.pin = False
+
+    # --- where the batches come from (ddcnn.engine.gpu.place_data) ---
+    def placed_nbytes(self) -> int:
+        """Bytes of the stored train and val splits, which :meth:`placed` holds on a device."""
+        return self.data.nbytes("train") + self.data.nbytes("val")
+
+    def placed(self, device, pin: bool = False) -> PreparedBatches:
+        """These batches with the stored (compact) train and val splits held on ``device`` (``None``: where they
+        are), so that batches, crops and augmentation are cut there; ``pin``: every host batch goes through pinned
+        memory, so that its copy to a GPU can overlap with computation (``non_blocking``). The batches are the same
+        values as these."""
+        out = copy.copy(self)
+        out._cached, out.pin = {}, bool(pin)
+        if device is not None:
+            out.data = self.data.on_device(device, ("train", "val"))
+            out.cache = False  # one gather from the device per batch; a float32 copy would take 4x the memory
+        return out
 
     # --- the Batches protocol ---
     def size(self, split: str) -> int:
@@ -393,10 +422,10 @@ class PreparedBatches(_Loaders):
     def eval_batch(self, split: str, idx: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
         device = torch.device(device)
         idx = torch.as_tensor(idx, dtype=torch.long).cpu()
-        y = self.data.y[split][idx].to(device, non_blocking=True)
+        y = self._host(self.data.y[split][idx]).to(device, non_blocking=True)
         if self.cache:
-            return self._inputs(split)[idx].to(device, non_blocking=True), y
-        x = self.data.read(split, idx, self.box).to(device, non_blocking=True)
+            return self._host(self._inputs(split)[idx]).to(device, non_blocking=True), y
+        x = self._host(self.data.read(split, idx, self.box)).to(device, non_blocking=True)
         return self.data.normalizer(device)(x), y
 
     def train_batch(self, idx: torch.Tensor, epoch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,10 +433,10 @@ class PreparedBatches(_Loaders):
             return self.eval_batch("train", idx, device)
         device = torch.device(device)
         idx = torch.as_tensor(idx, dtype=torch.long).cpu()
-        y = self.data.y["train"][idx].to(device, non_blocking=True)
+        y = self._host(self.data.y["train"][idx]).to(device, non_blocking=True)
         normalize = self.data.normalizer(device)
         if self.box is None:  # the whole image, as the global CNN sees it
-            x = normalize(self.data.read("train", idx).to(device, non_blocking=True))
+            x = normalize(self._host(self.data.read("train", idx)).to(device, non_blocking=True))
             return self.augment(x, idx, epoch).contiguous(), y
         return self._augmented_box(idx, epoch, device, normalize).contiguous(), y
 
@@ -417,6 +446,10 @@ class PreparedBatches(_Loaders):
         return state
 
     # --- internals ---
+    def _host(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in pinned memory when :meth:`placed` asked for it (a batch read on the host for a GPU)."""
+        return x.pin_memory() if self.pin and x.device.type == "cpu" else x
+
     def _inputs(self, split: str) -> torch.Tensor:
         if split not in self._cached:
             self._cached[split] = self.data.inputs(split, region=self.box).contiguous()
@@ -435,7 +468,7 @@ class PreparedBatches(_Loaders):
             for a in axes:  # a flipped image's region is the mirror image of the unflipped region
                 n = shape[a]
                 mirrored[a] = slice(n - region[a].stop, n - region[a].start)
-            x = normalize(self.data.read("train", idx[rows], mirrored).to(device, non_blocking=True))
+            x = normalize(self._host(self.data.read("train", idx[rows], mirrored)).to(device, non_blocking=True))
             if axes:
                 x = x.flip([2 + a for a in axes])
             if out is None:

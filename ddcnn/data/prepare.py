@@ -23,6 +23,7 @@ earlier float32 path, sample for sample, and so are the network's inputs (bitwis
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import logging
@@ -497,9 +498,22 @@ class Prepared:
             self._maps[s].madvise(mmap.MADV_DONTNEED)
 
     def inputs(self, split: str, idx: torch.Tensor | None = None, region: Sequence[slice] | None = None):
-        """Network inputs (float32, normalised) of samples ``idx`` (default: all) of ``split``, on the host."""
+        """Network inputs (float32, normalised) of samples ``idx`` (default: all) of ``split``, where the split is
+        held (the host, or the device of :meth:`on_device`)."""
         idx = torch.arange(len(self.y[split])) if idx is None else torch.as_tensor(idx, dtype=torch.long)
-        return self.normalizer()(self.read(split, idx, region))
+        x = self.read(split, idx, region)
+        return self.normalizer(x.device)(x)
+
+    def on_device(self, device: torch.device | str, splits: Sequence[str] = ("train", "val")) -> Prepared:
+        """These data with the stored (compact) values of ``splits`` held on ``device`` (a copy, also on the CPU), so
+        that :meth:`read` cuts batches there; the other splits stay as they are held here."""
+        device = torch.device(device)
+        out = copy.copy(self)
+        out.stored = {s: (v.to(device, copy=True) if s in splits else v) for s, v in self.stored.items()}
+        out._maps = {s: m for s, m in self._maps.items() if s not in splits}
+        out._normalizers, out._float = {}, {}
+        out.holding = f"{self.holding}, {', '.join(splits)} on {device}"
+        return out
 
     def sample(self, split: str, i: int) -> torch.Tensor:
         """One sample's network input ``(C, *spatial)``."""

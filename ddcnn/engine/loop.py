@@ -70,6 +70,17 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ddcnn.data.datamodule import Batches, TensorDataModule
+from ddcnn.engine.gpu import (
+    POLICY_OFF,
+    math_flags,
+    memory_format,
+    peak_memory_bytes,
+    place_data,
+    prefetched,
+    profiled,
+    reset_peak_memory,
+    resolve_policy,
+)
 from ddcnn.engine.launch import LAUNCHERS, build_fabric, isolated_launch
 from ddcnn.engine.settings import MONITORS, PRECISIONS, num_batches
 from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
@@ -166,6 +177,11 @@ class FitResult:
         global_rank: This process's rank in the training (0 unless DDP across the tasks of an ``srun`` step).
         world_size: The processes that trained it together (DDP), 1 otherwise.
         precision: The precision it trained in.
+        engine: The GPU policy it trained under (:mod:`ddcnn.engine.gpu`): ``channels_last``, ``memory_format``,
+            ``tf32``, ``cudnn_benchmark``, ``compile``, ``data_on_device`` (the stored splits on the device),
+            ``data_placement`` (``device``, ``pinned`` or ``host``), ``prefetch``, ``profile_steps``.
+        gpu_peak_memory_bytes: The peak GPU memory of the training (this rank's device), ``None`` off CUDA.
+        compile_time_s: With ``compile``: the warm-up that compiled the network, outside ``fit_time_s``.
     """
 
     net: nn.Module | None
@@ -185,6 +201,9 @@ class FitResult:
     global_rank: int = 0
     world_size: int = 1
     precision: str = "32-true"
+    engine: dict[str, Any] = field(default_factory=dict)
+    gpu_peak_memory_bytes: int | None = None
+    compile_time_s: float | None = None
 
 
 class Reporter(Protocol):
@@ -407,9 +426,31 @@ class _Training:
         if fabric.world_size > 1 and has_batch_norm(net):
             # DDP normalises over the global batch, as the one-device run does: exact DDP (see ddcnn.engine.sync_norm).
             net = convert_batch_norm(net, fabric.device)
+        if self.policy["channels_last"]:
+            net = net.to(memory_format=memory_format(self.policy))
         self.module = net
-        self.model = fabric.setup_module(net)
+        # Fabric unwraps a compiled module, sets it up and compiles it again; evaluation runs the plain module.
+        self.model = fabric.setup_module(torch.compile(net) if self.policy["compile"] else net)
         self.fabric = fabric
+
+    def train_batch(self, idx: torch.Tensor, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        xb, yb = self.data.train_batch(idx, epoch, self.fabric.device)
+        return (xb.contiguous(memory_format=self.format) if self.policy["channels_last"] else xb), yb
+
+    def eval_batch(self, split: str, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xb, yb = self.data.eval_batch(split, idx, self.fabric.device)
+        return (xb.contiguous(memory_format=self.format) if self.policy["channels_last"] else xb), yb
+
+    def batches_ahead(self, batches: list[torch.Tensor], epoch: int) -> Iterator[tuple[torch.Tensor, tuple]]:
+        """``(idx, batch)`` of this epoch's training batches, the next one read by a background thread while this
+        one trains when the batches stream from pinned host memory to a GPU (``prefetch``)."""
+        device = self.fabric.device
+
+        def fetch(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                return self.train_batch(idx, epoch)
+
+        return prefetched(fetch, batches, self.prefetch)
 
     def build_optimizer(self, lr_scale: float) -> None:
         opt = build_optimizer(self.optimizer, self.module.parameters())
@@ -487,7 +528,7 @@ class _Training:
         for k, chunk in enumerate(idx.split(self.eval_batch_size)):
             if k >= self.val_batches:
                 break
-            xb, yb = self.data.eval_batch(split, chunk, fabric.device)
+            xb, yb = self.eval_batch(split, chunk)
             with fabric.autocast():
                 logits = module(xb)
             sums[0] += F.cross_entropy(logits.float(), yb, reduction="sum").double()
@@ -516,7 +557,7 @@ class _Training:
         with torch.random.fork_rng(devices=devices):
             idx = self.epoch_batches(epoch)[0]
             self.model.train()
-            xb, yb = self.data.train_batch(idx, epoch, fabric.device)
+            xb, yb = self.train_batch(idx, epoch)
             with self.no_sync(True):
                 loss = F.cross_entropy(self.model(xb).float(), yb)
                 fabric.backward(loss)
@@ -528,20 +569,20 @@ class _Training:
                 module.eval()
                 n_val = self.data.size("val")
                 if n_val and self.val_batches:
-                    module(
-                        self.data.eval_batch("val", torch.arange(min(n_val, self.eval_batch_size)), fabric.device)[0]
-                    )
+                    module(self.eval_batch("val", torch.arange(min(n_val, self.eval_batch_size)))[0])
         if fabric.device.type == "cuda":
             torch.cuda.synchronize(fabric.device)
 
     def run(self, fabric, prefit_s: float | None = None) -> FitResult:
         """Train in this rank (see :func:`fit_batches`); ``prefit_s``: a spawned rank's share of the parent's time."""
         status = "failed"
+        data = self.data
         try:
             result = self._run(fabric, prefit_s)
             status = "success"
             return result
         finally:
+            self.data = data  # stored splits placed on the device for this training are freed with it
             if self.reporter is not None and fabric.global_rank == 0:
                 self.reporter.close(status)
 
@@ -588,8 +629,34 @@ class _Training:
         }
         settings.update({k: v for k, v in optional.items() if v is not None})
 
+        reset_peak_memory(fabric.device)
+        # Where the batches come from: the stored splits on the device when they fit, else pinned host memory
+        # (CUDA) with the next batch prefetched. Inside the clock: the streamed path pays its copies there too.
+        self.data, placement = place_data(
+            self.data, fabric.device, self.gpu["data_on_device"], self.gpu["device_data_fraction"]
+        )
+        self.prefetch = placement == "pinned"
         with clock.outside("warmup"):  # the network on the device (the first use of a device pays for its context)
+            # A 2D convnet's weights are 4D as its inputs are (5D: 3D); anything else has no channels-last format.
+            weight_dims = max((p.dim() for p in self.net.parameters()), default=0)
+            self.policy = resolve_policy(
+                fabric.device,
+                deterministic=self.deterministic,
+                channels_last=self.gpu["channels_last"],
+                tf32=self.gpu["tf32"],
+                cudnn_benchmark=self.gpu["cudnn_benchmark"],
+                compile=self.gpu["compile"],
+                input_dims=weight_dims,
+            )
+            self.format = memory_format(self.policy)
             self.setup(fabric)
+        engine = {
+            **self.policy,
+            "data_on_device": placement == "device",
+            "data_placement": placement,
+            "prefetch": self.prefetch,
+            "profile_steps": int(self.gpu["profile_steps"]),
+        }
         check_divergence = self.divergence_restarts is not None
         initial_state = _cpu_state(self.module) if check_divergence else None  # what a restart starts from
         history: list[dict[str, float]] = []
@@ -653,10 +720,22 @@ class _Training:
         report = self.reporter if rank == 0 else None
         devices = [fabric.device] if fabric.device.type == "cuda" else []
         epoch = first_epoch
-        with torch.random.fork_rng(devices=devices), _deterministic(self.deterministic):
+        compile_time_s = None
+        profile = profiled(
+            self.gpu["profile_steps"] if rank == 0 else 0, folder / "profile" / "trace.json", fabric.device
+        )
+        with (
+            torch.random.fork_rng(devices=devices),
+            _deterministic(self.deterministic),
+            math_flags(self.policy, fabric.device),
+            contextlib.closing(profile),
+        ):
             if epoch < self.max_epochs and stopped_epoch is None:
+                began_warmup = time.perf_counter()
                 with clock.outside("warmup"):
                     self.warm_up(epoch)
+                if self.policy["compile"]:  # the first training and evaluation passes compile the network
+                    compile_time_s = time.perf_counter() - began_warmup
             while epoch < self.max_epochs and stopped_epoch is None:
                 batches = self.epoch_batches(epoch)
                 lr = float(self.raw_opt.param_groups[0]["lr"])
@@ -665,10 +744,10 @@ class _Training:
                 window, points = [], []
                 log_steps = bool(self.log_every_n_steps and report is not None and getattr(report, "wants_steps", True))
                 accumulate = self.accumulate_grad_batches
-                for k, idx in enumerate(batches):
-                    xb, yb = self.data.train_batch(idx, epoch, fabric.device)
+                for k, (_, (xb, yb)) in enumerate(self.batches_ahead(batches, epoch)):
                     stepping = (k + 1) % accumulate == 0 or k == len(batches) - 1
                     loss, logits = self.train_step(xb, yb, stepping)
+                    profile.step()
                     if initial_loss is None:  # under DDP the global first batch's: every rank decides alike
                         first = fabric.all_reduce(loss.clone(), reduce_op="mean") if world > 1 else loss
                         initial_loss, num_classes = float(first), int(logits.shape[-1])
@@ -789,6 +868,8 @@ class _Training:
                 best_path,
             )
         self.module.load_state_dict(best_state)
+        if self.policy["channels_last"]:  # the caller gets the network in the layout it handed over
+            self.module.to(memory_format=torch.contiguous_format)
         left_out = clock.left_out
         return FitResult(
             net=self.module,
@@ -808,6 +889,9 @@ class _Training:
             global_rank=rank,
             world_size=world,
             precision=self.precision,
+            engine=engine,
+            gpu_peak_memory_bytes=peak_memory_bytes(fabric.device),
+            compile_time_s=compile_time_s,
         )
 
 
@@ -872,6 +956,7 @@ def fit_batches(
     patience: int | None = None,
     start: float | None = None,
     write_best: bool = True,
+    gpu: Mapping[str, Any] | None = None,
 ) -> FitResult:
     """Train classifier ``net`` on ``data`` with cross-entropy, selecting its weights on validation (module doc).
 
@@ -932,6 +1017,10 @@ def fit_batches(
         start: ``time.perf_counter()`` at the start of the caller's stage, which the training time counts from
             (default: the call of this function).
         write_best: Also write ``best.ckpt`` with the selected weights at the end.
+        gpu: The GPU policy settings (:mod:`ddcnn.engine.gpu`; the ``engine`` settings of those names):
+            ``channels_last``, ``tf32``, ``cudnn_benchmark``, ``data_on_device`` (``auto``, ``True``, ``False``),
+            ``device_data_fraction``, ``compile``, ``profile_steps``; missing keys are off (``POLICY_OFF``), so a
+            direct call (the coarse DNN) trains as before. The policy used is in the result (``engine``).
 
     With ``launcher="spawn"`` the network, the data and the hooks travel to the ranks by pickling: hooks must then be
     module-level functions or picklable objects (no lambdas or closures).
@@ -986,6 +1075,12 @@ def fit_batches(
             raise ValueError(f"{split}: no samples; the {split} split must not be empty.")
     if int(data.batch_size) < 1 or int(data.eval_batch_size) < 1:
         raise ValueError(f"batch sizes must be >= 1, got {data.batch_size} and {data.eval_batch_size}.")
+    unknown = sorted(set(gpu or {}) - set(POLICY_OFF))
+    if unknown:
+        raise ValueError(f"gpu settings {unknown} are not ones the loop knows; it knows {', '.join(POLICY_OFF)}.")
+    gpu = {**POLICY_OFF, **(gpu or {})}
+    if int(gpu["profile_steps"]) < 0:
+        raise ValueError(f"profile_steps must be >= 0 (0: no profile), got {gpu['profile_steps']!r}.")
     threads = max(1, torch.get_num_threads() // int(num_devices)) if launcher == "spawn" else None
     began = time.perf_counter()
     training = _Training(
@@ -1019,6 +1114,7 @@ def fit_batches(
         write_best=bool(write_best),
         threads=threads,
         startup_s=0.0,
+        gpu=gpu,
     )
     fabric = build_fabric(device, int(num_devices), launcher, training.precision)
     try:

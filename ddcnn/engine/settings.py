@@ -11,6 +11,9 @@ Every key of ``conf/trainer`` and ``conf/engine`` changes what the loop does, or
   ``gradient_clip_val`` (+ ``gradient_clip_algorithm``: ``norm`` or ``value``), ``limit_train_batches``,
   ``limit_val_batches`` and ``accumulate_grad_batches`` (given with ``+trainer.accumulate_grad_batches=2``);
 - ``engine.monitor``, ``monitor_mode``, ``num_devices``, ``checkpoint_every_s``;
+- the GPU policy (:mod:`ddcnn.engine.gpu`): ``engine.channels_last``, ``tf32``, ``cudnn_benchmark``,
+  ``data_on_device`` (each ``auto``, ``true`` or ``false``), ``device_data_fraction``, and the opt-ins ``compile`` and
+  ``profile_steps``;
 - ``engine.loop`` is gone (ddcnn has one loop); ``trainer.monitor`` and the other keys that moved are refused with
   their new names; any other Lightning ``Trainer`` argument is refused with the list of those implemented.
 """
@@ -28,6 +31,7 @@ __all__ = [
     "MONITORS",
     "TRAINER_KEYS",
     "ENGINE_KEYS",
+    "AUTO_SWITCHES",
     "trainer_settings",
     "engine_settings",
     "check_training_settings",
@@ -59,7 +63,22 @@ TRAINER_KEYS = (
     "limit_val_batches",
     "accumulate_grad_batches",
 )
-ENGINE_KEYS = ("monitor", "monitor_mode", "num_devices", "checkpoint_every_s", "loop")
+ENGINE_KEYS = (
+    "monitor",
+    "monitor_mode",
+    "num_devices",
+    "checkpoint_every_s",
+    "channels_last",
+    "tf32",
+    "cudnn_benchmark",
+    "data_on_device",
+    "device_data_fraction",
+    "compile",
+    "profile_steps",
+    "loop",
+)
+# engine.* settings that are auto (decided from the device), true or false.
+AUTO_SWITCHES = ("channels_last", "tf32", "cudnn_benchmark", "data_on_device")
 # Keys that moved, or Lightning Trainer arguments whose job another setting does: what to use instead.
 _INSTEAD = {
     "trainer.monitor": "engine.monitor",
@@ -75,7 +94,7 @@ _INSTEAD = {
     "trainer.logger": "logger=csv|tensorboard|mlflow|many",
     "trainer.enable_checkpointing": "engine.checkpoint_every_s (last.ckpt is always written: stages resume from it)",
     "trainer.default_root_dir": "hydra.run.dir (the run directory)",
-    "trainer.profiler": "bench/profile_stage.py",
+    "trainer.profiler": "engine.profile_steps=N (a Chrome trace of N training steps in each stage's profile/)",
     "trainer.check_val_every_n_epoch": "trainer.limit_val_batches (validation selects the weights after every epoch)",
     "trainer.val_check_interval": "trainer.limit_val_batches (validation selects the weights after every epoch)",
     "trainer.num_sanity_val_steps": "nothing: the loop runs no sanity check",
@@ -185,8 +204,18 @@ def trainer_settings(cfg: DictConfig | Mapping) -> dict:
     return out
 
 
+def _switch(value: Any, what: str) -> str | bool:
+    """An ``auto | true | false`` setting."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    if isinstance(value, str) and value.lower() in ("auto", "true", "false"):
+        return {"auto": "auto", "true": True, "false": False}[value.lower()]
+    raise ValueError(f"{what} must be auto, true or false, got {value!r}.")
+
+
 def engine_settings(cfg: DictConfig | Mapping) -> dict:
-    """``cfg.engine`` checked, with defaults: monitor, monitor_mode, num_devices, checkpoint_every_s."""
+    """``cfg.engine`` checked, with defaults: monitor, monitor_mode, num_devices, checkpoint_every_s and the GPU
+    policy (``auto`` switches decided from the device by :func:`ddcnn.engine.gpu.resolve_policy`)."""
     given = _container(cfg.get("engine"))
     if given.get("loop") is not None:
         raise ValueError(_LOOP_GONE.format(value=given["loop"]))
@@ -207,6 +236,26 @@ def engine_settings(cfg: DictConfig | Mapping) -> dict:
     if isinstance(every, bool) or not isinstance(every, int | float) or every < 0:
         raise ValueError(f"engine.checkpoint_every_s must be >= 0 (0: after every epoch), got {every!r}.")
     out["checkpoint_every_s"] = float(every)
+    for key in AUTO_SWITCHES:
+        out[key] = _switch(given.get(key, "auto"), f"engine.{key}")
+    fraction = given.get("device_data_fraction", 0.5)
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
+        raise ValueError(
+            f"engine.device_data_fraction must be a fraction in (0, 1] of the free device memory that a split held on "
+            f"the device may take, got {fraction!r}."
+        )
+    out["device_data_fraction"] = float(fraction)
+    compile_ = given.get("compile", False)
+    if not isinstance(compile_, bool):
+        raise ValueError(f"engine.compile must be true (torch.compile the network) or false, got {compile_!r}.")
+    out["compile"] = compile_
+    steps = given.get("profile_steps", 0)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(
+            f"engine.profile_steps must be a whole number >= 0 (0: no profile; N: a Chrome trace of N training steps "
+            f"in the stage's profile/trace.json), got {steps!r}."
+        )
+    out["profile_steps"] = int(steps)
     return out
 
 
@@ -215,6 +264,12 @@ def check_training_settings(cfg: DictConfig) -> None:
     before anything trains (see the module doc)."""
     trainer = trainer_settings(cfg)
     engine = engine_settings(cfg)
+    if trainer["deterministic"] and engine["cudnn_benchmark"] is True:
+        raise ValueError(
+            "engine.cudnn_benchmark=true picks cuDNN's algorithms by timing them, which trainer.deterministic=true "
+            "forbids: set engine.cudnn_benchmark=auto (off when deterministic) or false, or "
+            "trainer.deterministic=false."
+        )
     if trainer["limit_val_batches"] in (0, 0.0) and engine["monitor"].startswith("val_"):
         raise ValueError(
             f"trainer.limit_val_batches=0 skips validation, so engine.monitor={engine['monitor']} has nothing to "

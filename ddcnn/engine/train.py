@@ -23,6 +23,7 @@ import torch._dynamo  # noqa: F401
 from omegaconf import DictConfig
 from torch import nn
 
+from ddcnn.engine.gpu import POLICY_OFF
 from ddcnn.engine.loggers import EpochReporter
 from ddcnn.engine.loop import FitResult, fit_batches
 from ddcnn.engine.settings import engine_settings, trainer_settings
@@ -116,6 +117,7 @@ def fit(
         "after_epoch": after_epoch,
         "start": start,
         "write_best": False,  # last.ckpt holds the best weights; net.pt is what later stages read
+        "gpu": {key: engine[key] for key in POLICY_OFF},
     }
     if "checkpoint_every" in loop:
         settings["checkpoint_every_s"] = None  # the stage counts checkpoints in epochs

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ddcnn.runtime import resolve_device
+
 __all__ = ["WorkerDevice", "available_cores", "plan_workers", "configure_process", "process_device"]
 
 ACCELERATORS = ("auto", "cpu", "cuda")
@@ -93,11 +95,12 @@ def configure_process(device: WorkerDevice | str, threads: int | None = None) ->
 def process_device(cfg, local_rank: int = 0) -> str:
     """The device of a process that trains in place (``parallel.workers=1``, a SLURM task, an ``srun`` rank).
 
-    ``cfg.device`` as given, except that a bare ``cuda`` picks ``cuda:<local_rank % GPUs>`` so that the
+    ``cfg.device`` resolved (:func:`ddcnn.runtime.resolve_device`: ``auto`` is ``cuda`` when CUDA exists), and a
+    bare ``cuda`` picks ``cuda:<local_rank % GPUs>`` so that the
     ``srun`` tasks of one node spread over its GPUs. ``parallel.threads_per_worker``, when set, is applied; else the
     tasks of one ``srun`` step on a node take ``--cpus-per-task`` threads each, or an equal share of the cores.
     """
-    device = str(cfg.get("device") or "cpu")
+    device = resolve_device(cfg.get("device"))
     threads = cfg.get("parallel", {}).get("threads_per_worker")
     per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").split("(")[0].split(",")[0]
     if threads is None and per_node.isdigit() and int(per_node) > 1:

@@ -128,6 +128,10 @@ def finish_stage(
         "device": str(device or "cpu"),
         "loop": "fabric",
         "precision": result.precision,
+        # The GPU policy it trained under (bench/gpu_check.py reads these names) and its peak GPU memory.
+        **({"engine": result.engine} if result.engine else {}),
+        "gpu_peak_memory_bytes": result.gpu_peak_memory_bytes,
+        **({"compile_time_s": result.compile_time_s} if result.compile_time_s is not None else {}),
         **({"restarts": result.restarts} if result.restarts else {}),
         **({"num_devices": num_devices} if num_devices > 1 else {}),
         "context": execution_context(device, num_devices, threads_by_design=threads_by_design),

@@ -1,0 +1,271 @@
+"""How ddcnn's loop uses a GPU: memory format, TF32, cuDNN autotuning, peak memory, where the data live, and the
+opt-ins ``torch.compile`` and ``torch.profiler``.
+
+Every decision is a function of the device (and the settings), so that the CUDA path is the code a CPU test runs:
+
+- :func:`resolve_policy`: ``engine.channels_last``, ``tf32`` and ``cudnn_benchmark`` (``auto``: on for CUDA, TF32 and
+  autotuning off under ``trainer.deterministic``; off on CPU unless ``true``), and the memory format of 4D/5D inputs;
+- :func:`math_flags`: torch's global TF32 and ``cudnn.benchmark`` flags within one training, restored afterwards;
+- :func:`reset_peak_memory` / :func:`peak_memory_bytes`: a training's peak GPU memory (``None`` off CUDA);
+- :func:`data_placement` / :func:`place_data`: the stored (compact) splits on the device when they fit
+  ``engine.device_data_fraction`` of its free memory, else pinned host batches copied with ``non_blocking``;
+- :func:`prefetched`: the next batch read by a background thread while the current one trains;
+- :func:`profiled`: ``torch.profiler`` over the first ``engine.profile_steps`` training steps, a Chrome trace.
+
+The policy a training ran under is returned with its result and written to every stage's ``meta.json`` (``engine``),
+under the names ``bench/gpu_check.py`` reads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "PLACEMENTS",
+    "POLICY_OFF",
+    "resolve_policy",
+    "memory_format",
+    "math_flags",
+    "reset_peak_memory",
+    "peak_memory_bytes",
+    "free_memory_bytes",
+    "data_placement",
+    "place_data",
+    "prefetched",
+    "profiled",
+]
+
+# Where a training's batches come from: stored splits on the device, pinned host memory (CUDA), plain host memory.
+PLACEMENTS = ("device", "pinned", "host")
+# What a training gets when no GPU policy is given (fit_batches called directly, e.g. the coarse DNN): nothing on.
+POLICY_OFF: dict[str, Any] = {
+    "channels_last": False,
+    "tf32": False,
+    "cudnn_benchmark": False,
+    "data_on_device": False,
+    "device_data_fraction": 0.5,
+    "compile": False,
+    "profile_steps": 0,
+}
+_FORMATS = {4: "channels_last", 5: "channels_last_3d"}
+
+
+def _switch(value: Any, auto: bool, what: str) -> bool:
+    if value == "auto":
+        return auto
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"engine.{what} must be auto, true or false, got {value!r}.")
+
+
+def resolve_policy(
+    device: str | torch.device,
+    *,
+    deterministic: bool = False,
+    channels_last: str | bool = "auto",
+    tf32: str | bool = "auto",
+    cudnn_benchmark: str | bool = "auto",
+    compile: bool = False,
+    input_dims: int | None = None,
+) -> dict[str, Any]:
+    """The GPU policy of one training (pure: no GPU needed to ask what a CUDA run would do).
+
+    Args:
+        device: Where it trains.
+        deterministic: ``trainer.deterministic``: ``auto`` keeps TF32 and cuDNN autotuning off.
+        channels_last, tf32, cudnn_benchmark: ``auto``, ``True`` or ``False`` (``engine.*``).
+        compile: ``engine.compile``.
+        input_dims: Dimensions of a batch of network inputs (4: images, 5: volumes; the channels-last formats exist
+            for those only, so ``channels_last`` is off for anything else, e.g. the coarse DNN's ``(B, N, K)``).
+
+    Returns:
+        ``channels_last``, ``memory_format`` (``channels_last``, ``channels_last_3d`` or ``contiguous_format``),
+        ``tf32``, ``cudnn_benchmark``, ``compile``.
+
+    Raises:
+        ValueError: For ``cudnn_benchmark=True`` with ``deterministic`` (autotuning picks algorithms by timing).
+    """
+    cuda = torch.device(device).type == "cuda"
+    layout = _switch(channels_last, cuda, "channels_last") and input_dims in _FORMATS
+    benchmark = _switch(cudnn_benchmark, cuda and not deterministic, "cudnn_benchmark")
+    if benchmark and deterministic:
+        raise ValueError(
+            "engine.cudnn_benchmark=true picks cuDNN's algorithms by timing them, which trainer.deterministic=true "
+            "forbids: set engine.cudnn_benchmark=auto or false."
+        )
+    return {
+        "channels_last": bool(layout),
+        "memory_format": _FORMATS[input_dims] if layout else "contiguous_format",
+        "tf32": _switch(tf32, cuda and not deterministic, "tf32"),
+        "cudnn_benchmark": benchmark,
+        "compile": bool(compile),
+    }
+
+
+def memory_format(policy: Mapping[str, Any]) -> torch.memory_format:
+    """The torch memory format a resolved policy names."""
+    return getattr(torch, str(policy.get("memory_format", "contiguous_format")))
+
+
+def _tf32_api() -> list[tuple[object, str, Any, Any]]:
+    """``(object, attribute, on, off)`` of torch's TF32 switches: ``fp32_precision`` from torch 2.9 on (the legacy
+    ``allow_tf32`` flags are deprecated there), else the legacy flags."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        return [(obj, "fp32_precision", "tf32", "ieee") for obj in (torch.backends.cuda.matmul, conv)]
+    return [(torch.backends.cuda.matmul, "allow_tf32", True, False), (torch.backends.cudnn, "allow_tf32", True, False)]
+
+
+@contextlib.contextmanager
+def math_flags(policy: Mapping[str, Any], device: str | torch.device) -> Iterator[None]:
+    """torch's TF32 and ``cudnn.benchmark`` flags as ``policy`` says within the block, restored after it. Process-wide
+    flags, so set for the training only: a later training (or the caller) finds them as they were. Off CUDA nothing
+    is touched (the flags steer CUDA kernels only)."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    switches = [*_tf32_api(), (torch.backends.cudnn, "benchmark", True, False)]
+    wanted = [bool(policy["tf32"])] * (len(switches) - 1) + [bool(policy["cudnn_benchmark"])]
+    saved = [getattr(obj, name) for obj, name, _, _ in switches]
+    try:
+        for (obj, name, on, off), want in zip(switches, wanted, strict=True):
+            setattr(obj, name, on if want else off)
+        yield
+    finally:
+        for (obj, name, _, _), value in zip(switches, saved, strict=True):
+            setattr(obj, name, value)
+
+
+# --- memory -------------------------------------------------------------------------------------------------------
+def reset_peak_memory(device: str | torch.device) -> None:
+    """Start counting the peak GPU memory of ``device`` afresh (nothing off CUDA)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: str | torch.device) -> int | None:
+    """The most memory torch's allocator held on ``device`` since :func:`reset_peak_memory`; ``None`` off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+def free_memory_bytes(device: str | torch.device) -> int | None:
+    """Free memory of a CUDA device (``None`` for any other device)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+# --- the data -----------------------------------------------------------------------------------------------------
+def data_placement(
+    mode: str | bool, device: str | torch.device, nbytes: int | None, free_bytes: int | None, fraction: float = 0.5
+) -> str:
+    """Where a training's batches come from (one of :data:`PLACEMENTS`).
+
+    Args:
+        mode: ``engine.data_on_device``: ``auto`` (on the device when it is CUDA and the splits fit), ``True`` (on the
+            device, whichever it is: on CPU the stored splits are simply held as tensors there) or ``False``.
+        device: Where it trains.
+        nbytes: Bytes the splits take on the device; ``None`` when the data cannot be placed (not stored splits:
+            then ``host``, the source reads its batches as it does).
+        free_bytes: Free device memory (``None``: unknown).
+        fraction: ``engine.device_data_fraction``: the share of the free memory they may take.
+    """
+    cuda = torch.device(device).type == "cuda"
+    streamed = "pinned" if cuda else "host"
+    if nbytes is None:  # not stored splits (the coarse DNN's tensors): read as they are
+        return "host"
+    if mode is False:
+        return streamed
+    if mode is True:
+        return "device"
+    if mode != "auto":
+        raise ValueError(f"engine.data_on_device must be auto, true or false, got {mode!r}.")
+    fits = cuda and free_bytes is not None and nbytes <= float(fraction) * free_bytes
+    return "device" if fits else streamed
+
+
+def place_data(data: Any, device: str | torch.device, mode: str | bool, fraction: float) -> tuple[Any, str]:
+    """``data`` (a :class:`~ddcnn.data.datamodule.Batches`) as :func:`data_placement` decides, and the placement.
+
+    A source that can be placed has ``placed(device, pin) -> Batches`` and ``placed_nbytes() -> int``
+    (:class:`~ddcnn.data.datamodule.PreparedBatches`, :class:`~ddcnn.data.datamodule.RowSubset`); any other source
+    is read as it is (its batches still reach the device with ``non_blocking`` copies).
+    """
+    device = torch.device(device)
+    placeable = callable(getattr(data, "placed", None)) and callable(getattr(data, "placed_nbytes", None))
+    nbytes = data.placed_nbytes() if placeable else None
+    where = data_placement(mode, device, nbytes, free_memory_bytes(device), fraction)
+    if where == "host":
+        return data, where
+    if where == "device":
+        return data.placed(device, pin=False), where
+    return data.placed(None, pin=True), where
+
+
+def prefetched(fetch: Callable[[Any], Any], items: Iterable[Any], enabled: bool) -> Iterator[tuple[Any, Any]]:
+    """``(item, fetch(item))`` for every item, the next one fetched by a background thread while the caller works on
+    the current one (``enabled``; else one after the other). ``fetch`` must not depend on global random state: the
+    batches of ddcnn depend on ``(sample, epoch)`` only, so they are the same either way."""
+    items = list(items)
+    if not enabled or len(items) < 2:
+        for item in items:
+            yield item, fetch(item)
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddcnn-prefetch") as pool:
+        ahead = pool.submit(fetch, items[0])
+        for k, item in enumerate(items):
+            value = ahead.result()
+            if k + 1 < len(items):
+                ahead = pool.submit(fetch, items[k + 1])
+            yield item, value
+
+
+# --- profiling ----------------------------------------------------------------------------------------------------
+class profiled:
+    """``torch.profiler`` over the first ``steps`` training steps (``step()`` after each), then a Chrome trace in
+    ``path`` (written when the steps are done or the training ends first). ``steps=0``: nothing."""
+
+    def __init__(self, steps: int, path: Path, device: str | torch.device) -> None:
+        self.steps, self.path, self.done = int(steps), Path(path), 0
+        self._prof = None
+        if self.steps > 0:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.device(device).type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities, record_shapes=True)
+            self._prof.__enter__()
+
+    @property
+    def active(self) -> bool:
+        return self._prof is not None
+
+    def step(self) -> None:
+        if self._prof is None:
+            return
+        self.done += 1
+        if self.done >= self.steps:
+            self.close()
+
+    def close(self) -> None:
+        if self._prof is None:
+            return
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp.json")
+        prof.export_chrome_trace(str(tmp))
+        json.loads(tmp.read_text())  # a trace Chrome cannot read is an error here, not in the user's browser
+        tmp.replace(self.path)
