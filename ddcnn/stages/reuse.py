@@ -36,7 +36,7 @@ from ddcnn.data.sources import NOT_IDENTITY, source_identity
 from ddcnn.rundir import PROB_FILES, result_settings
 from ddcnn.runtime import run_generation
 from ddcnn.stages.common import curve_settings
-from ddcnn.store import Entry, Store
+from ddcnn.store import Entry, Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,17 @@ def run(ctx: Context, stage: str, device, train: Callable[[dict], dict]) -> dict
             "generation": generation,
         }
 
-    entry = store.get_or_build(stage, depends, build, describe=f"the {stage} CNN of {ctx.run.root}")
+    try:
+        entry = store.get_or_build(stage, depends, build, describe=f"the {stage} CNN of {ctx.run.root}")
+    except StoreError as err:
+        # A store that cannot be written (no room, a read-only home on a cluster) costs the reuse, not the run.
+        if "meta" not in trained:
+            log.warning("%s: %s; it trains here, without reuse (store.reuse=false says so silently)", stage, err)
+            return train({})
+        log.warning("%s: trained, but not published to the store: %s", stage, err)
+        meta = {k: v for k, v in trained["meta"].items() if k != "published"}
+        ctx.run.mark_done(stage, None, meta, required=(*PROB_FILES, "net.pt"), generation=meta.get("generation"))
+        return meta
     if "meta" in trained:
         return trained["meta"]
     return _copy_in(ctx, stage, entry)

@@ -68,6 +68,14 @@ def test_switched_off_it_trains_in_the_run_and_leaves_the_store_alone(make_cfg, 
     assert not (store / "global").exists()
 
 
+def test_a_store_that_cannot_be_written_costs_the_reuse_not_the_run(make_cfg, tmp_path, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    meta = _global(make_cfg, tmp_path / "a", blocked)
+    assert "published" not in meta and "reused_from" not in meta and meta["accuracy"]["test"] is not None
+    assert "it trains here, without reuse" in caplog.text
+
+
 _RACER = """
 import json, logging, sys, time
 from pathlib import Path
