@@ -51,11 +51,8 @@ _NOT_PUBLISHED = ("done", "last.ckpt", "best.ckpt", "resumed_from_epoch")
 
 
 def reuse_enabled(cfg) -> bool:
-    """``store.reuse`` (default true)."""
-    value = (cfg.get("store") or {}).get("reuse", True)
-    if not isinstance(value, bool):
-        raise ValueError(f"store.reuse must be true or false, got {value!r}.")
-    return value
+    """``store.reuse`` (default true; :func:`ddcnn.context.check_settings` refuses anything but true or false)."""
+    return (cfg.get("store") or {}).get("reuse", True) is True
 
 
 @functools.cache

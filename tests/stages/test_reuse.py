@@ -68,6 +68,13 @@ def test_switched_off_it_trains_in_the_run_and_leaves_the_store_alone(make_cfg, 
     assert not (store / "global").exists()
 
 
+def test_a_switch_that_is_not_true_or_false_is_refused_before_anything_trains(make_cfg, tmp_path):
+    cfg = make_cfg("store.reuse=sometimes", run_dir=tmp_path / "a")
+    with pytest.raises(ValueError, match=r"store.reuse must be true or false .* got 'sometimes'"):
+        train(cfg)
+    assert not (tmp_path / "a" / "local").exists()
+
+
 def test_a_store_that_cannot_be_written_costs_the_reuse_not_the_run(make_cfg, tmp_path, caplog):
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")
