@@ -24,6 +24,7 @@ import functools
 import hashlib
 import json
 import logging
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -116,7 +117,7 @@ def _copy_in(ctx: Context, stage: str, entry: Entry) -> dict:
         "key": entry.key,
         "entry": str(entry.path),
         "run_dir": entry.info.get("run_dir"),
-        "trained": entry.record.get("created"),
+        "published": entry.record.get("created"),
         "host": entry.record.get("host"),
     }
     meta["generation"] = run_generation(ctx.cfg)
@@ -160,8 +161,9 @@ def run(ctx: Context, stage: str, device, train: Callable[[dict], dict]) -> dict
             if rel.as_posix() in _NOT_PUBLISHED:
                 continue
             (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-            (folder / rel).write_bytes(path.read_bytes())
+            shutil.copyfile(path, folder / rel)
         acc = (meta.get("accuracy") or {}).get("test")
+        acc = f"{acc:.4f}" if isinstance(acc, float) else "-"
         return {
             "describe": f"{stage} of {ctx.data.name}, seed {ctx.cfg.seed}: test acc {acc}, {meta['time_s']:.1f} s",
             "run_dir": str(ctx.run.root.resolve()),
