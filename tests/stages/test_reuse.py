@@ -14,7 +14,7 @@ import torch
 
 from ddcnn.pipeline import train
 from ddcnn.store import Store, store_main
-from tests.conftest import TINY_OVERRIDES
+from tests.conftest import TINY_OVERRIDES, compose_config
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ("probs_train.pt", "probs_val.pt", "probs_test.pt", "net.pt", "logs/metrics.csv")
@@ -23,6 +23,51 @@ FILES = ("probs_train.pt", "probs_val.pt", "probs_test.pt", "net.pt", "logs/metr
 def _global(make_cfg, run_dir: Path, store: Path, *overrides: str) -> dict:
     cfg = make_cfg("stage=global", "store.reuse=true", f"store.root={store}", *overrides, run_dir=run_dir)
     return train(cfg)["global"]
+
+
+# What the global CNN's result depends on, and what it does not: the key must change with the first, never the second.
+MATTERS = [
+    "seed=1",
+    "model=vgg_small",
+    "optimizer.lr=0.01",
+    "trainer.max_epochs=2",
+    "trainer.precision=bf16-mixed",
+    "data.batch_size=16",
+    "data.train_subset=200",
+    "+data.augment.flip_axes=[1]",
+    "report.curves.points=3",
+]
+DOES_NOT_MATTER = [
+    "decomposition=4x4",
+    "decomposition.overlap=1",
+    "coarse.max_epochs=5",
+    "coarse.optimizer.lr=0.1",
+    "methods.enabled.stacker=false",
+    "parallel.workers=2",
+    "report.plots=true",
+    "report.curves.max_train_rows=10",
+    "data.memory.mode=memory",
+    "force=true",
+    "store.stage_to=/tmp/elsewhere",
+    "+global_model=${model}",  # the same network, named as the global one
+]
+
+
+def _key(*overrides: str) -> str:
+    from types import SimpleNamespace
+
+    from ddcnn.stages.reuse import stage_depends
+
+    cfg = compose_config(list(overrides), Path("/tmp/unused-run"))
+    return Store.key("global", stage_depends(SimpleNamespace(cfg=cfg), "global", "cpu"))
+
+
+def test_the_key_holds_what_changes_the_global_cnn_and_nothing_else():
+    base = _key()
+    changed = {o for o in MATTERS if _key(o) == base}
+    assert not changed, f"these change the global CNN but not its key: {changed}"
+    moved = {o for o in DOES_NOT_MATTER if _key(o) != base}
+    assert not moved, f"these do not change the global CNN but change its key: {moved}"
 
 
 def test_runs_that_differ_in_the_decomposition_train_the_global_cnn_once(make_cfg, tmp_path, capsys):
