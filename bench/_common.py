@@ -16,9 +16,10 @@ os.environ.setdefault("DDCNN_DATA", str(SHARED_DATA))  # this repository's devel
 
 
 def config(overrides: list[str], run_dir: Path) -> DictConfig:
-    """The real ``conf/config.yaml`` with ``overrides``, writing into ``run_dir``."""
+    """The real ``conf/config.yaml`` with ``overrides``, writing into ``run_dir``. A benchmark times what it trains:
+    the global CNN is never reused from an earlier run (``store.reuse=false`` unless ``overrides`` say otherwise)."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+        cfg = compose(config_name="config", overrides=["store.reuse=false", *overrides])
     with open_dict(cfg):
         cfg.paths.run_dir = str(run_dir)
     return cfg

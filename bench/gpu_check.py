@@ -100,7 +100,8 @@ ROWS = ("digits", "mnist_2x2")
 SECTIONS = ("stacking", "bare", "e2e")
 BARE_VARIANTS = ("fp32", "bf16", "bf16+cl")
 # Settings every e2e row gets: the evaluate stage's figures and TorchScript export change no time in meta.json.
-E2E_COMMON = ["trainer.enable_progress_bar=false", "report.plots=false", "report.export=false"]
+# Every row trains its global CNN: a copy reused from an earlier run (store.reuse) would time that run instead.
+E2E_COMMON = ["trainer.enable_progress_bar=false", "report.plots=false", "report.export=false", "store.reuse=false"]
 TINY_E2E = [
     "model=vgg_tiny",
     "trainer.max_epochs=1",

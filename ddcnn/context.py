@@ -158,6 +158,9 @@ def check_settings(cfg: DictConfig) -> None:
         _positive_int(cfg, key)
     if cfg.data.spatial_dims not in (2, 3):
         raise ValueError(f"data.spatial_dims must be 2 (images) or 3 (volumes), got {cfg.data.spatial_dims!r}.")
+    reuse = (cfg.get("store") or {}).get("reuse", True)
+    if not isinstance(reuse, bool):
+        raise ValueError(f"store.reuse must be true or false (reuse the global CNN of an earlier run), got {reuse!r}.")
     check_methods(cfg)
     enabled = (cfg.get("methods") or {}).get("enabled") or {}
     if enabled.get("global_ddp") or cfg.get("stage") == "global_ddp":

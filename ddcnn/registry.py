@@ -65,6 +65,9 @@ class Stage:
         summary: One line for ``--help`` texts and the docs.
         ranks: Under ``srun -n G``: ``"zero"`` (rank 0 trains it while the others are done or wait) or ``"all"``
             (every task joins: one training with DDP across the G tasks, world size and ranks from SLURM).
+        reusable: Its result depends on nothing of the decomposition (``decomposition``, ``coarse``, ``methods``) or
+            the devices of a run: with ``store.reuse`` it is trained once per settings and copied into every run of a
+            sweep that shares them (:mod:`ddcnn.stages.reuse`).
     """
 
     name: str
@@ -75,6 +78,7 @@ class Stage:
     row: ResultRow | None
     summary: str
     ranks: str = "zero"
+    reusable: bool = False
 
 
 _N = "N"
@@ -104,6 +108,7 @@ STAGES: tuple[Stage, ...] = (
         False,
         ResultRow("global", "global CNN", ("global",), ("global",), 1, 0),
         "the baseline: the same network family on full images",
+        reusable=True,
     ),
     Stage(
         "coarse_alt",

@@ -83,7 +83,7 @@ NON_RESULT_KEYS = (
     "optimized_metric",
     "run_generation",
     "logger",
-    "store",  # where prepared data are kept and copied to
+    "store",  # where prepared data and global CNNs are kept, and whether a global CNN is reused (same result)
     "data.memory",  # how a process holds them (in memory or memory-mapped): the same numbers either way
 )
 # Settings that moved: a run directory recorded under the old name still matches (old -> new).

@@ -184,6 +184,31 @@ class Entry:
                 out.append(f"{name}: sha256 differs from the one recorded when it was written")
         return out
 
+    def copy_to(self, folder: str | os.PathLike[str], exclude: tuple[str, ...] = ()) -> list[str]:
+        """Copy its files (but ``exclude``) into ``folder``, each checked against its recorded sha256 while it is
+        copied and renamed into place whole (a reader sees the old file or the new one, never a part).
+
+        Returns:
+            The copied files, relative to ``folder``.
+
+        Raises:
+            StoreError: A file differs from the checksum recorded when it was written.
+        """
+        folder, out = Path(folder), []
+        for rel, meta in self.files.items():
+            if rel in exclude:
+                continue
+            dst = folder / rel
+            make_dir(dst.parent)
+            tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp")
+            try:
+                _copy_checked(self.path / rel, tmp, meta["sha256"], self)
+                os.replace(tmp, dst)
+            finally:
+                tmp.unlink(missing_ok=True)
+            out.append(rel)
+        return out
+
     def describe(self) -> str:
         created = self.record.get("created", "?")
         return f"{self.kind}/{self.key} ({self.nbytes / 1e6:.1f} MB, built {created} on {self.record.get('host', '?')})"
@@ -533,22 +558,27 @@ class Store:
                 )
             sums = {}
             for rel, meta in entry.files.items():
-                src, dst = entry.path / rel, folder / rel
+                dst = folder / rel
                 dst.parent.mkdir(parents=True, exist_ok=True)
-                digest = hashlib.sha256()
-                with open(src, "rb") as fin, open(dst, "xb") as fout:
-                    while block := fin.read(_CHUNK):
-                        digest.update(block)
-                        fout.write(block)
-                if digest.hexdigest() != meta["sha256"]:
-                    raise StoreError(
-                        f"{src} differs from the checksum recorded when it was written (a damaged or changed file); "
-                        f"remove the entry ({entry.path}) so that it is built again."
-                    )
+                _copy_checked(entry.path / rel, dst, meta["sha256"], entry)
                 sums[rel] = meta["sha256"]
             return {**entry.info, "staged_from": str(entry.path), "_sha256": sums}
 
         return local.get_or_build(entry.kind, entry.depends, copy, describe=f"copy of {entry.kind}/{entry.key}")
+
+
+def _copy_checked(src: Path, dst: Path, sha256: str, entry: Entry) -> None:
+    """Copy ``src`` to the new file ``dst``, checking its sha256 on the way."""
+    digest = hashlib.sha256()
+    with open(src, "rb") as fin, open(dst, "xb") as fout:
+        while block := fin.read(_CHUNK):
+            digest.update(block)
+            fout.write(block)
+    if digest.hexdigest() != sha256:
+        raise StoreError(
+            f"{src} differs from the checksum recorded when it was written (a damaged or changed file); "
+            f"remove the entry ({entry.path}) so that it is built again."
+        )
 
 
 def _holder(body: Mapping) -> str:

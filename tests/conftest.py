@@ -37,6 +37,9 @@ TINY_OVERRIDES = [
     "report.plots=false",
     "report.export=false",
     "report.curves.enabled=false",
+    # Every test trains the global CNN it checks: one reused from an earlier test's run would hide what it tests.
+    # Reuse across runs has its own tests (tests/stages/test_reuse.py).
+    "store.reuse=false",
 ]
 
 

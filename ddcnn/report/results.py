@@ -238,6 +238,7 @@ def _equal_accuracy_line(equal: dict | None) -> str | None:
 def results_markdown(results: dict) -> str:
     """A Markdown table of a run's results (one row per method, then one per local net)."""
     m, t = results["metrics"], results["time_s"]
+    reused = results.get("reused") or {}
     lines = [
         f"# ddcnn results: {results['data']['name']}, {results['decomposition']['description']}",
         "",
@@ -249,6 +250,8 @@ def results_markdown(results: dict) -> str:
         name = row["name"]
         if row["key"] == "global_ddp":
             name = f"{name} on {row['devices']} devices"
+        if row.get("stage") in reused:
+            name = f"{name} (reused)"
         lines.append(
             f"| {name} | {_fmt(row['accuracy'])} | {_fmt(row.get('balanced_accuracy'))} | {_fmt(row.get('auc'))} | "
             f"{_fmt(row['sequential_time_s'], 1)} | {_fmt(row['projected_time_s'], 1)} | {_fmt(row['devices'])} | "
@@ -270,6 +273,12 @@ def results_markdown(results: dict) -> str:
         f"{results['data']['n_test']} test samples of shape {results['data']['image_shape']}.",
         f"- {TIMING_RULE}",
     ]
+    for stage, source in reused.items():
+        lines.append(
+            f"- Reused: the {stage} stage was trained once for these settings (any decomposition) by "
+            f"{source.get('run_dir') or 'an earlier run'} and copied from the store ({source.get('entry')}); its time "
+            "is that training's (store.reuse=false trains it in every run)."
+        )
     equal = _equal_accuracy_line(results.get("speedup_at_equal_accuracy"))
     if equal:
         lines.append(equal)
@@ -328,6 +337,7 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
     inputs: dict[str, str] = {}  # stages whose row key depends on their input (the coarse DNNs)
     devices: dict[str, int] = {}  # stages that trained on several devices at once (global_ddp)
     startup: dict[str, float] = {}
+    reused: dict[str, dict] = {}  # stages copied from a training of an earlier run with the same settings
     for stage in registry.STAGES:
         if stage.row is None:
             continue
@@ -356,6 +366,8 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
             startup[stage.name] = meta["startup_s"]
         if "num_devices" in meta:
             devices[stage.name] = int(meta["num_devices"])
+        if meta.get("reused_from"):
+            reused[stage.name] = meta["reused_from"]
     main = f"cnn_dnn_{inputs['coarse']}" if "coarse" in inputs else None
     metrics["cnn_dnn"], val["cnn_dnn"] = (metrics.get(main), val.get(main)) if main else (None, None)
     metrics.setdefault("global", None)
@@ -388,6 +400,7 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         "projected_speedup": speedup,
         "params": params,
         "devices": devices,
+        "reused": reused,
         "timing": timing_contexts(compared),
         "timing_all_stages": timing_contexts(contexts),
         "decomposition": {

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import time
 
+from ddcnn import registry
 from ddcnn.context import Context, build_global_net
 from ddcnn.engine.settings import check_srun_ddp
 from ddcnn.engine.train import fit, seed_everything
+from ddcnn.stages import reuse
 from ddcnn.stages.common import batch_size, curve_hook, finish_stage, full_image_data, skip, stage_seed
 
 log = logging.getLogger(__name__)
@@ -22,9 +24,18 @@ def run(ctx: Context, device=None, stage: str = "global", num_devices: int = 1) 
     initial weights and with the same global batch: each device takes ``data.batch_size / num_devices`` samples per
     step. Inside a multi-task ``srun`` step the ranks are its tasks (any srun form), else this process spawns them.
     Predictions are then made in this process (rank 0) on one device.
+
+    The one-device global CNN is trained once per settings and reused by the runs of a sweep that share them
+    (``store.reuse``, :mod:`ddcnn.stages.reuse`).
     """
     if (done := skip(ctx, stage)) is not None:
         return done
+    if registry.get(stage).reusable and num_devices == 1:
+        return reuse.run(ctx, stage, device, lambda extra: _train(ctx, device, stage, num_devices, extra))
+    return _train(ctx, device, stage, num_devices, {})
+
+
+def _train(ctx: Context, device, stage: str, num_devices: int, extra: dict) -> dict:
     launcher = None
     if num_devices > 1:
         # One task per device: DDP across the tasks of this srun step (refused with the fix when they do not match).
@@ -58,7 +69,7 @@ def run(ctx: Context, device=None, stage: str = "global", num_devices: int = 1) 
         if num_devices > 1
         else {}
     )
-    meta = finish_stage(ctx, stage, result.net, dm, device, seed, result, num_devices=num_devices, **ddp)
+    meta = finish_stage(ctx, stage, result.net, dm, device, seed, result, num_devices=num_devices, **ddp, **extra)
     log.info(
         "%s: test acc %.4f in %.1f s on %d device(s)", stage, meta["accuracy"]["test"], meta["time_s"], num_devices
     )
