@@ -308,12 +308,12 @@ def _coarse_cfg(run_dir: Path, *overrides: str):
     return compose_config(["stage=coarse", *COARSE_6, *overrides], run_dir)
 
 
-# Long enough to be caught mid-training by a SIGKILL (300 epochs of 64 small steps, a checkpoint every 20 epochs).
+# Long enough to be caught mid-training by a SIGKILL (100 epochs of 64 small steps, a checkpoint every 10 epochs).
 # Six epochs, every one of them (no early stopping: these tests count the epochs).
 COARSE_6 = ["coarse.max_epochs=6", "coarse.checkpoint_every=2", "coarse.patience=null"]
 KILL_COARSE = [
-    "coarse.max_epochs=300",
-    "coarse.checkpoint_every=20",
+    "coarse.max_epochs=100",
+    "coarse.checkpoint_every=10",
     "coarse.batch_size=4",
     "coarse.patience=null",
     "trainer.limit_train_batches=null",
@@ -350,7 +350,7 @@ def test_sigkilled_coarse_stage_resumes_and_matches_an_uninterrupted_one(tmp_pat
     run = RunDir(killed)
     assert not run.is_done("coarse")
     epoch_at_kill = int(torch.load(last, map_location="cpu", weights_only=False)["epoch"])
-    assert epoch_at_kill < 299, "the kill came too late to test resuming"
+    assert epoch_at_kill < 99, "the kill came too late to test resuming"
 
     train(compose_config(["stage=coarse", *KILL_COARSE], killed))
     meta, ref_meta = run.meta("coarse"), RunDir(reference).meta("coarse")
@@ -367,7 +367,7 @@ def test_sigkilled_coarse_stage_resumes_and_matches_an_uninterrupted_one(tmp_pat
         torch.load(run.stage_dir("coarse") / "net.pt"), torch.load(RunDir(reference).stage_dir("coarse") / "net.pt")
     )
     curves = read_metrics_csv(run.stage_dir("coarse") / "logs" / "metrics.csv")
-    assert curves["epoch"].tolist() == list(range(300))
+    assert curves["epoch"].tolist() == list(range(100))
 
 
 def test_finished_coarse_stage_is_skipped_and_force_retrains_from_scratch(local_done, tmp_path):
