@@ -107,7 +107,9 @@ class RunSpec:
         return f"{self.dataset.key}/{self.grid}{overlap}_s{self.seed}"
 
     def overrides(self, workdir: Path) -> list[str]:
-        grid = [f"decomposition={self.grid}"] + ([] if self.overlap is None else [f"decomposition.overlap={self.overlap}"])
+        grid = [f"decomposition={self.grid}"]
+        if self.overlap is not None:
+            grid.append(f"decomposition.overlap={self.overlap}")
         common = ["report.export=false", "trainer.enable_progress_bar=false", f"store.root={workdir / 'store'}"]
         return [*self.dataset.overrides, *grid, f"seed={self.seed}", *common]
 
@@ -148,7 +150,7 @@ def run_specs(datasets: list[Dataset], seeds: list[int]) -> list[RunSpec]:
     return [RunSpec(d, g, o, s) for d in datasets for s in seeds for g in d.grids for o in d.overlaps]
 
 
-# --- running ---------------------------------------------------------------------------------------------------------
+# --- running ------------------------------------------------------------------------------------------------------
 def _loadavg() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -216,7 +218,7 @@ def report(specs: list[RunSpec], workdir: Path, threads: int, plots: bool) -> Pa
     return out
 
 
-# --- the page and its manifest -----------------------------------------------------------------------------------------
+# --- the page and its manifest ----------------------------------------------------------------------------------------
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -362,7 +364,12 @@ def write_page(
         if [line for line in written if line.startswith("|")] != lines:
             raise RuntimeError(f"ddcnn-report's table of {data_name} differs from the one recomputed from the runs")
         overrides = " ".join(dataset.overrides)
-        page += [f"## {dataset.title}", "", f"Runs: `ddcnn-train {overrides}` with the grid, overlap and seed of each.", ""]
+        page += [
+            f"## {dataset.title}",
+            "",
+            f"Runs: `ddcnn-train {overrides}`, with the grid, overlap and seed of each.",
+            "",
+        ]
         page += [*lines, ""]
         manifest_tables.append({"kind": "report", "dataset": data_name, "runs": ds_names, "lines": lines})
         if dataset.auc_table:
@@ -463,7 +470,7 @@ def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
     return problems
 
 
-# --- command line ------------------------------------------------------------------------------------------------------
+# --- command line ----------------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="experiments/results.py", description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="the few-second version for CI (digits, 1 epoch, 1 seed)")
@@ -494,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = (args.workdir or ROOT / "runs" / "results").resolve()
     datasets = plan(args)
     specs = run_specs(datasets, seeds)
-    command = "python experiments/results.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    given = argv if argv is not None else sys.argv[1:]
+    command = "python experiments/results.py " + " ".join(shlex.quote(a) for a in given)
     start, load_start = time.time(), _loadavg()
     print(f"results.py: {len(specs)} runs into {workdir}, page into {out} (load {load_start})", flush=True)
 
