@@ -118,7 +118,7 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
     """The datasets of the page (``--tiny``: one small dataset, one epoch, the default methods)."""
     if args.tiny:
         tiny = ["data=digits", "model=vgg_tiny", "trainer.max_epochs=1", "methods=default", "report.plots=false"]
-        tiny += ["methods.enabled.coarse_alt=false", "methods.enabled.coarse_val=false"]
+        tiny += ["methods.enabled.coarse_alt=false", "methods.enabled.coarse_val=false", "report.curves.enabled=false"]
         if args.train_subset:
             tiny.append(f"data.train_subset={args.train_subset}")
         return [Dataset("digits", "Digits (tiny mode)", tuple(tiny), ("2x2",), (0, 2), auc_table=True)]
