@@ -123,7 +123,10 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
             tiny.append(f"data.train_subset={args.train_subset}")
         return [Dataset("digits", "Digits (tiny mode)", tuple(tiny), ("2x2",), (0, 2), auc_table=True)]
     subset = [f"data.train_subset={args.train_subset}"] if args.train_subset else []
+    subset += [f"data.test_subset={args.test_subset}"] if args.test_subset else []
     two_d = ["model=vgg_small", "methods=all", f"trainer.max_epochs={args.epochs}", *subset]
+    two_d += [f"data.val_fraction={args.val_fraction}", f"data.batch_size={args.batch_size}"]
+    two_d += [f"report.curves.points={args.curve_points}"]
     datasets = {
         "mnist": Dataset("mnist", "MNIST", ("experiment=mnist", *two_d), ("2x2", "4x4"), (0, 2)),
         "fashion_mnist": Dataset(
@@ -290,6 +293,8 @@ def _git_commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True)
+        if head.returncode != 0 or not head.stdout.strip():
+            return "unknown (not a git checkout)"
         return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
     except OSError:
         return "unknown"
@@ -326,7 +331,8 @@ def write_page(
         f"| torch threads per training | {_threads(workdir, names)} (`OMP_NUM_THREADS={meta['threads']}`) |",
         f"| load (1/5/15 min) | start {meta['load_start']}, end {meta['load_end']}; per run in `results/runs/*/"
         "experiment_run.json` |",
-        f"| date | {meta['started']} to {meta['finished']} |",
+        f"| date | {meta['started']} to {meta['finished']} (this invocation; each run's own start in its "
+        "`experiment_run.json`) |",
         f"| code | commit {meta['commit']} |",
         f"| command | `{meta['command']}` |",
         f"| wall time | {meta['wall_s']} s for this invocation; {cpu_s:.0f} s CPU over the {len(names)} runs "
@@ -478,8 +484,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workdir", type=Path, help="the run directories (default: runs/results)")
     parser.add_argument("--datasets", nargs="+", default=["mnist", "fashion_mnist", "adrenal3d"])
     parser.add_argument("--seeds", type=int, nargs="+", help="default: 0 1 2 (--tiny: 0)")
-    parser.add_argument("--train-subset", type=int, help="training images per 2D dataset (default: 4000; 0 = all)")
-    parser.add_argument("--epochs", type=int, default=12, help="epoch budget of every 2D full-image training")
+    parser.add_argument("--train-subset", type=int, help="training images per 2D dataset (default: 2000; 0 = all)")
+    parser.add_argument("--test-subset", type=int, default=2000, help="test images per 2D dataset (0 = all 10000)")
+    parser.add_argument("--val-fraction", type=float, default=0.05, help="share of the 2D training sets for validation")
+    parser.add_argument("--epochs", type=int, default=8, help="epoch budget of every 2D full-image training")
+    parser.add_argument("--batch-size", type=int, default=64, help="batch of every 2D full-image training")
+    parser.add_argument("--curve-points", type=int, default=4, help="test evaluations per training for the curves")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training")
     parser.add_argument("--run-timeout", type=float, help="seconds after which one ddcnn-train is killed")
     parser.add_argument("--check", action="store_true", help="only check OUT's page against its manifest and runs")
@@ -496,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(problems) or f"{out / PAGE}: every table line is what the runs wrote")
         return 1 if problems else 0
     if args.train_subset is None and not args.tiny:
-        args.train_subset = 4000
+        args.train_subset = 2000
     seeds = args.seeds if args.seeds is not None else ([0] if args.tiny else [0, 1, 2])
     workdir = (args.workdir or ROOT / "runs" / "results").resolve()
     datasets = plan(args)
