@@ -105,3 +105,12 @@ def test_an_interrupted_invocation_reuses_finished_runs(results, tiny, capsys):
     assert results.main(["--tiny", "--out", str(again), "--workdir", str(workdir)]) == 0
     assert "reused" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in workdir.rglob("results.json")} == before
+
+
+def test_the_committed_results_page_is_what_its_runs_wrote(results):
+    """docs/results.md against its manifest and the committed snapshots of its runs (once the page exists)."""
+    docs = ROOT / "docs"
+    if not (docs / "results.md").is_file():
+        pytest.skip("docs/results.md has not been generated yet (python experiments/results.py)")
+    page, manifest = _page_and_manifest(docs)
+    assert results.check_manifest(page, manifest, docs / "results" / "runs") == []
