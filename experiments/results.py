@@ -33,9 +33,20 @@ stops early once its validation accuracy has not improved for ``coarse.patience=
 ``patience`` but only the coarse stage passes it: the other stages have no early-stopping setting, so for them the
 rule is an epoch budget with best-epoch selection, chosen long enough that the validation accuracy has flattened.
 
-**CPU time of the full run** (measured on the shared 2-core development machine, one torch thread, load 2-3 from
-other jobs, 2026-12-02): one MNIST run with ``methods=all``, 2x2, overlap 2, ``data.train_subset=2000``, 3 epochs,
-took SEE_MEASUREMENT. Extrapolation and the chosen default sizes: SEE_ESTIMATE.
+**CPU time of the full run** (measured on the shared 2-core development machine, AMD EPYC, one torch thread, load
+3.5 from other jobs, 2026-12-02): one MNIST run of the planned size (``vgg_small``, 2x2, overlap 2, seed 0,
+``methods=all`` with 5 out-of-fold folds, 2000 training / 3000 validation / 2000 test images, batch 64, 8 epochs, 4
+curve points, the global CNN trained in it) took 1131 s CPU (user 1105 s + sys 26 s; 1212 s wall). Its stages:
+local nets 125 s, out-of-fold local nets 467 s, global CNN 79 s, end to end 109 s, transfer 111 s, global transfer
+82 s, global DDP 2 x 98 s, coarse DNNs and stacker 4 s. Extrapolated (the stages on sub-domains scaled by the
+measured ratios of an earlier sweep: 2x2/o0 0.87, 4x4/o0 1.7, 4x4/o2 2.5 of 2x2/o2; the global CNN once per dataset
+and seed, from the store): 9.9 CPU-hours for MNIST and Fashion-MNIST with 5 folds, **7.6 with the default 3 folds**
+(``--oof-folds``, about half the out-of-fold cost), plus about 0.7 for AdrenalMNIST3D (three runs of 12-16 min,
+measured 2026-11-29) and a few minutes for the report: **about 8.4 CPU-hours** in all, within the 10-hour budget with
+some 15% to spare; expect +-30% from the machine's load and from the 4x4 ratios, which are an earlier sweep's. Seeds
+run seed-major, so after the first third (seed 0 of everything) the CPU time so far, from each run's
+``experiment_run.json``, tells whether the rest fits. Validation accuracy in that run: the global CNN peaked at epoch
+4 of 8, the local nets at 3-5, end to end at 5, global transfer at 7 and DDP at 6 (noisy, constant learning rate).
 """
 
 from __future__ import annotations
@@ -126,7 +137,7 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
     subset += [f"data.test_subset={args.test_subset}"] if args.test_subset else []
     two_d = ["model=vgg_small", "methods=all", f"trainer.max_epochs={args.epochs}", *subset]
     two_d += [f"data.val_fraction={args.val_fraction}", f"data.batch_size={args.batch_size}"]
-    two_d += [f"report.curves.points={args.curve_points}"]
+    two_d += [f"report.curves.points={args.curve_points}", f"methods.local_oof.folds={args.oof_folds}"]
     datasets = {
         "mnist": Dataset("mnist", "MNIST", ("experiment=mnist", *two_d), ("2x2", "4x4"), (0, 2)),
         "fashion_mnist": Dataset(
@@ -489,6 +500,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of the 2D training sets for validation")
     parser.add_argument("--epochs", type=int, default=8, help="epoch budget of every 2D full-image training")
     parser.add_argument("--batch-size", type=int, default=64, help="batch of every 2D full-image training")
+    parser.add_argument("--oof-folds", type=int, default=3, help="k of the out-of-fold coarse DNN's local nets")
     parser.add_argument("--curve-points", type=int, default=4, help="test evaluations per training for the curves")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training")
     parser.add_argument("--run-timeout", type=float, help="seconds after which one ddcnn-train is killed")
