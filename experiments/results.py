@@ -511,6 +511,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.tiny and not args.check and args.out is None:
+        _parser().error("--tiny needs --out: its page must never replace docs/results.md")
     out = (args.out or ROOT / "docs").resolve()
     if args.check:
         manifest = json.loads((out / MANIFEST).read_text())
@@ -520,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.train_subset is None and not args.tiny:
         args.train_subset = 2000
     seeds = args.seeds if args.seeds is not None else ([0] if args.tiny else [0, 1, 2])
-    workdir = (args.workdir or ROOT / "runs" / "results").resolve()
+    workdir = (args.workdir or ROOT / "runs" / ("results_tiny" if args.tiny else "results")).resolve()
     datasets = plan(args)
     specs = run_specs(datasets, seeds)
     given = argv if argv is not None else sys.argv[1:]

@@ -114,3 +114,9 @@ def test_the_committed_results_page_is_what_its_runs_wrote(results):
         pytest.skip("docs/results.md has not been generated yet (python experiments/results.py)")
     page, manifest = _page_and_manifest(docs)
     assert results.check_manifest(page, manifest, docs / "results" / "runs") == []
+
+
+def test_tiny_mode_never_writes_into_docs(results, capsys):
+    with pytest.raises(SystemExit):
+        results.main(["--tiny"])
+    assert "--tiny needs --out" in capsys.readouterr().err
