@@ -1,0 +1,122 @@
+"""experiments/results.py: its tiny mode writes a page whose every table line the manifest traces back to the runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def results():
+    spec = importlib.util.spec_from_file_location("results_page", ROOT / "experiments" / "results.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("results_page", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny(results, tmp_path_factory):
+    """The tiny mode, run once: (output folder, run directories)."""
+    base = tmp_path_factory.mktemp("results")
+    out, workdir = base / "out", base / "runs"
+    assert results.main(["--tiny", "--out", str(out), "--workdir", str(workdir)]) == 0
+    return out, workdir
+
+
+def _page_and_manifest(out: Path) -> tuple[str, dict]:
+    return (out / "results.md").read_text(), json.loads((out / "results_manifest.json").read_text())
+
+
+@pytest.mark.slow
+def test_tiny_page_holds_the_runs_figures(results, tiny):
+    out, workdir = tiny
+    page, manifest = _page_and_manifest(out)
+    # the header names the machine, threads, load, date, command and wall time
+    for label in ("machine", "torch threads", "load", "date", "command", "wall time"):
+        assert f"| {label}" in page
+    assert "python experiments/results.py --tiny" in page
+    # two run directories (overlap 0 and 2), each with its fingerprint; the global CNN came from the store once
+    assert sorted(manifest["runs"]) == ["digits/2x2_o0_s0", "digits/2x2_o2_s0"]
+    for name, entry in manifest["runs"].items():
+        assert entry["fingerprint"] == json.loads((workdir / name / "fingerprint.json").read_text())["fingerprint"]
+        assert entry["methods"]["cnn_dnn_probs"]["accuracy"] > 0
+    # the report's table and the AUC table, each line on the page
+    kinds = [t["kind"] for t in manifest["tables"]]
+    assert kinds == ["report", "auc"]
+    # the CNN-DNN's accuracy of the first run, as the report rounds it, is on the page
+    accuracy = manifest["runs"]["digits/2x2_o0_s0"]["methods"]["cnn_dnn_probs"]["accuracy"]
+    assert f"| {100 * accuracy:.2f} |" in page
+    # checked against the original run directories and against the committed snapshot alike
+    assert results.check_manifest(page, manifest, workdir) == []
+    assert results.check_manifest(page, manifest, out / "results" / "runs") == []
+    assert results.main(["--check", "--out", str(out)]) == 0
+
+
+@pytest.mark.slow
+def test_check_fails_when_a_figure_on_the_page_is_altered(results, tiny):
+    out, workdir = tiny
+    page, manifest = _page_and_manifest(out)
+    line = next(line for line in page.splitlines() if "CNN-DNN (coarse DNN on probs)" in line)
+    cell = re.search(r"\| (\d+\.\d\d) \|", line)
+    altered_value = f"{float(cell.group(1)) + 0.01:.2f}"
+    altered = page.replace(line, line.replace(cell.group(0), f"| {altered_value} |", 1))
+    assert altered != page
+    problems = results.check_manifest(altered, manifest, workdir)
+    assert any("in no table the runs give" in p for p in problems)
+    # a line dropped from the page is named too
+    dropped = page.replace(line + "\n", "")
+    assert any("not on the page" in p for p in results.check_manifest(dropped, manifest, workdir))
+
+
+@pytest.mark.slow
+def test_check_fails_when_a_run_wrote_other_figures(results, tiny, tmp_path):
+    out, workdir = tiny
+    page, manifest = _page_and_manifest(out)
+    root = tmp_path / "runs"
+    shutil.copytree(out / "results" / "runs", root)
+    results_file = root / "digits" / "2x2_o2_s0" / "results.json"
+    data = json.loads(results_file.read_text())
+    row = next(r for r in data["methods"] if r["key"] == "cnn_dnn_probs")
+    row["accuracy"] = 1.0 - row["accuracy"]
+    results_file.write_text(json.dumps(data))
+    problems = results.check_manifest(page, manifest, root)
+    assert any("SHA-256" in p for p in problems)
+    assert any("methods figures differ" in p for p in problems)
+    assert any("not what the runs give" in p for p in problems)
+    # and a run directory that is gone
+    shutil.rmtree(root / "digits" / "2x2_o0_s0")
+    assert any("no results.json" in p for p in results.check_manifest(page, manifest, root))
+
+
+@pytest.mark.slow
+def test_an_interrupted_invocation_reuses_finished_runs(results, tiny, capsys):
+    out, workdir = tiny
+    before = {p: p.stat().st_mtime_ns for p in workdir.rglob("results.json")}
+    again = out.parent / "again"
+    assert results.main(["--tiny", "--out", str(again), "--workdir", str(workdir)]) == 0
+    assert "reused" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in workdir.rglob("results.json")} == before
+
+
+def test_the_committed_results_page_is_what_its_runs_wrote(results):
+    """docs/results.md against its manifest and the committed snapshots of its runs (once the page exists)."""
+    docs = ROOT / "docs"
+    if not (docs / "results.md").is_file():
+        pytest.skip("docs/results.md has not been generated yet (python experiments/results.py)")
+    page, manifest = _page_and_manifest(docs)
+    assert results.check_manifest(page, manifest, docs / "results" / "runs") == []
+
+
+def test_tiny_mode_never_writes_into_docs(results, capsys):
+    with pytest.raises(SystemExit):
+        results.main(["--tiny"])
+    assert "--tiny needs --out" in capsys.readouterr().err
