@@ -58,6 +58,7 @@ SHORT = [
     "trainer.enable_progress_bar=false",
     "report.plots=false",
     "report.export=false",
+    "store.reuse=false",  # every row trains its own global CNN (a reused one would measure a copy, not a training)
 ]
 GB = 1e9
 

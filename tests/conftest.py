@@ -112,3 +112,25 @@ def assert_real_png(path: Path, min_side: int = 200, max_side: int = 4000) -> No
     assert min_side <= width <= max_side and min_side <= height <= max_side, f"{path}: {width}x{height}"
     assert pixels.std() > 5, f"{path} is (nearly) blank"
     assert (pixels < 128).mean() > 0.005, f"{path} holds almost no dark pixels (no text, lines or axes)"
+
+
+def sigkill_after_first_checkpoint(cmd: list[str], last: Path, settle_s: float = 0.1, timeout_s: float = 120) -> None:
+    """Start ``cmd`` (a training process), SIGKILL it ``settle_s`` after its first ``last.ckpt`` appears (so it dies
+    mid-training, past a checkpoint) and check that the kill is what ended it."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not last.is_file():
+            assert proc.poll() is None, f"training ended before its first checkpoint: {proc.stderr.read()[-2000:]!r}"
+            assert time.monotonic() < deadline, f"no checkpoint within {timeout_s} s"
+            time.sleep(0.01)
+        time.sleep(settle_s)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL

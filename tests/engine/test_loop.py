@@ -8,10 +8,7 @@ killed for real (SIGKILL of a ``ddcnn-train`` process) and resumed.
 from __future__ import annotations
 
 import math
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -322,7 +319,7 @@ KILL_COARSE = [
 
 @pytest.mark.slow
 def test_sigkilled_coarse_stage_resumes_and_matches_an_uninterrupted_one(tmp_path):
-    from tests.conftest import TINY_OVERRIDES, compose_config
+    from tests.conftest import TINY_OVERRIDES, compose_config, sigkill_after_first_checkpoint
 
     base, reference, killed = tmp_path / "base", tmp_path / "reference", tmp_path / "killed"
     train(compose_config(["stage=local", *KILL_COARSE], base))
@@ -333,20 +330,7 @@ def test_sigkilled_coarse_stage_resumes_and_matches_an_uninterrupted_one(tmp_pat
     code = "import sys; from ddcnn.cli import train_main; sys.argv[0] = 'ddcnn-train'; train_main()"
     cmd = [sys.executable, "-c", code, *TINY_OVERRIDES, "stage=coarse", *KILL_COARSE, f"hydra.run.dir={killed}"]
     last = killed / "coarse" / "last.ckpt"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not last.is_file():
-            assert proc.poll() is None, f"coarse stage ended before its first checkpoint: {proc.stderr.read()[-2000:]}"
-            assert time.monotonic() < deadline, "no coarse checkpoint within 120 s"
-            time.sleep(0.01)
-        time.sleep(0.1)  # into the next epochs
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
+    sigkill_after_first_checkpoint(cmd, last)  # into the next epochs
     run = RunDir(killed)
     assert not run.is_done("coarse")
     epoch_at_kill = int(torch.load(last, map_location="cpu", weights_only=False)["epoch"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from ddcnn.engine.settings import ENGINE_KEYS, TRAINER_KEYS, check_training_sett
 from ddcnn.engine.train import fit
 from ddcnn.pipeline import train
 from ddcnn.rundir import RunDir
-from tests.conftest import CONFIG_DIR
+from tests.conftest import CONFIG_DIR, sigkill_after_first_checkpoint
 
 K = 5  # an odd class count, so that a hard-coded 10 cannot pass
 SGD = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.2, "momentum": 0.9}
@@ -411,22 +410,7 @@ def _epoch_of(path) -> int:
 def test_sigkill_mid_training_resumes_and_matches_uninterrupted_run(make_cfg, tmp_path):
     killed_dir = tmp_path / "killed"
     last = killed_dir / "local" / "00" / "last.ckpt"
-    proc = subprocess.Popen(_command(killed_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not last.is_file():
-            assert proc.poll() is None, (
-                f"training ended before the first checkpoint: {proc.stderr.read().decode()[-2000:]}"
-            )
-            assert time.monotonic() < deadline, "no checkpoint within 120 s"
-            time.sleep(0.02)
-        time.sleep(0.2)  # into the next epoch
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
+    sigkill_after_first_checkpoint(_command(killed_dir), last, settle_s=0.2)  # into the next epoch
     run = RunDir(killed_dir)
     assert not run.is_done("local", 0)
     epoch_at_kill = _epoch_of(last)
