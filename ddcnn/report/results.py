@@ -94,6 +94,17 @@ def _context_value(context: dict, field: str):
     return context.get(field)
 
 
+def _devices_line(kinds: dict[str, str]) -> str:
+    """Which kind of device the stages trained on: one kind, or each kind with its stages (a mixed table)."""
+    by_kind: dict[str, list[str]] = {}
+    for stage, kind in kinds.items():
+        by_kind.setdefault(kind, []).append(stage)
+    if len(by_kind) <= 1:
+        return f"- Device: every stage trained on {next(iter(by_kind), 'cpu')}."
+    parts = "; ".join(f"{kind}: {', '.join(stages)}" for kind, stages in sorted(by_kind.items()))
+    return f"- **Devices of different kinds** ({parts}): the rows' times are not comparable across kinds."
+
+
 def classification_metrics(
     pred: torch.Tensor, labels: torch.Tensor, scores: torch.Tensor | None, num_classes: int
 ) -> dict:
@@ -269,6 +280,7 @@ def results_markdown(results: dict) -> str:
         f"projected speedup: {_fmt(results['projected_speedup'], 2)}x.",
         "- Sequential CNN-DNN time (all local nets one after another + coarse): "
         f"{_fmt(t.get('cnn_dnn_sequential'), 1)} s.",
+        _devices_line(results.get("device_kinds") or {}),
         f"- Data: {results['data']['n_train']} train / {results['data']['n_val']} val / "
         f"{results['data']['n_test']} test samples of shape {results['data']['image_shape']}.",
         f"- {TIMING_RULE}",
@@ -389,6 +401,7 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         val_figures[figure] = {key: (v[figure] if v else None) for key, v in val.items() if key != "local"}
         val_figures[figure]["local"] = [v[figure] for v in val["local"]]
     compared = {s: c for s, c in contexts.items() if s.startswith("local ") or s in ("coarse", "global")}
+    device_kinds = {s: str(_context_value(c, "device_kind")) for s, c in contexts.items() if c}
     results = {
         "accuracy": accuracy,
         "coarse_input": inputs,
@@ -400,6 +413,7 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         "projected_speedup": speedup,
         "params": params,
         "devices": devices,
+        "device_kinds": device_kinds,
         "reused": reused,
         "timing": timing_contexts(compared),
         "timing_all_stages": timing_contexts(contexts),

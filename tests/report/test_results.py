@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ddcnn.pipeline import train
-from ddcnn.report.results import TIMING_RULE, _equal_accuracy_line, flag_rows, timing_contexts
+from ddcnn.report.results import TIMING_RULE, _devices_line, _equal_accuracy_line, flag_rows, timing_contexts
 
 
 def _results(rows: dict[str, tuple[str, float]], mean: float = 0.9) -> dict:
@@ -79,6 +79,14 @@ def test_a_default_run_never_says_its_times_come_from_different_contexts(make_cf
     assert coarse["threads_by_design"] == "coarse.num_threads" and coarse["torch_threads"] == 1
     assert results["timing"]["comparable"], results["timing"]["differences"]
     assert "different execution contexts" not in (Path(cfg.paths.run_dir) / "results.md").read_text()
+    assert set(results["device_kinds"].values()) == {"cpu"} and "local 0" in results["device_kinds"]
+    assert "- Device: every stage trained on cpu." in (Path(cfg.paths.run_dir) / "results.md").read_text()
+
+
+def test_a_table_that_mixes_device_kinds_says_which_stages_ran_where():
+    line = _devices_line({"local 0": "cuda (H200)", "local 1": "cuda (H200)", "global": "cpu"})
+    assert line.startswith("- **Devices of different kinds**")
+    assert "cpu: global" in line and "cuda (H200): local 0, local 1" in line
 
 
 def test_threads_chosen_by_design_are_not_a_difference_but_other_threads_and_devices_are():
