@@ -10,7 +10,8 @@ Every key of ``conf/trainer`` and ``conf/engine`` changes what the loop does, or
   ``enable_progress_bar``, ``log_every_n_steps`` (the training loss every n steps to TensorBoard/MLflow),
   ``gradient_clip_val`` (+ ``gradient_clip_algorithm``: ``norm`` or ``value``), ``limit_train_batches``,
   ``limit_val_batches`` and ``accumulate_grad_batches`` (given with ``+trainer.accumulate_grad_batches=2``);
-- ``engine.monitor``, ``monitor_mode``, ``num_devices``, ``checkpoint_every_s``;
+- ``engine.monitor``, ``monitor_mode``, ``patience`` (early stopping of every training but the coarse DNN's, which
+  has ``coarse.patience``), ``num_devices``, ``checkpoint_every_s``;
 - the GPU policy (:mod:`ddcnn.engine.gpu`): ``engine.channels_last``, ``tf32``, ``cudnn_benchmark``,
   ``data_on_device`` (each ``auto``, ``true`` or ``false``), ``device_data_fraction``, and the opt-ins ``compile`` and
   ``profile_steps``;
@@ -66,6 +67,7 @@ TRAINER_KEYS = (
 ENGINE_KEYS = (
     "monitor",
     "monitor_mode",
+    "patience",
     "num_devices",
     "checkpoint_every_s",
     "channels_last",
@@ -214,8 +216,8 @@ def _switch(value: Any, what: str) -> str | bool:
 
 
 def engine_settings(cfg: DictConfig | Mapping) -> dict:
-    """``cfg.engine`` checked, with defaults: monitor, monitor_mode, num_devices, checkpoint_every_s and the GPU
-    policy (``auto`` switches decided from the device by :func:`ddcnn.engine.gpu.resolve_policy`)."""
+    """``cfg.engine`` checked, with defaults: monitor, monitor_mode, patience, num_devices, checkpoint_every_s and the
+    GPU policy (``auto`` switches decided from the device by :func:`ddcnn.engine.gpu.resolve_policy`)."""
     given = _container(cfg.get("engine"))
     if given.get("loop") is not None:
         raise ValueError(_LOOP_GONE.format(value=given["loop"]))
@@ -223,6 +225,7 @@ def engine_settings(cfg: DictConfig | Mapping) -> dict:
     out = {
         "monitor": str(given.get("monitor", "val_acc")),
         "monitor_mode": str(given.get("monitor_mode", "max")),
+        "patience": given.get("patience"),
         "num_devices": _positive_int(given.get("num_devices", 1) or 1, "engine.num_devices"),
         "checkpoint_every_s": given.get("checkpoint_every_s", 30.0),
     }
@@ -230,6 +233,12 @@ def engine_settings(cfg: DictConfig | Mapping) -> dict:
         raise ValueError(f"engine.monitor_mode must be 'max' or 'min', got {out['monitor_mode']!r}.")
     if out["monitor"] not in MONITORS:
         raise ValueError(f"engine.monitor must be one of {', '.join(MONITORS)}, got {out['monitor']!r}.")
+    patience = out["patience"]
+    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+        raise ValueError(
+            f"engine.patience must be a whole number of epochs >= 1 (stop a training once engine.monitor has not "
+            f"improved for that many epochs) or null (train trainer.max_epochs epochs), got {patience!r}."
+        )
     every = out["checkpoint_every_s"]
     if every is None:
         every = 0.0

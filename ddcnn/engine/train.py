@@ -109,6 +109,7 @@ def fit(
         "seed": int(seed),
         "monitor": engine["monitor"],
         "monitor_mode": engine["monitor_mode"],
+        "patience": engine["patience"],
         "checkpoint_every_s": engine["checkpoint_every_s"],
         "device": device,
         "num_devices": int(num_devices if num_devices is not None else engine["num_devices"]),

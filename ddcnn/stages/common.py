@@ -123,6 +123,8 @@ def finish_stage(
         "warmup_s": result.warmup_s,
         "resumed_from_epoch": result.resumed_from_epoch,
         "best_epoch": result.best_epoch,
+        # early stopping (engine.patience / coarse.patience) ended the training after this epoch (0-based)
+        **({"stopped_epoch": result.stopped_epoch} if result.stopped_epoch is not None else {}),
         "accuracy": accuracy,
         "params": count_parameters(net),
         "device": str(device or "cpu"),

@@ -8,6 +8,7 @@ training's recorded time follows one rule whether it ran on one device or as a o
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import os
 import subprocess
@@ -25,7 +26,7 @@ from ddcnn.engine.loop import fit_batches
 from ddcnn.engine.settings import ENGINE_KEYS, TRAINER_KEYS, check_training_settings
 from ddcnn.engine.train import fit
 from ddcnn.pipeline import train
-from ddcnn.rundir import RunDir
+from ddcnn.rundir import CURVE_FILE, RunDir
 from tests.conftest import CONFIG_DIR, sigkill_after_first_checkpoint
 
 K = 5  # an odd class count, so that a hard-coded 10 cannot pass
@@ -106,6 +107,8 @@ def test_every_key_of_the_trainer_and_engine_configs_is_one_the_loop_implements(
         ("engine.monitor=acc", "engine.monitor must be one of"),
         ("engine.monitor_mode=up", "engine.monitor_mode must be 'max' or 'min'"),
         ("engine.checkpoint_every_s=-1", "checkpoint_every_s must be >= 0"),
+        ("engine.patience=0", r"engine.patience must be a whole number of epochs >= 1 .* or null"),
+        ("engine.patience=true", "engine.patience must be a whole number"),
     ],
 )
 def test_a_setting_the_loop_cannot_honour_is_refused_before_anything_trains(make_cfg, override, message):
@@ -177,6 +180,42 @@ def test_monitor_selects_the_best_epoch_of_that_metric(make_cfg, tmp_path):
         make_cfg, tmp_path / "b", "trainer.max_epochs=4", "engine.monitor=train_loss", "engine.monitor_mode=max"
     )
     assert result.best_epoch == losses.index(max(losses))  # same seed, same run: the worst epoch now
+
+
+def test_patience_stops_every_training_of_a_run_and_the_cnn_dnn_curve_ends_where_its_local_nets_stopped(make_cfg):
+    """engine.patience is one early-stopping rule for the local nets, the global CNN and the optional methods; the
+    CNN-DNN's curve has the snapshot epochs every local net reached, then the final CNN-DNN."""
+    # Monitoring the training loss for its *largest* value: the best epoch is an early one and the stop comes soon.
+    cfg = make_cfg(
+        "trainer.max_epochs=6",
+        "engine.patience=1",
+        "engine.monitor=train_loss",
+        "engine.monitor_mode=max",
+        "report.curves.enabled=true",
+        "report.curves.points=6",
+        "methods.enabled.e2e=true",
+    )
+    results = train(cfg)
+    run = RunDir(cfg.paths.run_dir)
+    stops = {}
+    for stage, index in [("local", i) for i in range(4)] + [("global", None), ("e2e", None)]:
+        folder = run.stage_dir(stage, index)
+        meta = json.loads((folder / "meta.json").read_text())
+        with (folder / "logs" / "metrics.csv").open() as fh:
+            epochs = [int(r["epoch"]) for r in csv.DictReader(fh)]
+        stop = meta.get("stopped_epoch")
+        assert stop is not None and stop < 5, (stage, index, meta)  # the loss did not rise for 6 epochs in a row
+        assert stop - meta["best_epoch"] == 1 and epochs == list(range(stop + 1)), (stage, index)
+        stops[(stage, index)] = stop
+    curve = json.loads((run.stage_dir("coarse") / CURVE_FILE).read_text())["cnn_dnn"]
+    reached_by_all = min(stop for (stage, _), stop in stops.items() if stage == "local") + 1
+    assert [p["epoch"] for p in curve] == list(range(1, reached_by_all + 1))
+    assert results["speedup_at_equal_accuracy"] is not None
+    # Without it, the same run trains every epoch.
+    plain = make_cfg("trainer.max_epochs=2", "stage=local", "subdomain=0", run_dir=Path(cfg.paths.run_dir) / "plain")
+    train(plain)
+    meta = json.loads((RunDir(plain.paths.run_dir).stage_dir("local", 0) / "meta.json").read_text())
+    assert "stopped_epoch" not in meta
 
 
 def test_checkpoint_every_s_sets_when_last_ckpt_is_written(make_cfg, tmp_path):

@@ -32,6 +32,7 @@ MATTERS = [
     "optimizer.lr=0.01",
     "trainer.max_epochs=2",
     "trainer.precision=bf16-mixed",
+    "engine.patience=2",
     "data.batch_size=16",
     "data.train_subset=200",
     "+data.augment.flip_axes=[1]",
