@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -13,6 +14,32 @@ from omegaconf import DictConfig, open_dict
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 os.environ.setdefault("DDCNN_DATA", str(SHARED_DATA))  # this repository's development data; users set their own
+
+# ``ddcnn-train`` as a subprocess: this interpreter, and this checkout's ddcnn through :func:`train_env`.
+TRAIN = [
+    sys.executable,
+    "-c",
+    "import sys; from ddcnn.cli import train_main; sys.argv[0] = 'ddcnn-train'; train_main()",
+]
+# The rows bench/speedup.py and bench/coarse.py share: the default demo (digits 2x2) and MNIST 10k at 2 epochs.
+ROWS = {
+    "digits": [],
+    "mnist_2x2": ["data=mnist", "data.train_subset=10000", "trainer.max_epochs=2"],
+    "mnist_4x4": [
+        "data=mnist",
+        "data.train_subset=10000",
+        "trainer.max_epochs=2",
+        "decomposition=4x4",
+        "decomposition.overlap=1",
+    ],
+}
+
+
+def train_env(**extra: str) -> dict[str, str]:
+    """The environment of a :data:`TRAIN` subprocess: this checkout's ddcnn first on ``PYTHONPATH``, ``DDCNN_DATA``
+    set (the shared development data unless the caller's environment names other), then ``extra``."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "DDCNN_DATA": os.environ.get("DDCNN_DATA", str(SHARED_DATA)), **extra}
 
 
 def config(overrides: list[str], run_dir: Path) -> DictConfig:

@@ -38,7 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, SHARED_DATA, quiet
+from _common import ROOT, TRAIN, quiet, train_env
+from _common import ROWS as SHARED_ROWS
 
 sys.path.insert(0, str(ROOT))
 
@@ -46,15 +47,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 ROWS = {
-    "digits": [],
-    "mnist_2x2": ["data=mnist", "data.train_subset=10000", "trainer.max_epochs=2"],
-    "mnist_4x4": [
-        "data=mnist",
-        "data.train_subset=10000",
-        "trainer.max_epochs=2",
-        "decomposition=4x4",
-        "decomposition.overlap=1",
-    ],
+    **SHARED_ROWS,
     "fmnist_2x2": ["data=fashion_mnist", "data.train_subset=10000", "trainer.max_epochs=2"],
     "adrenal28": ["experiment=adrenal3d"],
 }
@@ -86,11 +79,6 @@ FORMER = [
 MEDMNIST_3D_AUC = {"ResNet-18 (3D)": 0.827, "ResNet-50 (3D)": 0.828}
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "DDCNN_DATA": os.environ.get("DDCNN_DATA", str(SHARED_DATA))}
-
-
 def run_row(row: str, seed: int, run_dir: Path, oof_folds: int, extra: list[str]) -> dict:
     """One ``ddcnn-train`` run (skipped when ``run_dir`` already holds its results); its ``results.json``."""
     results = run_dir / "results.json"
@@ -98,12 +86,11 @@ def run_row(row: str, seed: int, run_dir: Path, oof_folds: int, extra: list[str]
     if oof_folds:
         methods += ["methods.enabled.coarse_oof=true", f"methods.local_oof.folds={oof_folds}"]
     if not results.is_file() or (oof_folds and not (run_dir / "coarse_oof" / "done").is_file()):
-        code = "import sys; from ddcnn.cli import train_main; sys.argv[0] = 'ddcnn-train'; train_main()"
         stage = [] if not results.is_file() else ["stage=all"]
-        cmd = [sys.executable, "-c", code, *ROWS[row], *COMMON, *methods, *extra, *stage]
+        cmd = [*TRAIN, *ROWS[row], *COMMON, *methods, *extra, *stage]
         cmd += [f"seed={seed}", f"hydra.run.dir={run_dir}"]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{row} seed {seed} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         logging.info("%s seed %d: %.0f s", row, seed, time.perf_counter() - start)
@@ -118,14 +105,14 @@ def _nll(run_dir: Path, stage: str) -> float | None:
     return float(F.nll_loss(saved["probs"].clamp_min(1e-12).log(), saved["labels"]))
 
 
-def _former_recipe(run_dir: Path, row: str, seed: int) -> tuple[float, float]:
+def _former_recipe(run_dir: Path, row: str, seed: int, extra: list[str]) -> tuple[float, float]:
     """The paper's plain MLP with ddcnn's former coarse recipe, fit now on the run's saved local outputs."""
     from _common import config
 
     from ddcnn.context import build_coarse_net, build_context
     from ddcnn.stages.coarse import coarse_inputs, fit_coarse
 
-    cfg = config([*ROWS[row], *COMMON, *FORMER, f"seed={seed}"], run_dir)
+    cfg = config([*ROWS[row], *COMMON, *extra, *FORMER, f"seed={seed}"], run_dir)
     ctx = build_context(cfg, run_dir, claim=False)
     x, y = coarse_inputs(ctx, "probs")
     torch.manual_seed(seed)
@@ -163,7 +150,7 @@ def report_row(row: str, seeds: list[int], keep: Path, oof_folds: int, extra: li
                 auc[key].append(metrics.get("auc"))
             if key in stages:
                 nll[key].append(_nll(run_dir, stages[key]))
-        former = _former_recipe(run_dir, row, seed)
+        former = _former_recipe(run_dir, row, seed, extra)
         acc["paper_mlp"].append(former[0])
         nll["paper_mlp"].append(former[1])
         e = (results.get("speedup_at_equal_accuracy") or {}).get("at_cnn_dnn_accuracy")

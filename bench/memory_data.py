@@ -45,7 +45,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from _common import ROOT, SHARED_DATA
+from _common import ROOT, SHARED_DATA, TRAIN, train_env
 
 sys.path.insert(0, str(ROOT))  # this checkout's ddcnn; the subprocesses get the same PYTHONPATH
 
@@ -64,11 +64,7 @@ GB = 1e9
 
 
 def _env(store: Path) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("DDCNN_DATA", str(SHARED_DATA))
-    env["DDCNN_STORE"] = str(store)
-    return env
+    return train_env(DDCNN_STORE=str(store))
 
 
 def _load() -> str:
@@ -88,8 +84,7 @@ def _child(argv: list[str], env: dict, log: Path) -> tuple[float, float]:
 
 
 def _train(overrides: list[str], run_dir: Path, env: dict, log: Path) -> tuple[float, float]:
-    code = "import sys; from ddcnn.cli import train_main; sys.argv[0] = 'ddcnn-train'; train_main()"
-    return _child([sys.executable, "-c", code, *overrides, f"hydra.run.dir={run_dir}"], env, log)
+    return _child([*TRAIN, *overrides, f"hydra.run.dir={run_dir}"], env, log)
 
 
 _PREPARE = """

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, SHARED_DATA, config, quiet
+from _common import ROOT, ROWS, SHARED_DATA, TRAIN, config, quiet, train_env
 
 # This checkout's ddcnn, not whichever one the environment installed (the subprocesses get the same PYTHONPATH).
 sys.path.insert(0, str(ROOT))
@@ -51,34 +50,17 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
-ROWS = {
-    "digits": [],
-    "mnist_2x2": ["data=mnist", "data.train_subset=10000", "trainer.max_epochs=2"],
-    "mnist_4x4": [
-        "data=mnist",
-        "data.train_subset=10000",
-        "trainer.max_epochs=2",
-        "decomposition=4x4",
-        "decomposition.overlap=1",
-    ],
-}
 # The evaluate stage's figures and TorchScript export change no time in results.json; they only cost bench time.
 # Every row trains its global CNN: a copy reused from an earlier run (store.reuse) would time that run instead.
 COMMON = ["trainer.enable_progress_bar=false", "report.plots=false", "report.export=false", "store.reuse=false"]
 RATIO_TARGET, DIGITS_SPEEDUP_TARGET, DIGITS_ACC_TARGET, COARSE_ALONE_TARGET_S = 0.9, 1.6, 0.95, 2.0
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "DDCNN_DATA": os.environ.get("DDCNN_DATA", str(SHARED_DATA))}
-
-
 def run_row(name: str, run_dir: Path, seed: int) -> dict:
     """One ``ddcnn-train`` process in ``run_dir``; its ``results.json``."""
-    code = "import sys; from ddcnn.cli import train_main; sys.argv[0] = 'ddcnn-train'; train_main()"
-    cmd = [sys.executable, "-c", code, *ROWS[name], *COMMON, f"seed={seed}", f"hydra.run.dir={run_dir}"]
+    cmd = [*TRAIN, *ROWS[name], *COMMON, f"seed={seed}", f"hydra.run.dir={run_dir}"]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     results = json.loads((run_dir / "results.json").read_text())
