@@ -19,7 +19,8 @@ are made once and kept (float32, the box only): each step is then one gather fro
 path for small networks whose steps take a millisecond.
 
 :class:`TensorDataModule` implements the protocol for tensors that are already network inputs (the coarse DNN's
-features). Both also serve Lightning's ``Trainer`` as data loaders, whole batches at a time.
+features). Both also give ``DataLoader`` views (``train_dataloader()`` ...), whole batches at a time, for use outside
+ddcnn's loop.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ class Batches(Protocol):
         ...
 
 
-class _BatchTensorDataset(Dataset):
-    """Indexed by a list of sample indices; returns the whole batch in one tensor operation."""
+class _TensorSplit:
+    """One split's inputs and labels, checked to be of the same length."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if len(x) != len(y):
@@ -83,18 +84,11 @@ class _BatchTensorDataset(Dataset):
     def __len__(self) -> int:
         return len(self.x)
 
-    def __getitem__(self, index: list[int] | torch.Tensor | tuple[int, torch.Tensor]):
-        epoch = 0
-        if isinstance(index, tuple):  # (epoch, indices) from the training sampler
-            epoch, index = index
-        idx = torch.as_tensor(index, dtype=torch.long)
-        return self.x[idx], self.y[idx], idx, epoch
-
 
 class _EpochBatchSampler:
     """Shuffled batches whose order depends only on ``(seed, epoch)``.
 
-    Lightning calls :meth:`set_epoch` before every epoch, so a run resumed from a checkpoint sees exactly
+    A loop calls :meth:`set_epoch` before every epoch, so a run resumed from a checkpoint sees exactly
     the batches an uninterrupted run would have seen.
     """
 
@@ -147,21 +141,6 @@ class _ShardedBatchSampler:
 
     def __len__(self) -> int:
         return -(-len(self._indices()) // self.batch_size)
-
-
-class _ViewCollate:
-    """Applies ``augment`` (training only) then ``view`` to a batch of full inputs."""
-
-    def __init__(self, view: Callable | None, augment: Callable | None) -> None:
-        self.view, self.augment = view, augment
-
-    def __call__(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y, idx, epoch = batch
-        if self.augment is not None:
-            x = self.augment(x, idx, epoch)
-        if self.view is not None:
-            x = self.view(x)
-        return x.contiguous(), y
 
 
 class Crop:
@@ -224,7 +203,58 @@ class RowSubset:
         return out
 
 
-class TensorDataModule:
+class _IndexDataset(Dataset):
+    """A :class:`Batches` as a dataset: indexed by ``(epoch, indices)`` (training) or by indices, whole batches."""
+
+    def __init__(self, batches: Batches, split: str, train: bool) -> None:
+        self.batches, self.split, self.train = batches, split, train
+
+    def __len__(self) -> int:
+        return self.batches.size(self.split)
+
+    def __getitem__(self, index):
+        epoch = 0
+        if isinstance(index, tuple):
+            epoch, index = index
+        idx = torch.as_tensor(index, dtype=torch.long)
+        cpu = torch.device("cpu")
+        if self.train:
+            return self.batches.train_batch(idx, epoch, cpu)
+        return self.batches.eval_batch(self.split, idx, cpu)
+
+
+def _identity(batch):
+    return batch
+
+
+class _Loaders:
+    """``torch.utils.data.DataLoader`` views of a :class:`Batches` (ddcnn's loop does not use them; a notebook or a
+    user's own training loop may): the same batches as :meth:`train_batch` and :meth:`eval_batch` on the host, in the
+    same order (the training order depends only on ``(seed, epoch)``, set through the sampler's ``set_epoch``; under
+    DDP each rank gets its share)."""
+
+    def loader(self, split: str, shuffle: bool = False, shard: bool = False) -> DataLoader:
+        n = self.size(split)
+        if shuffle:
+            sampler = _EpochBatchSampler(n, self.batch_size, self.seed)
+        elif shard:
+            sampler = _ShardedBatchSampler(n, self.eval_batch_size)
+        else:
+            sampler = BatchSampler(SequentialSampler(range(n)), self.eval_batch_size, drop_last=False)
+        dataset = _IndexDataset(self, split, train=shuffle)
+        return DataLoader(dataset, sampler=sampler, batch_size=None, collate_fn=_identity)
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.loader("val", shard=True)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.loader("test")
+
+
+class TensorDataModule(_Loaders):
     """Serves in-memory ``(x, y)`` tensors of the three splits in shuffled (train) or ordered batches.
 
     Args:
@@ -250,7 +280,7 @@ class TensorDataModule:
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
-        self.data = {s: _BatchTensorDataset(x[s], y[s]) for s in x}
+        self.data = {s: _TensorSplit(x[s], y[s]) for s in x}
         self.batch_size = int(batch_size)
         self.eval_batch_size = int(eval_batch_size or 4 * batch_size)
         self.seed = int(seed)
@@ -279,75 +309,6 @@ class TensorDataModule:
         if self.view is not None:
             x = self.view(x)
         return x.contiguous().to(device, non_blocking=True), y.to(device, non_blocking=True)
-
-    # --- loaders for Lightning's Trainer ---
-    def loader(self, split: str, shuffle: bool = False, shard: bool = False) -> DataLoader:
-        ds = self.data[split]
-        if shuffle:
-            sampler = _EpochBatchSampler(len(ds), self.batch_size, self.seed)
-        elif shard:
-            sampler = _ShardedBatchSampler(len(ds), self.eval_batch_size)
-        else:
-            sampler = BatchSampler(SequentialSampler(ds), self.eval_batch_size, drop_last=False)
-        augment = self.augment if shuffle else None
-        return DataLoader(ds, sampler=sampler, batch_size=None, collate_fn=_ViewCollate(self.view, augment))
-
-    def train_dataloader(self) -> DataLoader:
-        return self.loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.loader("val", shard=True)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.loader("test")
-
-
-class _IndexDataset(Dataset):
-    """Lightning's view of a :class:`Batches`: indexed by ``(epoch, indices)`` (training) or by indices."""
-
-    def __init__(self, batches: Batches, split: str, train: bool) -> None:
-        self.batches, self.split, self.train = batches, split, train
-
-    def __len__(self) -> int:
-        return self.batches.size(self.split)
-
-    def __getitem__(self, index):
-        epoch = 0
-        if isinstance(index, tuple):
-            epoch, index = index
-        idx = torch.as_tensor(index, dtype=torch.long)
-        cpu = torch.device("cpu")
-        if self.train:
-            return self.batches.train_batch(idx, epoch, cpu)
-        return self.batches.eval_batch(self.split, idx, cpu)
-
-
-def _identity(batch):
-    return batch
-
-
-class _Loaders:
-    """Data loaders over the :class:`Batches` methods, for Lightning's Trainer and for predictions."""
-
-    def loader(self, split: str, shuffle: bool = False, shard: bool = False) -> DataLoader:
-        n = self.size(split)
-        if shuffle:
-            sampler = _EpochBatchSampler(n, self.batch_size, self.seed)
-        elif shard:
-            sampler = _ShardedBatchSampler(n, self.eval_batch_size)
-        else:
-            sampler = BatchSampler(SequentialSampler(range(n)), self.eval_batch_size, drop_last=False)
-        dataset = _IndexDataset(self, split, train=shuffle)
-        return DataLoader(dataset, sampler=sampler, batch_size=None, collate_fn=_identity)
-
-    def train_dataloader(self) -> DataLoader:
-        return self.loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.loader("val", shard=True)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.loader("test")
 
 
 class PreparedBatches(_Loaders):

@@ -212,11 +212,11 @@ def test_data_in_memory_are_normalised_once_per_split_and_box():
     assert set(cached._cached) == {"train"} and tuple(cached._cached["train"].shape[2:]) == dec.sub_shape
 
 
-def test_lightning_loaders_serve_the_same_batches():
+def test_dataloaders_serve_the_same_batches():
     data = prepare(_splits((20, 24)), num_classes=3, in_channels=1, spatial_dims=2)
     batches = PreparedBatches(data, 8, seed=5, augment=Augment(flip_axes=(0,), seed=1))
     loader = batches.train_dataloader()
-    loader.sampler.set_epoch(2)  # as Lightning does before every epoch
+    loader.sampler.set_epoch(2)  # as a training loop does before every epoch
     first_x, first_y = next(iter(loader))
     order = torch.randperm(batches.size("train"), generator=torch.Generator().manual_seed(5 * 100_003 + 2))
     x, y = batches.train_batch(order[:8], 2, "cpu")

@@ -143,3 +143,10 @@ def test_datamodule_batches_and_view():
     again = [b[1].tolist() for b in TensorDataModule(x, y, batch_size=4, seed=3).train_dataloader()]
     assert again == [b[1].tolist() for b in batches]
     assert torch.cat([b[1] for b in dm.test_dataloader()]).tolist() == list(range(10))
+    # The loader of an epoch serves the batches the loop's train_batch gives for that epoch.
+    loader = dm.train_dataloader()
+    loader.sampler.set_epoch(2)
+    first_x, first_y = next(iter(loader))
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(3 * 100_003 + 2))
+    x, y = dm.train_batch(order[:4], 2, "cpu")
+    assert torch.equal(first_x, x) and torch.equal(first_y, y)
