@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +24,19 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 os.environ.setdefault("DDCNN_DATA", str(SHARED_DATA))
 quiet_process()  # once for the test session, as the CLI and the workers do at their start
 
-__all__ = ["CONFIG_DIR", "SHARED_DATA", "TINY_OVERRIDES", "assert_real_png", "compose_config", "shared_data"]
+__all__ = [
+    "CONFIG_DIR",
+    "REPO",
+    "SHARED_DATA",
+    "TINY_OVERRIDES",
+    "assert_real_png",
+    "compose_config",
+    "load_script",
+    "shared_data",
+]
+
+# The repository root (scripts outside the package: bench/, experiments/).
+REPO = Path(__file__).resolve().parents[1]
 
 TINY_OVERRIDES = [
     "model=vgg_tiny",
@@ -66,6 +80,18 @@ def make_cfg(tmp_path: Path) -> Callable[..., DictConfig]:
         return compose_config(list(overrides), run_dir or tmp_path / "run", tiny)
 
     return make
+
+
+def load_script(relative: str, name: str):
+    """A script of the repository that is not part of the package (``bench/gpu_check.py``, ``experiments/results.py``)
+    imported as module ``name`` (registered in ``sys.modules``, as its dataclasses need), once per test session."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def shared_data(name: str) -> Path:

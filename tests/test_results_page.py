@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO, load_script
 
 
 @pytest.fixture(scope="module")
 def results():
-    spec = importlib.util.spec_from_file_location("results_page", ROOT / "experiments" / "results.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("results_page", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("experiments/results.py", "results_page")
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +103,7 @@ def test_an_interrupted_invocation_reuses_finished_runs(results, tiny, capsys):
 
 def test_the_committed_results_page_is_what_its_runs_wrote(results):
     """docs/results.md against its manifest and the committed snapshots of its runs (once the page exists)."""
-    docs = ROOT / "docs"
+    docs = REPO / "docs"
     if not (docs / "results.md").is_file():
         pytest.skip("docs/results.md has not been generated yet (python experiments/results.py)")
     page, manifest = _page_and_manifest(docs)

@@ -4,9 +4,7 @@ with the device as an argument, so the same code runs here."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,18 +26,14 @@ from ddcnn.parallel.devices import plan_workers, process_device
 from ddcnn.pipeline import train
 from ddcnn.rundir import RunDir
 from ddcnn.runtime import resolve_device
+from tests.conftest import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 K = 5  # an odd class count, so that a hard-coded 10 cannot pass
 SGD = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "momentum": 0.9}
 
 
 def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gpu_check", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/gpu_check.py", "gpu_check")
 
 
 def _prepared(shape=(12, 16), n=60, seed=0):
