@@ -1,21 +1,22 @@
 """The results page: ``docs/results.md`` regenerated from scratch by one command, with a manifest that checks it.
 
-    OMP_NUM_THREADS=1 DDCNN_DATA=../shared/data python experiments/results.py            # the real page (hours)
+    DDCNN_DATA=../shared/data python experiments/results.py --jobs 2   # the real page (hours; one run per core)
     python experiments/results.py --tiny --out /tmp/results --workdir /tmp/results/runs  # CI's few-second version
     python experiments/results.py --check [--out docs] [--root DIR]                      # page == what the runs wrote
 
 What it does, in order:
 
-1. **Runs** every training of the plan with ``ddcnn-train`` (one subprocess per run directory, one after another,
-   ``OMP_NUM_THREADS=1`` unless ``--threads``): MNIST and Fashion-MNIST with ``vgg_small`` local nets and global CNN,
-   grids 2x2 and 4x4, overlap 0 and 2, seeds 0, 1, 2, ``methods=all`` (every method of the registry: the CNN-DNN on
-   probabilities and logits, the stacker, the out-of-fold and validation-fit coarse DNNs, end to end, transfer,
-   global transfer, global DDP on 2 CPU processes); AdrenalMNIST3D 28^3 (``experiment=adrenal3d``: 2x2x2, overlap 8,
-   its 12-epoch cosine recipe, checkpoint by validation loss) over the same seeds with the default methods. A run
-   directory that holds ``results.json`` is reused, so an interrupted invocation resumes where it stopped (and
-   ``ddcnn-train`` itself resumes a half-finished run from its stages' checkpoints). The global CNN does not depend
-   on the decomposition: the store (``store.reuse``, under ``WORKDIR/store``) trains it once per dataset and seed and
-   copies it into the other runs.
+1. **Runs** every training of the plan with ``ddcnn-train`` (one subprocess per run directory, ``--jobs`` at once in
+   plan order, ``OMP_NUM_THREADS=1`` unless ``--threads``; each run records its own CPU time and the commit it ran
+   at, and the page names every commit its runs were trained at): MNIST and Fashion-MNIST with ``vgg_small`` local
+   nets and global CNN, grids 2x2 and 4x4, overlap 0 and 2, seeds 0, 1, 2, ``methods=all`` (every method of the
+   registry: the CNN-DNN on probabilities and logits, the stacker, the out-of-fold and validation-fit coarse DNNs,
+   end to end, transfer, global transfer, global DDP on 2 CPU processes); AdrenalMNIST3D 28^3
+   (``experiment=adrenal3d``: 2x2x2, overlap 8, its 12-epoch cosine recipe, checkpoint by validation loss) over the
+   same seeds with the default methods. A run directory that holds ``results.json`` is reused, so an interrupted
+   invocation resumes where it stopped (and ``ddcnn-train`` itself resumes a half-finished run from its stages'
+   checkpoints). The global CNN does not depend on the decomposition: the store (``store.reuse``, under
+   ``WORKDIR/store``) trains it once per dataset and seed and copies it into the other runs.
 2. **Reports** them with ``ddcnn-report`` (tables with accuracy mean ± std over the seeds, times, speedup, speedup at
    equal accuracy; plots) into ``WORKDIR/report``.
 3. **Writes** ``OUT/results.md`` (the page: machine, threads, load, date, command and wall time in its header; the
@@ -49,6 +50,9 @@ run seed-major, so after the first third (seed 0 of everything) the CPU time so 
 4 of 8, the local nets at 3-5, end to end at 5, global transfer at 7 and DDP at 6 (noisy, constant learning rate).
 That run trained a fixed 8 epochs; under the early-stopping rule above (patience 2, cap 10) the same trainings would
 have stopped after epochs 5-9 (peak + 2), about 7 on average: the estimate holds to within its +-30%, not re-measured.
+With ``--jobs 2`` on the 2-core machine the wall time is about half the CPU time (some 4-5 hours): more than one
+3-hour working session, so an invocation stopped part-way is simply started again (finished runs are kept, and the
+page names the commits its runs were trained at).
 """
 
 from __future__ import annotations
@@ -58,12 +62,13 @@ import hashlib
 import json
 import os
 import platform
-import resource
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -175,9 +180,19 @@ def _loadavg() -> str:
         return "unknown"
 
 
-def _children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def _wait(proc: subprocess.Popen, timeout_s: float | None) -> tuple[int, float]:
+    """Wait for ``proc`` (killed after ``timeout_s``); its exit code and the CPU seconds (user + sys) of it and the
+    children it waited for, its own rusage, so that runs in parallel each count only their own."""
+    timer = threading.Timer(timeout_s, proc.kill) if timeout_s else None
+    if timer is not None:
+        timer.start()
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        if timer is not None:
+            timer.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_utime + usage.ru_stime
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -204,15 +219,17 @@ def train(spec: RunSpec, workdir: Path, threads: int, timeout_s: float | None, l
     overrides = spec.overrides(workdir)
     cmd = [*_entry("ddcnn-train"), *overrides, f"hydra.run.dir={run_dir}"]
     run_dir.mkdir(parents=True, exist_ok=True)
-    load_before, cpu_before, started = _loadavg(), _children_cpu_s(), time.time()
+    load_before, started = _loadavg(), time.time()
     with open(run_dir.parent / f"{run_dir.name}.log", "a") as out:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(threads), stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
-    wall, cpu = time.time() - started, _children_cpu_s() - cpu_before
-    if proc.returncode != 0 or not (run_dir / "results.json").is_file():
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(threads), stdout=out, stderr=subprocess.STDOUT)
+        code, cpu = _wait(proc, timeout_s)
+    wall = time.time() - started
+    if code != 0 or not (run_dir / "results.json").is_file():
         tail = (run_dir.parent / f"{run_dir.name}.log").read_text().splitlines()[-20:]
-        raise RuntimeError(f"ddcnn-train failed for {spec.name} (exit {proc.returncode}):\n" + "\n".join(tail))
+        raise RuntimeError(f"ddcnn-train failed for {spec.name} (exit {code}):\n" + "\n".join(tail))
     record = {
         "command": "ddcnn-train " + " ".join(shlex.quote(o) for o in overrides) + f" hydra.run.dir={spec.name}",
+        "commit": _git_commit(),
         "started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
         "wall_s": round(wall, 1),
         "cpu_s": round(cpu, 1),
@@ -314,6 +331,18 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _commits_line(page_commit: str, records: dict[str, dict]) -> str:
+    """The commit the page was written at, and the runs' own where they differ (an invocation resumed on other
+    code: the page says so rather than pass the runs off as one code's)."""
+    runs: dict[str, list[str]] = {}
+    for name, record in records.items():
+        runs.setdefault(record.get("commit", "not recorded"), []).append(name)
+    if set(runs) <= {page_commit}:
+        return f"commit {page_commit} (every run)"
+    trained = "; ".join(f"{commit}: {len(names)} run(s)" for commit, names in sorted(runs.items()))
+    return f"page written at commit {page_commit}; runs trained at {trained} (each run's in its experiment_run.json)"
+
+
 def _threads(root: Path, names: list[str]) -> str:
     threads = set()
     for name in names:
@@ -347,7 +376,7 @@ def write_page(
         "experiment_run.json` |",
         f"| date | {meta['started']} to {meta['finished']} (this invocation; each run's own start in its "
         "`experiment_run.json`) |",
-        f"| code | commit {meta['commit']} |",
+        f"| code | {_commits_line(meta['commit'], records)} |",
         f"| command | `{meta['command']}` |",
         f"| wall time | {meta['wall_s']} s for this invocation; {cpu_s:.0f} s CPU over the {len(names)} runs "
         f"(user + sys of their `ddcnn-train` processes, as each run recorded it) |",
@@ -507,6 +536,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--oof-folds", type=int, default=3, help="k of the out-of-fold coarse DNN's local nets")
     parser.add_argument("--curve-points", type=int, default=4, help="test evaluations per training for the curves")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training")
+    parser.add_argument("--jobs", type=int, default=1, help="ddcnn-train runs at once (e.g. one per core)")
     parser.add_argument("--run-timeout", type=float, help="seconds after which one ddcnn-train is killed")
     parser.add_argument("--check", action="store_true", help="only check OUT's page against its manifest and runs")
     parser.add_argument("--root", type=Path, help="with --check: the run directories (default: OUT/results/runs)")
@@ -537,9 +567,15 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.time() - start:7.0f} s] {message}", flush=True)
 
-    for i, spec in enumerate(specs, 1):
+    def one(numbered: tuple[int, RunSpec]) -> None:
+        i, spec = numbered
         record = train(spec, workdir, args.threads, args.run_timeout, log)
         log(f"{i}/{len(specs)} {spec.name}: {record['wall_s']:.0f} s wall, {record['cpu_s']:.0f} s CPU")
+
+    # --jobs runs at once, in plan order (the global CNN of a dataset and seed is trained by the first run that needs
+    # it; a run started beside it waits for it in the store, then copies it).
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        list(pool.map(one, enumerate(specs, 1)))
     report(specs, workdir, args.threads, plots=not args.tiny)
     log("ddcnn-report done")
     out.mkdir(parents=True, exist_ok=True)

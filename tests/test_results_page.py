@@ -19,10 +19,10 @@ def results():
 
 @pytest.fixture(scope="module")
 def tiny(results, tmp_path_factory):
-    """The tiny mode, run once: (output folder, run directories)."""
+    """The tiny mode, run once, its two runs at once: (output folder, run directories)."""
     base = tmp_path_factory.mktemp("results")
     out, workdir = base / "out", base / "runs"
-    assert results.main(["--tiny", "--out", str(out), "--workdir", str(workdir)]) == 0
+    assert results.main(["--tiny", "--out", str(out), "--workdir", str(workdir), "--jobs", "2"]) == 0
     return out, workdir
 
 
@@ -43,6 +43,13 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
     for name, entry in manifest["runs"].items():
         assert entry["fingerprint"] == json.loads((workdir / name / "fingerprint.json").read_text())["fingerprint"]
         assert entry["methods"]["cnn_dnn_probs"]["accuracy"] > 0
+    # run side by side, one trained the global CNN and the other waited for it in the store and copied it
+    reused = ["reused_from" in json.loads((workdir / n / "global" / "meta.json").read_text()) for n in manifest["runs"]]
+    assert sorted(reused) == [False, True]
+    # each run's own CPU time and commit, the page's code line saying they are one code's
+    records = [json.loads((workdir / n / "experiment_run.json").read_text()) for n in manifest["runs"]]
+    assert all(r["cpu_s"] > 1 and r["commit"] for r in records)
+    assert "(every run) |" in page
     # the report's table and the AUC table, each line on the page
     kinds = [t["kind"] for t in manifest["tables"]]
     assert kinds == ["report", "auc"]

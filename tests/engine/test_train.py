@@ -413,12 +413,21 @@ def test_a_local_net_and_a_one_rank_ddp_training_of_it_record_the_same_time(make
     ctx = build_context(cfg, claim=False)
     seed = subdomain_seed(cfg.seed, 0)
     data = PreparedBatches(ctx.data, 64, seed=seed, box=ctx.decomposition.box(0))  # as the local stage reads them
-    start = time.perf_counter()
-    seed_everything(seed)
-    net = build_local_net(cfg, ctx.data)
-    ddp = fit(cfg, net, data, tmp_path / "ddp", "cpu", seed, start, num_devices=1, launcher="spawn")
+
+    def timed(folder: Path, **how) -> tuple:
+        start = time.perf_counter()
+        seed_everything(seed)
+        result = fit(cfg, build_local_net(cfg, ctx.data), data, folder, "cpu", seed, start, **how)
+        return result, time.perf_counter() - start
+
+    ddp, wall = timed(tmp_path / "ddp", num_devices=1, launcher="spawn")
     assert ddp.world_size == 1 and ddp.startup_s > 1.0, "spawning the rank is start-up, recorded apart"
+    # Start-up and training clock are disjoint parts of the call's wall time, whatever the machine's load.
+    assert ddp.startup_s + ddp.fit_time_s <= wall + 0.05, (ddp.startup_s, ddp.fit_time_s, wall)
     a, b = local["fit_time_s"], ddp.fit_time_s
+    if abs(a - b) > 0.5 * max(a, b) + 0.5:  # one of the two met a burst of other work: the best of two of each
+        a = min(a, timed(tmp_path / "again", num_devices=1)[0].fit_time_s)
+        b = min(b, timed(tmp_path / "ddp_again", num_devices=1, launcher="spawn")[0].fit_time_s)
     assert abs(a - b) <= 0.5 * max(a, b) + 0.5, (a, b, ddp.startup_s, os.getloadavg())
     assert ddp.warmup_s > 0 and local["warmup_s"] > 0
 
