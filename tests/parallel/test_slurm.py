@@ -75,11 +75,11 @@ def _wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
 def test_a_local_job_requeued_mid_training_resumes_and_completes(tmp_path):
     run_dir = tmp_path / "run"
     # Long enough to be caught mid-training: `scontrol requeue` sends SIGTERM, which submitit's job process passes
-    # over, and SIGKILL after KillWait (30 s here), so training must outlast that: 1600 short epochs (about 45 s in
-    # the plain loop). last.ckpt is written after every epoch.
+    # over, and SIGKILL after KillWait (10 s in tools/slurm/start.sh), so training must outlast that: 800 short epochs
+    # (about 22 s in the one loop). last.ckpt is written after every epoch.
     cmd = [
         TRAIN, "-m", "hydra/launcher=local_slurm", "stage=local", "subdomain=0,1", f"hydra.sweep.dir={run_dir}",
-        *_tiny(**{"trainer.max_epochs": "1600", "trainer.limit_train_batches": "2", "engine.checkpoint_every_s": "0"}),
+        *_tiny(**{"trainer.max_epochs": "800", "trainer.limit_train_batches": "2", "engine.checkpoint_every_s": "0"}),
     ]  # fmt: skip
     sweep = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -88,7 +88,7 @@ ReturnToService=2
 # Finished jobs stay in slurmctld's table for an hour: the sacct stand-in answers from it.
 MinJobAge=3600
 # Seconds between SIGTERM and SIGKILL when a job is cancelled or requeued (the tests train past it).
-KillWait=30
+KillWait=10
 SlurmctldPidFile=$CTLD_PIDFILE
 SlurmdPidFile=$SLURMD_PIDFILE
 StateSaveLocation=$SLURM_STATE/ctld
