@@ -168,8 +168,8 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
 
 
 def run_specs(datasets: list[Dataset], seeds: list[int]) -> list[RunSpec]:
-    # Seed-major within a dataset: the first pass gives one seed of everything (a usable page if time runs out).
-    return [RunSpec(d, g, o, s) for d in datasets for s in seeds for g in d.grids for o in d.overlaps]
+    # Seed-major: the first pass gives one seed of everything (a usable page if time runs out).
+    return [RunSpec(d, g, o, s) for s in seeds for d in datasets for g in d.grids for o in d.overlaps]
 
 
 # --- running ------------------------------------------------------------------------------------------------------
@@ -305,7 +305,18 @@ def run_figures(run_dir: Path) -> dict:
     results = json.loads((run_dir / "results.json").read_text())
     methods = {row["key"]: {k: row.get(k) for k in ROW_FIELDS} for row in results.get("methods") or []}
     equal = results.get("speedup_at_equal_accuracy") or {}
-    return {"methods": methods, "speedup_at_equal_accuracy": equal}
+    flags = [f"{f['kind']}: {f['message']}" for f in results.get("flags") or []]
+    return {"methods": methods, "speedup_at_equal_accuracy": equal, "flags": flags}
+
+
+def flag_lines(root: Path, names: list[str]) -> list[str]:
+    """The page's list of the rows the runs ``names`` flagged (``results.json`` ``flags``: at chance, or a combiner
+    far below averaging the local nets), or one line saying there are none."""
+    lines = [f"- `{name}`: {flag}" for name in names for flag in run_figures(root / name)["flags"]]
+    return lines or [
+        "- No row of these runs is flagged (none at chance, no combiner far below averaging the local nets: "
+        "`flags` in each `results.json`)."
+    ]
 
 
 def _machine() -> dict[str, str]:
@@ -429,6 +440,7 @@ def write_page(
             manifest_tables.append(
                 {"kind": "auc", "dataset": data_name, "runs": ds_names, "published": dataset.published, "lines": lines}
             )
+        page += ["Flagged rows:", "", *flag_lines(workdir, ds_names), ""]
         figures = []
         for png in sorted(report_dir.glob(f"{slug}_*.png")):
             shutil.copy2(png, assets / png.name)
@@ -487,8 +499,8 @@ def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
         if _sha256(run_dir / "results.json") != entry["results_sha256"]:
             problems.append(f"{name}: results.json is not the one the page was made from (SHA-256 differs)")
         figures = run_figures(run_dir)
-        for key in ("methods", "speedup_at_equal_accuracy"):
-            if figures[key] != entry[key]:
+        for key in ("methods", "speedup_at_equal_accuracy", "flags"):
+            if figures[key] != entry.get(key):
                 problems.append(f"{name}: the manifest's {key} figures differ from its results.json")
     allowed = set(manifest["header_lines"])
     for table in manifest["tables"]:
@@ -516,6 +528,10 @@ def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
         absent = [line for line in table["lines"] if line not in page_lines]
         if absent:
             problems.append(f"table {table['kind']} of {table['dataset']}: {len(absent)} line(s) not on the page")
+        if table["kind"] == "report" and all((root / n / "results.json").is_file() for n in table["runs"]):
+            unlisted = [line for line in flag_lines(root, table["runs"]) if line not in page_lines]
+            if unlisted:
+                problems.append(f"flags of {table['dataset']}: {len(unlisted)} line(s) not on the page")
     return problems
 
 

@@ -38,6 +38,8 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
     for label in ("machine", "torch threads", "load", "date", "command", "wall time"):
         assert f"| {label}" in page
     assert "python experiments/results.py --tiny" in page
+    assert "Flagged rows:" in page
+    assert all(line in page for line in results.flag_lines(workdir, sorted(manifest["runs"])))
     # two run directories (overlap 0 and 2), each with its fingerprint; the global CNN came from the store once
     assert sorted(manifest["runs"]) == ["digits/2x2_o0_s0", "digits/2x2_o2_s0"]
     for name, entry in manifest["runs"].items():
@@ -88,11 +90,15 @@ def test_check_fails_when_a_run_wrote_other_figures(results, tiny, tmp_path):
     data = json.loads(results_file.read_text())
     row = next(r for r in data["methods"] if r["key"] == "cnn_dnn_probs")
     row["accuracy"] = 1.0 - row["accuracy"]
+    data["flags"] = [{"method": "cnn_dnn_probs", "kind": "chance", "message": "at chance", "try": "lower the lr"}]
     results_file.write_text(json.dumps(data))
     problems = results.check_manifest(page, manifest, root)
     assert any("SHA-256" in p for p in problems)
     assert any("methods figures differ" in p for p in problems)
     assert any("not what the runs give" in p for p in problems)
+    # a flag the page does not list
+    assert any("flags figures differ" in p for p in problems)
+    assert any("flags of digits: 1 line(s) not on the page" in p for p in problems)
     # and a run directory that is gone
     shutil.rmtree(root / "digits" / "2x2_o0_s0")
     assert any("no results.json" in p for p in results.check_manifest(page, manifest, root))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from omegaconf import DictConfig
 
 from ddcnn import registry
 from ddcnn.io import atomic_write_json, atomic_write_text
-from ddcnn.metrics import majority_rate, near_chance
+from ddcnn.metrics import at_chance, majority_rate
 from ddcnn.registry import ResultRow
 from ddcnn.report.combiners import majority_vote, mean_probability
 from ddcnn.report.curves import run_curves, speedup_at_equal_accuracy
@@ -188,15 +189,19 @@ def _short(stages: list[str]) -> list[str]:
 _BELOW_AVERAGING = 0.03
 
 
-def flag_rows(results: dict, rate: float, n_test: int) -> list[dict]:
-    """Rows a reader must not take at face value: at chance (within noise of the majority-class ``rate``), or a
-    combiner of the local nets far below averaging them. Each flag says what to try."""
+def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
+    """Rows a reader must not take at face value: at chance (every figure of the row within noise of a guess
+    unrelated to the labels: accuracy against the majority-class ``rate``, then ROC AUC against 0.5 or balanced
+    accuracy against ``1/K``; see :func:`ddcnn.metrics.at_chance`), or a combiner of the local nets far below
+    averaging them. ``counts`` are the test split's class sizes. Each flag says what to try."""
     flags = []
+    n_test = sum(int(c) for c in counts)
     mean = (results.get("accuracy") or {}).get("mean_prob")
     for row in results.get("methods") or []:
         acc, key, name = row["accuracy"], row["key"], row["name"]
+        auc, balanced = row.get("auc"), row.get("balanced_accuracy")
         coarse = row.get("stage") in COMBINER_STAGES
-        if near_chance(acc, rate, n_test):
+        if at_chance(acc, rate, counts, auc=auc, balanced_accuracy=balanced):
             hint = (
                 "The coarse DNN did not learn: read the fit record in its meta.json (kept, restarts, refits); the "
                 "default coarse.net (input_norm=standardize, skip=mean_prob) cannot end below averaging the local nets."
@@ -204,11 +209,18 @@ def flag_rows(results: dict, rate: float, n_test: int) -> list[dict]:
                 else "The network did not learn: lower optimizer.lr, train longer (trainer.max_epochs) and check the "
                 "labels and data.num_classes."
             )
+            also = (
+                f" and its AUC {auc:.4f} is within noise of 0.5"
+                if auc is not None
+                else f" and its balanced accuracy {balanced:.4f} is within noise of 1/K"
+                if balanced is not None
+                else ""
+            )
             flags.append(
                 {
                     "method": key,
                     "kind": "chance",
-                    "message": f"{name}: test accuracy {acc:.4f} is at chance (majority-class rate {rate:.4f}).",
+                    "message": f"{name}: test accuracy {acc:.4f} is at chance (majority-class rate {rate:.4f}){also}.",
                     "try": hint,
                 }
             )
@@ -440,7 +452,8 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
     results["speedup_at_equal_accuracy"] = speedup_at_equal_accuracy(results["curves"], cnn_dnn_time)
     rate = majority_rate(data.y["train"], labels)
     results["majority_rate"] = rate
-    results["flags"] = flag_rows(results, rate, len(labels))
+    results["test_class_counts"] = torch.bincount(labels.long(), minlength=k).tolist()
+    results["flags"] = flag_rows(results, rate, results["test_class_counts"])
     for flag in results["flags"]:
         log.warning("evaluate: %s %s", flag["message"], flag["try"])
     atomic_write_json(run.root / "results.json", results)

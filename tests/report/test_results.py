@@ -12,25 +12,57 @@ from ddcnn.pipeline import train
 from ddcnn.report.results import TIMING_RULE, _devices_line, _equal_accuracy_line, flag_rows, timing_contexts
 
 
-def _results(rows: dict[str, tuple[str, float]], mean: float = 0.9) -> dict:
-    methods = [{"key": key, "name": key, "stage": stage, "accuracy": acc} for key, (stage, acc) in rows.items()]
+def _results(rows: dict[str, tuple], mean: float = 0.9) -> dict:
+    """Rows ``key: (stage, accuracy[, auc[, balanced accuracy]])``."""
+    methods = []
+    for key, (stage, acc, *more) in rows.items():
+        auc, balanced = (more + [None, None])[:2]
+        methods.append(
+            {"key": key, "name": key, "stage": stage, "accuracy": acc, "auc": auc, "balanced_accuracy": balanced}
+        )
     return {"methods": methods, "accuracy": {"mean_prob": mean}}
+
+
+TEN_CLASSES_ONE_AT_30 = [300] + [78] * 9  # 1002 test samples
 
 
 def test_a_row_at_chance_is_flagged_with_what_to_try():
     # 10 classes but one holds 30% of the samples: 0.31 is at chance although far above 1/K.
     results = _results({"cnn_dnn_probs": ("coarse", 0.31), "global": ("global", 0.95), "mean_prob": (None, 0.9)})
-    flags = flag_rows(results, rate=0.30, n_test=1000)
+    flags = flag_rows(results, rate=0.30, counts=TEN_CLASSES_ONE_AT_30)
     assert [(f["method"], f["kind"]) for f in flags] == [("cnn_dnn_probs", "chance")]
     assert "majority-class rate 0.3000" in flags[0]["message"] and "meta.json" in flags[0]["try"]
 
 
+def test_an_imbalanced_well_ranked_binary_row_is_not_at_chance():
+    # AdrenalMNIST3D's test split (229 + 69 volumes, majority rate 0.768): "within 3 standard errors of the majority
+    # rate" spans 0.70-0.84, where these measured rows (seed 3 of bench/coarse.py's adrenal28 row) lie although their
+    # scores separate the classes (AUC 0.80-0.89). They must not be flagged; rows whose AUC (or, without scores,
+    # balanced accuracy) is also within noise of chance must.
+    counts, rate = [229, 69], 229 / 298
+    measured = {
+        "global": ("global", 0.8054, 0.8750, 0.5898),
+        "mean_prob": ("mean_prob", 0.8289, 0.8902, 0.6608),
+        "majority_vote": ("majority_vote", 0.8289, 0.8079, 0.6659),
+        "cnn_dnn_val": ("coarse", 0.8255, 0.7979, 0.6637),
+    }
+    assert flag_rows(_results(measured, mean=0.8289), rate=rate, counts=counts) == []
+    at_chance = {
+        "unranked": ("global", 0.7785, 0.55, 0.52),  # AUC within 3 standard errors (0.12) of 0.5
+        "no_scores": ("global", 0.7785, None, 0.52),  # balanced accuracy within 3 standard errors (0.10) of 1/2
+    }
+    flags = flag_rows(_results({**measured, **at_chance}, mean=0.8289), rate=rate, counts=counts)
+    assert [(f["method"], f["kind"]) for f in flags] == [("unranked", "chance"), ("no_scores", "chance")]
+    assert "AUC 0.5500 is within noise of 0.5" in flags[0]["message"]
+    assert "balanced accuracy 0.5200 is within noise of 1/K" in flags[1]["message"]
+
+
 def test_a_coarse_row_far_below_averaging_is_flagged_and_noise_is_not():
     results = _results({"cnn_dnn_probs": ("coarse", 0.80), "stacker": ("stacker", 0.895)}, mean=0.90)
-    flags = flag_rows(results, rate=0.1, n_test=2000)
+    flags = flag_rows(results, rate=0.1, counts=[200] * 10)
     assert [(f["method"], f["kind"]) for f in flags] == [("cnn_dnn_probs", "below_averaging")]
     # A global CNN below averaging is a result, not a failure of the combiner: not flagged.
-    assert flag_rows(_results({"global": ("global", 0.5)}, mean=0.9), rate=0.1, n_test=2000) == []
+    assert flag_rows(_results({"global": ("global", 0.5)}, mean=0.9), rate=0.1, counts=[200] * 10) == []
 
 
 def test_the_equal_accuracy_line_says_not_reached():
