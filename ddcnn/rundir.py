@@ -373,8 +373,16 @@ class RunDir:
             feats.append(saved[kind])
         return torch.stack(feats, dim=1), labels
 
+    def _unstarted_method_setting(self, key: str) -> bool:
+        """Whether ``key`` is a setting of an optional method (``methods.<stage>.*``) whose stage never started here:
+        each method's settings are read by its own stage only, and the stages that depend on it (``coarse_oof`` on
+        ``local_oof``) cannot have run before it."""
+        head, stage, *rest = key.split(".") + [""]
+        return head == "methods" and bool(stage) and stage != "enabled" and not (self.root / stage).exists()
+
     def check_fingerprint(self, cfg: DictConfig) -> str:
-        """Record the configuration on first use; refuse a directory that holds another configuration.
+        """Record the configuration on first use; refuse a directory that holds another configuration, except in
+        the settings of optional methods that never ran in it (those the run takes on).
 
         Raises:
             FingerprintMismatch: Naming the settings that differ.
@@ -385,6 +393,12 @@ class RunDir:
         if path.is_file():
             recorded = json.loads(path.read_text())
             differ = _differences(recorded.get("settings", {}), settings) if recorded.get("fingerprint") != fp else {}
+            if differ and all(self._unstarted_method_setting(k) for k in differ):
+                # Only settings of optional methods that never ran here (methods.<stage>.*, no RUN_DIR/<stage>/):
+                # nothing recorded depends on them, so the run takes the new ones (e.g. coarse_oof switched on later
+                # with another methods.local_oof.folds) instead of being refused.
+                atomic_write_json(path, {"fingerprint": fp, "settings": settings})
+                return fp
             if differ:
                 diff = list(differ)
 
