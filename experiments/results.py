@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import platform
 import shlex
@@ -96,6 +97,11 @@ ROW_FIELDS = (
 # 2023, Table 4; https://arxiv.org/abs/2110.14795), 28^3 volumes, official split.
 PUBLISHED_3D = (("ResNet-18 (3D)", 0.827), ("ResNet-50 (3D)", 0.828))
 AUC_HEAD = "| backbone | grid | overlap | method | seeds | test accuracy (%) | balanced acc. (%) | test AUC |"
+# The summary table of each dataset: the CNN-DNN against its two cheap combiners and the global CNN, per grid/overlap.
+GLANCE_HEAD = (
+    "| backbone | grid | overlap | seeds | global CNN (%) | CNN-DNN (%) | mean probability (%) | majority vote (%) "
+    "| CNN-DNN − mean probability (points) | CNN-DNN − global CNN (points) | most accurate method (%) |"
+)
 
 
 @dataclass(frozen=True)
@@ -300,6 +306,55 @@ def auc_lines(root: Path, names: list[str], published: tuple[tuple[str, float], 
     return lines
 
 
+def _cnn_dnn_key(run) -> str:
+    """The results key of the run's CNN-DNN row (its coarse DNN's input: probabilities by default)."""
+    return f"cnn_dnn_{(run.results.get('coarse_input') or {}).get('coarse', 'probs')}"
+
+
+def _paired(runs, key: str, other: str) -> str:
+    """``key`` minus ``other`` in accuracy points, paired by run (same seed, same local nets): mean ± std and on
+    how many runs ``key`` was at least as accurate."""
+    diffs = []
+    for run in runs:
+        acc = {r["key"]: float(r["accuracy"]) for r in run.rows}
+        if key in acc and other in acc:
+            diffs.append(100 * (acc[key] - acc[other]))
+    if not diffs:
+        return "-"
+    mean = sum(diffs) / len(diffs)
+    cell = f"{mean:+.2f}"
+    if len(diffs) > 1:
+        std = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) ** 0.5
+        cell += f" ± {std:.2f}"
+    return cell + f" (≥ on {sum(d >= 0 for d in diffs)}/{len(diffs)})"
+
+
+def glance_lines(root: Path, names: list[str]) -> list[str]:
+    """The summary table of the runs ``names`` (one dataset): per backbone, grid and overlap, the test accuracy of
+    the global CNN, the CNN-DNN, the mean probability and the majority vote (mean ± std over the seeds, as the
+    report's table has them), the CNN-DNN's lead over the mean probability and over the global CNN paired by seed,
+    and the most accurate method of the family."""
+    from ddcnn.report.compare import _accuracy, comparison_rows
+
+    runs = _load_runs(root, names)
+    (rows,) = comparison_rows(runs).values()
+    groups: dict[tuple, list] = {}
+    for run in sorted(runs, key=lambda r: (r.backbone, math.prod(r.grid), r.grid, r.overlap, r.seed)):
+        groups.setdefault((run.backbone, run.grid_label, run.overlap_label), []).append(run)
+    lines = [GLANCE_HEAD, "|" + "---|" * (GLANCE_HEAD.count("|") - 1)]
+    for config, group in groups.items():
+        backbone, grid, overlap = config
+        mine = {r["method_key"]: r for r in rows if (r["backbone"], r["grid"], r["overlap"]) == config}
+        key = _cnn_dnn_key(group[0])
+        cells = [backbone, grid, overlap, str(len({run.seed for run in group}))]
+        cells += [_accuracy(mine[k]) if k in mine else "-" for k in ("global", key, "mean_prob", "majority_vote")]
+        cells += [_paired(group, key, "mean_prob"), _paired(group, key, "global")]
+        best = max(mine.values(), key=lambda r: r["accuracy_mean"])
+        cells.append(f"{best['method']}: {_accuracy(best)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def run_figures(run_dir: Path) -> dict:
     """What the page takes from one run directory: each method's row figures and the speedups at equal accuracy."""
     results = json.loads((run_dir / "results.json").read_text())
@@ -378,6 +433,9 @@ def write_page(
                 shutil.copy2(workdir / name / file, snapshot / name / file)
     records = {n: json.loads((workdir / n / "experiment_run.json").read_text()) for n in names}
     cpu_s = sum(r["cpu_s"] for r in records.values())
+    first = min(datetime.fromisoformat(r["started"]) for r in records.values())
+    last = max(datetime.fromisoformat(r["started"]).timestamp() + r["wall_s"] for r in records.values())
+    last_end = datetime.fromtimestamp(last, timezone.utc)
     head = [
         "| | |",
         "|---|---|",
@@ -387,6 +445,8 @@ def write_page(
         "experiment_run.json` |",
         f"| date | {meta['started']} to {meta['finished']} (this invocation; each run's own start in its "
         "`experiment_run.json`) |",
+        f"| runs | {len(names)} trained from {first:%Y-%m-%d %H:%M} to {last_end:%Y-%m-%d %H:%M} UTC: "
+        f"{(last - first.timestamp()) / 3600:.2f} h from the first start to the last end |",
         f"| code | {_commits_line(meta['commit'], records)} |",
         f"| command | `{meta['command']}` |",
         f"| wall time | {meta['wall_s']} s for this invocation; {cpu_s:.0f} s CPU over the {len(names)} runs "
@@ -430,6 +490,20 @@ def write_page(
             f"Runs: `ddcnn-train {overrides}`, with the grid, overlap and seed of each.",
             "",
         ]
+        glance = glance_lines(workdir, ds_names)
+        page += [
+            "At a glance: test accuracy in percent, mean ± std over the seeds; the CNN-DNN's lead over the mean "
+            "probability and over the global CNN in accuracy points, paired by seed (same data split and local nets), "
+            "with the number of seeds on which the CNN-DNN was at least as accurate.",
+            "",
+            *glance,
+            "",
+            "Every method (times: training clocks; speedup at equal accuracy: the time the global CNN took to reach "
+            "the CNN-DNN's final validation accuracy over the CNN-DNN's projected time, its slowest local net plus its "
+            "coarse DNN, on the seeds where the global CNN reached it):",
+            "",
+        ]
+        manifest_tables.append({"kind": "glance", "dataset": data_name, "runs": ds_names, "lines": glance})
         page += [*lines, ""]
         manifest_tables.append({"kind": "report", "dataset": data_name, "runs": ds_names, "lines": lines})
         if dataset.auc_table:
@@ -510,6 +584,8 @@ def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
             continue
         if table["kind"] == "report":
             recomputed = report_lines(root, table["runs"]).get(table["dataset"])
+        elif table["kind"] == "glance":
+            recomputed = glance_lines(root, table["runs"])
         else:
             published = tuple((str(n), float(a)) for n, a in table.get("published", ()))
             recomputed = auc_lines(root, table["runs"], published)

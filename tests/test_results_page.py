@@ -54,7 +54,9 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
     assert "(every run) |" in page
     # the report's table and the AUC table, each line on the page
     kinds = [t["kind"] for t in manifest["tables"]]
-    assert kinds == ["report", "auc"]
+    assert kinds == ["glance", "report", "auc"]
+    # the runs' own clock: from the first run's start to the last one's end
+    assert "| runs | 2 trained from " in page
     # the CNN-DNN's accuracy of the first run, as the report rounds it, is on the page
     accuracy = manifest["runs"]["digits/2x2_o0_s0"]["methods"]["cnn_dnn_probs"]["accuracy"]
     assert f"| {100 * accuracy:.2f} |" in page
@@ -78,6 +80,25 @@ def test_check_fails_when_a_figure_on_the_page_is_altered(results, tiny):
     # a line dropped from the page is named too
     dropped = page.replace(line + "\n", "")
     assert any("not on the page" in p for p in results.check_manifest(dropped, manifest, workdir))
+
+
+@pytest.mark.slow
+def test_the_glance_table_pairs_the_cnn_dnn_with_averaging_by_seed(results, tiny):
+    out, workdir = tiny
+    page, manifest = _page_and_manifest(out)
+    (glance,) = [t for t in manifest["tables"] if t["kind"] == "glance"]
+    rows = glance["lines"][2:]
+    assert [row.split(" | ")[1:4] for row in rows] == [["2x2", "0", "1"], ["2x2", "2", "1"]]
+    for row, name in zip(rows, ["digits/2x2_o0_s0", "digits/2x2_o2_s0"], strict=True):
+        assert row in page
+        methods = manifest["runs"][name]["methods"]
+        lead = 100 * (methods["cnn_dnn_probs"]["accuracy"] - methods["mean_prob"]["accuracy"])
+        assert f"| {lead:+.2f} (≥ on {int(lead >= 0)}/1) |" in row
+        assert f"| {100 * methods['global']['accuracy']:.2f} |" in row
+    # a summary figure altered on the page fails the check like any table's
+    altered = page.replace(rows[0], rows[0].replace(" (≥ on", "1 (≥ on", 1))
+    assert altered != page
+    assert any("in no table the runs give" in p for p in results.check_manifest(altered, manifest, workdir))
 
 
 @pytest.mark.slow
