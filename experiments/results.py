@@ -3,6 +3,7 @@
     DDCNN_DATA=../shared/data python experiments/results.py --jobs 2   # the real page (hours; one run per core)
     python experiments/results.py --tiny --out /tmp/results --workdir /tmp/results/runs  # CI's few-second version
     python experiments/results.py --check [--out docs] [--root DIR]                      # page == what the runs wrote
+    python experiments/results.py --snapshot          # keep the finished runs of an unfinished invocation (commit them)
 
 What it does, in order:
 
@@ -15,7 +16,10 @@ What it does, in order:
    (``experiment=adrenal3d``: 2x2x2, overlap 8, its 12-epoch cosine recipe, checkpoint by validation loss) over the
    same seeds with the default methods. A run directory that holds ``results.json`` is reused, so an interrupted
    invocation resumes where it stopped (and ``ddcnn-train`` itself resumes a half-finished run from its stages'
-   checkpoints). The global CNN does not depend on the decomposition: the store (``store.reuse``, under
+   checkpoints). Each finished run is snapshotted at once under ``OUT/results/runs/`` (``--snapshot`` does it for
+   the finished runs of a workdir), and a run whose run directory is gone but whose snapshot is there is restored
+   from it, not trained again: commit the snapshots of an unfinished invocation and a later one, on another machine,
+   trains only the rest. The global CNN does not depend on the decomposition: the store (``store.reuse``, under
    ``WORKDIR/store``) trains it once per dataset and seed and copies it into the other runs.
 2. **Reports** them with ``ddcnn-report`` (tables with accuracy mean ± std over the seeds, times, speedup, speedup at
    equal accuracy; plots) into ``WORKDIR/report``.
@@ -82,6 +86,8 @@ MANIFEST_FORMAT = "ddcnn.results_manifest/1"
 PAGE, MANIFEST, ASSETS = "results.md", "results_manifest.json", "results"
 # Copied into the snapshot of a run: what the report reads (results.json, config.yaml) and what identifies it.
 SNAPSHOT_FILES = ("results.json", "config.yaml", "fingerprint.json", "experiment_run.json")
+# Also kept, so that a run restored from its snapshot gives the page what the run directory gave it.
+SNAPSHOT_EXTRA = ("plots/accuracy_vs_time.png",)
 # The figures of each results.json methods row that the page's tables are made of.
 ROW_FIELDS = (
     "accuracy",
@@ -214,13 +220,41 @@ def _entry(name: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def train(spec: RunSpec, workdir: Path, threads: int, timeout_s: float | None, log) -> dict:
-    """Train one run directory (or reuse it when it holds ``results.json``); its record (times, command)."""
+def _finished(run_dir: Path) -> bool:
+    return all((run_dir / f).is_file() for f in ("results.json", "config.yaml", "experiment_run.json"))
+
+
+def save_snapshot(run_dir: Path, snapshot: Path) -> None:
+    """Copy what the page needs of a finished run directory to ``snapshot`` (``OUT/results/runs/<run>``), atomically:
+    a snapshot folder is whole or absent."""
+    partial = snapshot.with_name(snapshot.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for file in (*SNAPSHOT_FILES, *SNAPSHOT_EXTRA):
+        if (run_dir / file).is_file():
+            (partial / file).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(run_dir / file, partial / file)
+    shutil.rmtree(snapshot, ignore_errors=True)
+    partial.rename(snapshot)
+
+
+def train(
+    spec: RunSpec, workdir: Path, threads: int, timeout_s: float | None, log, snapshots: Path | None = None
+) -> dict:
+    """Train one run directory (or reuse it when it holds ``results.json``, or restore it from its snapshot under
+    ``snapshots`` when only that is left: a committed, unfinished invocation); its record (times, command). A run
+    trained here is snapshotted under ``snapshots`` at once, so that committing ``OUT/results/runs`` keeps it."""
     run_dir = workdir / spec.name
     record_file = run_dir / "experiment_run.json"
     if (run_dir / "results.json").is_file() and record_file.is_file():
         record = json.loads(record_file.read_text())
         log(f"{spec.name}: finished earlier ({record.get('wall_s', 0):.0f} s wall), reused")
+        return record
+    if snapshots is not None and _finished(snapshots / spec.name):
+        shutil.rmtree(run_dir, ignore_errors=True)  # a half-finished training of it: the snapshot is the finished one
+        shutil.copytree(snapshots / spec.name, run_dir)
+        record = json.loads(record_file.read_text())
+        log(f"{spec.name}: restored from its snapshot {snapshots / spec.name} (trained at {record.get('commit')})")
         return record
     overrides = spec.overrides(workdir)
     cmd = [*_entry("ddcnn-train"), *overrides, f"hydra.run.dir={run_dir}"]
@@ -244,6 +278,8 @@ def train(spec: RunSpec, workdir: Path, threads: int, timeout_s: float | None, l
         "threads": threads,
     }
     record_file.write_text(json.dumps(record, indent=1) + "\n")
+    if snapshots is not None:
+        save_snapshot(run_dir, snapshots / spec.name)
     return record
 
 
@@ -427,10 +463,8 @@ def write_page(
         shutil.rmtree(snapshot)
     names = [s.name for s in specs]
     for name in names:
-        (snapshot / name).mkdir(parents=True)
-        for file in SNAPSHOT_FILES:
-            if (workdir / name / file).is_file():
-                shutil.copy2(workdir / name / file, snapshot / name / file)
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        save_snapshot(workdir / name, snapshot / name)
     records = {n: json.loads((workdir / n / "experiment_run.json").read_text()) for n in names}
     cpu_s = sum(r["cpu_s"] for r in records.values())
     first = min(datetime.fromisoformat(r["started"]) for r in records.values())
@@ -630,6 +664,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training")
     parser.add_argument("--jobs", type=int, default=1, help="ddcnn-train runs at once (e.g. one per core)")
     parser.add_argument("--run-timeout", type=float, help="seconds after which one ddcnn-train is killed")
+    parser.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="only copy the finished runs of WORKDIR into OUT/results/runs (commit them: a later invocation restores "
+        "them instead of training them again); trains nothing, writes no page",
+    )
     parser.add_argument("--check", action="store_true", help="only check OUT's page against its manifest and runs")
     parser.add_argument("--root", type=Path, help="with --check: the run directories (default: OUT/results/runs)")
     return parser
@@ -651,6 +691,12 @@ def main(argv: list[str] | None = None) -> int:
     workdir = (args.workdir or ROOT / "runs" / ("results_tiny" if args.tiny else "results")).resolve()
     datasets = plan(args)
     specs = run_specs(datasets, seeds)
+    if args.snapshot:
+        done = [s.name for s in specs if _finished(workdir / s.name)]
+        for name in done:
+            save_snapshot(workdir / name, out / ASSETS / "runs" / name)
+        print(f"results.py: {len(done)} of {len(specs)} runs finished, snapshotted into {out / ASSETS / 'runs'}")
+        return 0
     given = argv if argv is not None else sys.argv[1:]
     command = "python experiments/results.py " + " ".join(shlex.quote(a) for a in given)
     start, load_start = time.time(), _loadavg()
@@ -661,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(numbered: tuple[int, RunSpec]) -> None:
         i, spec = numbered
-        record = train(spec, workdir, args.threads, args.run_timeout, log)
+        record = train(spec, workdir, args.threads, args.run_timeout, log, out / ASSETS / "runs")
         log(f"{i}/{len(specs)} {spec.name}: {record['wall_s']:.0f} s wall, {record['cpu_s']:.0f} s CPU")
 
     # --jobs runs at once, in plan order (the global CNN of a dataset and seed is trained by the first run that needs

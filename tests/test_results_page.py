@@ -148,3 +148,26 @@ def test_tiny_mode_never_writes_into_docs(results, capsys):
     with pytest.raises(SystemExit):
         results.main(["--tiny"])
     assert "--tiny needs --out" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_later_invocation_restores_snapshotted_runs_instead_of_training_them(results, tiny, tmp_path, capsys):
+    out, workdir = tiny
+    # --snapshot copies the finished runs of a workdir, nothing else
+    saved = tmp_path / "saved"
+    assert results.main(["--tiny", "--snapshot", "--out", str(saved), "--workdir", str(workdir)]) == 0
+    assert "2 of 2 runs finished" in capsys.readouterr().out
+    assert not (saved / "results.md").exists()
+    # a later session: the committed snapshot is all there is; one run had been started again and left half-done
+    fresh = tmp_path / "runs"
+    (fresh / "digits" / "2x2_o0_s0" / "local").mkdir(parents=True)
+    assert results.main(["--tiny", "--out", str(saved), "--workdir", str(fresh)]) == 0
+    assert capsys.readouterr().out.count("restored from its snapshot") == 2
+    assert not (fresh / "digits" / "2x2_o0_s0" / "local").exists()  # the half-done training gave way, none ran
+    page, manifest = _page_and_manifest(saved)
+    original_page, original = _page_and_manifest(out)
+    assert {n: e["results_sha256"] for n, e in manifest["runs"].items()} == {
+        n: e["results_sha256"] for n, e in original["runs"].items()
+    }
+    assert [t["lines"] for t in manifest["tables"]] == [t["lines"] for t in original["tables"]]
+    assert results.check_manifest(page, manifest, saved / "results" / "runs") == []
