@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,13 @@ def test_a_later_invocation_restores_snapshotted_runs_instead_of_training_them(r
     }
     assert [t["lines"] for t in manifest["tables"]] == [t["lines"] for t in original["tables"]]
     assert results.check_manifest(page, manifest, saved / "results" / "runs") == []
+
+
+def test_git_keeps_the_snapshots_the_page_is_checked_against():
+    """``.gitignore`` ignores run folders (``runs/``); the page's snapshots under ``docs/results/runs/`` must still be
+    committed, or the committed page cannot be checked (and an unfinished invocation's runs are lost)."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("docs/results/runs/mnist/2x2_o0_s0/results.json", "docs/results/runs/a/b/plots/accuracy_vs_time.png"):
+        check = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
+        assert check.returncode == 1, f"git ignores {path}: see .gitignore"
