@@ -38,25 +38,16 @@ AdrenalMNIST3D: its recipe's 12), and keeps the weights of its best epoch (``eng
 AdrenalMNIST3D: validation loss, its recipe); every coarse DNN stops the same way after ``coarse.patience`` = 3 epochs
 of its own. The page states the rule and each run's ``meta.json`` records where each training stopped.
 
-**CPU time of the full run** (measured on the shared 2-core development machine, AMD EPYC, one torch thread, load
-3.5 from other jobs, 2026-12-02): one MNIST run of the planned size (``vgg_small``, 2x2, overlap 2, seed 0,
-``methods=all`` with 5 out-of-fold folds, 2000 training / 3000 validation / 2000 test images, batch 64, 8 epochs, 4
-curve points, the global CNN trained in it) took 1131 s CPU (user 1105 s + sys 26 s; 1212 s wall). Its stages:
-local nets 125 s, out-of-fold local nets 467 s, global CNN 79 s, end to end 109 s, transfer 111 s, global transfer
-82 s, global DDP 2 x 98 s, coarse DNNs and stacker 4 s. Extrapolated (the stages on sub-domains scaled by the
-measured ratios of an earlier sweep: 2x2/o0 0.87, 4x4/o0 1.7, 4x4/o2 2.5 of 2x2/o2; the global CNN once per dataset
-and seed, from the store): 9.9 CPU-hours for MNIST and Fashion-MNIST with 5 folds, **7.6 with the default 3 folds**
-(``--oof-folds``, about half the out-of-fold cost), plus about 0.7 for AdrenalMNIST3D (three runs of 12-16 min,
-measured 2026-11-29) and a few minutes for the report: **about 8.4 CPU-hours** in all, within the 10-hour budget with
-some 15% to spare; expect +-30% from the machine's load and from the 4x4 ratios, which are an earlier sweep's. Seeds
-run seed-major, so after the first third (seed 0 of everything) the CPU time so far, from each run's
-``experiment_run.json``, tells whether the rest fits. Validation accuracy in that run: the global CNN peaked at epoch
-4 of 8, the local nets at 3-5, end to end at 5, global transfer at 7 and DDP at 6 (noisy, constant learning rate).
-That run trained a fixed 8 epochs; under the early-stopping rule above (patience 2, cap 10) the same trainings would
-have stopped after epochs 5-9 (peak + 2), about 7 on average: the estimate holds to within its +-30%, not re-measured.
-With ``--jobs 2`` on the 2-core machine the wall time is about half the CPU time (some 4-5 hours): more than one
-3-hour working session, so an invocation stopped part-way is simply started again (finished runs are kept, and the
-page names the commits its runs were trained at).
+**CPU time of the full run, measured** (the shared 2-core development machine, AMD EPYC, one torch thread per
+training, ``--jobs 2``, 2026-12-02; each run's ``experiment_run.json`` has its own): seed 0 of the whole plan took
+7615 s CPU and 66 min wall (MNIST 2x2 overlap 0/2: 581/661 s, the global CNN trained in the first and copied from
+the store into the second; 4x4: 885/1223 s; Fashion-MNIST 743/649/905/1304 s; AdrenalMNIST3D 664 s). The same nine
+runs had taken 5845 s in an earlier, interrupted invocation on the same code (another machine of the same kind):
+expect +-15% between machines. So the 27 runs come to about 5-6.5 CPU-hours, within the 10-hour budget (the
+8.4-hour estimate this paragraph used to give came from fixed 8-epoch trainings with 5 folds; early stopping with
+patience 2 and 3 folds cost less), and about 3.3 hours wall: more than one 3-hour working session, so an invocation
+stopped part-way is simply started again, also on a fresh machine from the committed snapshots (module doc, step 1);
+the page names the commits its runs were trained at and the span of their wall clock.
 """
 
 from __future__ import annotations
