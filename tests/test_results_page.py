@@ -174,6 +174,25 @@ def test_a_later_invocation_restores_snapshotted_runs_instead_of_training_them(r
     assert results.check_manifest(page, manifest, saved / "results" / "runs") == []
 
 
+@pytest.mark.slow
+def test_a_snapshot_of_other_settings_is_trained_again_not_restored(results, tiny, tmp_path, capsys):
+    out, workdir = tiny
+    saved = tmp_path / "saved"
+    shutil.copytree(out / "results" / "runs", saved / "results" / "runs")
+    record = saved / "results" / "runs" / "digits" / "2x2_o2_s0" / "experiment_run.json"
+    data = json.loads(record.read_text())
+    data["command"] = data["command"].replace("trainer.max_epochs=1", "trainer.max_epochs=2")  # another recipe
+    record.write_text(json.dumps(data))
+    fresh = tmp_path / "runs"
+    assert results.main(["--tiny", "--out", str(saved), "--workdir", str(fresh)]) == 0
+    printed = capsys.readouterr().out
+    assert "digits/2x2_o0_s0: restored from its snapshot" in printed
+    assert "digits/2x2_o2_s0: its snapshot was run with other settings" in printed
+    assert (fresh / "digits" / "2x2_o2_s0" / "local").is_dir()  # trained here
+    # the store root differs between machines, yet names the same run: the other one was restored
+    assert results._portable("ddcnn-train a=1 store.root=/x/store b=2") == results._portable("ddcnn-train a=1 b=2")
+
+
 def test_git_keeps_the_snapshots_the_page_is_checked_against():
     """``.gitignore`` ignores run folders (``runs/``); the page's snapshots under ``docs/results/runs/`` must still be
     committed, or the committed page cannot be checked (and an unfinished invocation's runs are lost)."""
