@@ -170,14 +170,24 @@ def _drop(container: dict, dotted: str) -> None:
         del container[head]
 
 
+# Settings added after run directories were first recorded, with the value that behaves as before they existed: at
+# that value they are left out of the fingerprint, so existing run directories (and the store's keys) stay valid.
+NEUTRAL_SETTINGS = {"engine.min_delta": 0.0}
+
+
 def result_settings(cfg: DictConfig | Mapping) -> dict:
-    """The part of the configuration that changes results (everything but :data:`NON_RESULT_KEYS`)."""
+    """The part of the configuration that changes results (everything but :data:`NON_RESULT_KEYS`, and the settings
+    of :data:`NEUTRAL_SETTINGS` at their neutral value)."""
     if isinstance(cfg, DictConfig):
         data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     else:
         data = json.loads(json.dumps(cfg, default=str))
     for key in NON_RESULT_KEYS:
         _drop(data, key)
+    flat = flatten(data)
+    for key, neutral in NEUTRAL_SETTINGS.items():
+        if key in flat and flat[key] == neutral:
+            _drop(data, key)
     return data
 
 

@@ -106,3 +106,19 @@ def test_three_dimensional_run(make_cfg, tmp_path):
     results = train(cfg)
     assert len(results["accuracy"]["local"]) == 8
     assert results["decomposition"]["sub_shape"] == [5, 5, 4]
+
+
+def test_a_setting_added_later_at_its_neutral_value_leaves_fingerprints_as_they_were(tmp_path):
+    """engine.min_delta came after run directories and store entries were recorded without it: at 0 (any improvement
+    counts, as before) it is not part of the fingerprint, so they stay valid; at another value it is."""
+    from ddcnn.rundir import fingerprint, result_settings
+    from tests.conftest import compose_config
+
+    cfg = compose_config([], tmp_path)
+    assert cfg.engine.min_delta == 0.0
+    settings = result_settings(cfg)
+    assert "min_delta" not in settings["engine"]
+    recorded_before = {**settings, "engine": {k: v for k, v in settings["engine"].items() if k != "min_delta"}}
+    assert fingerprint(settings) == fingerprint(recorded_before)
+    cfg.engine.min_delta = 0.002
+    assert result_settings(cfg)["engine"]["min_delta"] == 0.002

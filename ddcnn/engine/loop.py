@@ -40,7 +40,9 @@ What a fit may ask of the loop beyond plain mini-batch steps:
   the result (``restarts``) and in ``last.ckpt``, so a resumed fit continues the same attempt;
 - **early stopping** (``patience``): the fit ends once the monitored metric has not improved for ``patience``
   epochs (the selected weights are those of the best epoch, as always); the epoch it stopped after is in the result
-  (``stopped_epoch``) and in ``last.ckpt``.
+  (``stopped_epoch``) and in ``last.ckpt``. With ``min_delta`` > 0 an epoch counts as an improvement for early stopping
+  only when it beats the best epoch before it by more than ``min_delta`` (as Lightning's ``EarlyStopping``); the weights
+  kept are still those of the best epoch, however small its lead.
 
 The loop reads every batch through the ``Batches`` protocol (``train_batch``, ``eval_batch``: on the device, ready for
 the network); it prepares no batch itself. The network is set up on the device in one place (:meth:`_Training.setup`)
@@ -130,6 +132,7 @@ _RESUME_SETTINGS = (
     "limit_val_batches",
     "divergence_restarts",
     "patience",
+    "min_delta",
     "world_size",
     "precision",
     "accumulate_grad_batches",
@@ -325,6 +328,24 @@ def _better(value: float | None, best: float | None, mode: str) -> bool:
     if best is None or math.isnan(best):
         return True
     return value > best if mode == "max" else value < best
+
+
+def _plateaued(
+    history: list[Mapping[str, Any]], monitor: str, mode: str, patience: int | None, min_delta: float
+) -> bool:
+    """Early stopping: none of the last ``patience`` epochs of ``history`` beat the best epoch before them by more
+    than ``min_delta``. With ``min_delta`` = 0 that is "the best epoch is ``patience`` or more epochs back"."""
+    if patience is None or len(history) <= patience:
+        return False
+    before = [row.get(monitor) for row in history[:-patience]]
+    best = None
+    for value in before:
+        if _better(value, best, mode):
+            best = value
+    if best is None:
+        return False
+    sign = 1.0 if mode == "max" else -1.0
+    return not any(_better(row.get(monitor), best + sign * min_delta, mode) for row in history[-patience:])
 
 
 def _cpu_state(net: nn.Module) -> dict[str, torch.Tensor]:
@@ -623,6 +644,7 @@ class _Training:
             "limit_val_batches": self.limit_val_batches,
             "divergence_restarts": self.divergence_restarts,
             "patience": self.patience,
+            "min_delta": self.min_delta or None,
             "world_size": world if world > 1 else None,
             "precision": self.precision if self.precision != "32-true" else None,
             "accumulate_grad_batches": self.accumulate_grad_batches if self.accumulate_grad_batches > 1 else None,
@@ -827,7 +849,9 @@ class _Training:
                     due = (epoch + 1) % self.checkpoint_every == 0
                 if world > 1:  # every rank follows rank 0's clock
                     due = bool(fabric.broadcast(due, src=0))
-                if self.patience is not None and epoch - best_epoch >= self.patience and epoch < self.max_epochs - 1:
+                if _plateaued(history, self.monitor, self.monitor_mode, self.patience, self.min_delta) and (
+                    epoch < self.max_epochs - 1
+                ):
                     stopped_epoch = epoch  # the same on every rank: the monitored metric is the all-reduced one
                     if rank == 0:
                         log.debug(
@@ -954,6 +978,7 @@ def fit_batches(
     divergence_factor: float = 2.0,
     divergence_lr_factor: float = 0.1,
     patience: int | None = None,
+    min_delta: float = 0.0,
     start: float | None = None,
     write_best: bool = True,
     gpu: Mapping[str, Any] | None = None,
@@ -1014,6 +1039,7 @@ def fit_batches(
         divergence_lr_factor: What each restart multiplies the learning rates by.
         patience: Stop once the monitored metric has not improved for this many epochs (``None``: train
             ``max_epochs``).
+        min_delta: For early stopping, an improvement is one by more than this (in the monitored metric's units).
         start: ``time.perf_counter()`` at the start of the caller's stage, which the training time counts from
             (default: the call of this function).
         write_best: Also write ``best.ckpt`` with the selected weights at the end.
@@ -1066,6 +1092,8 @@ def fit_batches(
         raise ValueError(f"divergence_restarts must be >= 0 or null (no check), got {divergence_restarts!r}.")
     if patience is not None and (isinstance(patience, bool) or int(patience) < 1):
         raise ValueError(f"patience must be a positive number of epochs or null (no early stopping), got {patience!r}.")
+    if not float(min_delta) >= 0.0:
+        raise ValueError(f"min_delta must be >= 0 (in the units of the monitored metric), got {min_delta!r}.")
     if float(divergence_factor) <= 1.0:
         raise ValueError(f"divergence_factor must be > 1, got {divergence_factor!r}.")
     if not 0.0 < float(divergence_lr_factor) < 1.0:
@@ -1110,6 +1138,7 @@ def fit_batches(
         divergence_factor=float(divergence_factor),
         divergence_lr_factor=float(divergence_lr_factor),
         patience=None if patience is None else int(patience),
+        min_delta=float(min_delta),
         start=start,
         write_best=bool(write_best),
         threads=threads,

@@ -255,6 +255,34 @@ def test_early_stopping_ends_after_patience_epochs_without_improvement_and_stays
     _assert_same_weights(again.net, result.net)
 
 
+def test_min_delta_counts_only_improvements_larger_than_it_for_early_stopping(tmp_path):
+    from ddcnn.engine.loop import _better, _plateaued
+
+    acc = [{"val_acc": v} for v in (0.70, 0.74, 0.7406, 0.7412)]  # creeping by a validation image or two
+    assert not _plateaued(acc, "val_acc", "max", 2, 0.0)
+    assert _plateaued(acc, "val_acc", "max", 2, 0.002)
+    assert not _plateaued([*acc[:3], {"val_acc": 0.75}], "val_acc", "max", 2, 0.002)
+    loss = [{"val_loss": v} for v in (1.0, 0.5, 0.499, 0.4995)]
+    assert _plateaued(loss, "val_loss", "min", 2, 0.01) and not _plateaued(loss, "val_loss", "min", 2, 0.0)
+    # min_delta = 0 is the plain rule: the (first) best epoch is `patience` or more epochs back
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        values = [round(float(v), 1) for v in torch.rand(8, generator=gen)]  # with ties
+        best, best_epoch = None, -1
+        for epoch, value in enumerate(values):
+            if _better(value, best, "max"):
+                best, best_epoch = value, epoch
+            history = [{"val_acc": v} for v in values[: epoch + 1]]
+            assert _plateaued(history, "val_acc", "max", 2, 0.0) == (epoch - best_epoch >= 2)
+    # in a fit: no epoch can beat another by more than 1 in accuracy, so it stops `patience` epochs after the first;
+    # the weights kept are still the best epoch's
+    result = _fit(tmp_path, patience=2, min_delta=1.0, max_epochs=30)
+    assert result.stopped_epoch == 2 and len(result.history) == 3
+    assert result.history[result.best_epoch]["val_acc"] == max(row["val_acc"] for row in result.history)
+    with pytest.raises(ValueError, match="min_delta must be >= 0"):
+        _fit(tmp_path / "bad", min_delta=-0.1)
+
+
 def test_a_checkpoint_of_other_settings_or_of_lightnings_trainer_is_refused_with_what_to_do(tmp_path):
     _fit(tmp_path, max_epochs=3)
     with pytest.raises(ValueError, match=r"other settings \(batch_size: 32 -> 16\)"):
