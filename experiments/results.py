@@ -511,14 +511,14 @@ def write_page(
         "",
         *head,
         "",
-        "**Training rule, one for every method.** Every training (local nets, out-of-fold local nets, global CNN, end "
-        "to end, transfer, global transfer, global DDP) stops once its monitored validation metric (`engine.monitor`) "
-        "has not improved (by more than `engine.min_delta`) for `engine.patience` epochs, capped at "
-        "`trainer.max_epochs` (all in each run's `config.yaml`), and keeps the weights of its best epoch; every coarse DNN stops the same way after "
-        "`coarse.patience` epochs. Where each training stopped is in its `meta.json` (`stopped_epoch`). The learning-"
-        "rate schedule of every training is the `scheduler` of its `config.yaml` (MNIST and Fashion-MNIST: the rate "
-        "multiplied by `factor` after every epoch without improvement, so that one noisy epoch makes the step smaller "
-        "rather than ending the training).",
+        "**Training rule, one for every method.** Every training (local nets, out-of-fold local nets, global CNN, end"
+        " to end, transfer, global transfer, global DDP) stops once its monitored validation metric "
+        "(`engine.monitor`) has not improved (by more than `engine.min_delta`) for `engine.patience` epochs, capped "
+        "at `trainer.max_epochs` (all in each run's `config.yaml`), and keeps the weights of its best epoch; every "
+        "coarse DNN stops the same way after `coarse.patience` epochs. Where each training stopped is in its "
+        "`meta.json` (`stopped_epoch`). The learning-rate schedule of every training is the `scheduler` of its "
+        "`config.yaml` (MNIST and Fashion-MNIST: the rate multiplied by `factor` after every epoch without "
+        "improvement, so that one noisy epoch makes the step smaller rather than ending the training).",
         "",
         "Each run's settings are its `config.yaml` in `results/runs/<run>/`; the command of each is in its "
         "`experiment_run.json`. Accuracy: mean ± sample standard deviation over the seeds. Times: training clocks of "

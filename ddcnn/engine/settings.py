@@ -10,8 +10,8 @@ Every key of ``conf/trainer`` and ``conf/engine`` changes what the loop does, or
   ``enable_progress_bar``, ``log_every_n_steps`` (the training loss every n steps to TensorBoard/MLflow),
   ``gradient_clip_val`` (+ ``gradient_clip_algorithm``: ``norm`` or ``value``), ``limit_train_batches``,
   ``limit_val_batches`` and ``accumulate_grad_batches`` (given with ``+trainer.accumulate_grad_batches=2``);
-- ``engine.monitor``, ``monitor_mode``, ``patience`` (early stopping of every training but the coarse DNN's, which
-  has ``coarse.patience``), ``num_devices``, ``checkpoint_every_s``;
+- ``engine.monitor``, ``monitor_mode``, ``patience`` and ``min_delta`` (early stopping of every training but the
+  coarse DNN's, which has ``coarse.patience``), ``num_devices``, ``checkpoint_every_s``;
 - the GPU policy (:mod:`ddcnn.engine.gpu`): ``engine.channels_last``, ``tf32``, ``cudnn_benchmark``,
   ``data_on_device`` (each ``auto``, ``true`` or ``false``), ``device_data_fraction``, and the opt-ins ``compile`` and
   ``profile_steps``;
@@ -68,6 +68,7 @@ ENGINE_KEYS = (
     "monitor",
     "monitor_mode",
     "patience",
+    "min_delta",
     "num_devices",
     "checkpoint_every_s",
     "channels_last",
@@ -226,6 +227,7 @@ def engine_settings(cfg: DictConfig | Mapping) -> dict:
         "monitor": str(given.get("monitor", "val_acc")),
         "monitor_mode": str(given.get("monitor_mode", "max")),
         "patience": given.get("patience"),
+        "min_delta": given.get("min_delta", 0.0),
         "num_devices": _positive_int(given.get("num_devices", 1) or 1, "engine.num_devices"),
         "checkpoint_every_s": given.get("checkpoint_every_s", 30.0),
     }
@@ -239,6 +241,15 @@ def engine_settings(cfg: DictConfig | Mapping) -> dict:
             f"engine.patience must be a whole number of epochs >= 1 (stop a training once engine.monitor has not "
             f"improved for that many epochs) or null (train trainer.max_epochs epochs), got {patience!r}."
         )
+    delta = out["min_delta"]
+    if delta is None:
+        delta = 0.0
+    if isinstance(delta, bool) or not isinstance(delta, int | float) or not delta >= 0:
+        raise ValueError(
+            f"engine.min_delta must be >= 0 (early stopping counts an epoch as an improvement only when it beats the "
+            f"best one by more than this, in engine.monitor's units; 0 = any improvement), got {delta!r}."
+        )
+    out["min_delta"] = float(delta)
     every = out["checkpoint_every_s"]
     if every is None:
         every = 0.0

@@ -110,7 +110,7 @@ def fit(
         "monitor": engine["monitor"],
         "monitor_mode": engine["monitor_mode"],
         "patience": engine["patience"],
-        "min_delta": engine.get("min_delta") or 0.0,
+        "min_delta": engine["min_delta"],
         "checkpoint_every_s": engine["checkpoint_every_s"],
         "device": device,
         "num_devices": int(num_devices if num_devices is not None else engine["num_devices"]),

@@ -109,6 +109,7 @@ def test_every_key_of_the_trainer_and_engine_configs_is_one_the_loop_implements(
         ("engine.checkpoint_every_s=-1", "checkpoint_every_s must be >= 0"),
         ("engine.patience=0", r"engine.patience must be a whole number of epochs >= 1 .* or null"),
         ("engine.patience=true", "engine.patience must be a whole number"),
+        ("engine.min_delta=-0.01", r"engine.min_delta must be >= 0 .* in engine.monitor.s units"),
     ],
 )
 def test_a_setting_the_loop_cannot_honour_is_refused_before_anything_trains(make_cfg, override, message):
