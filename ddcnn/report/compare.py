@@ -429,6 +429,8 @@ def _plot_vs_grid(rows: Sequence[Mapping], path: Path, title: str, kind: str) ->
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    from ddcnn.report.plots import method_style
+
     panels = _panels(rows)
     ncols = min(len(panels), 3)
     nrows = -(-len(panels) // ncols)
@@ -444,13 +446,14 @@ def _plot_vs_grid(rows: Sequence[Mapping], path: Path, title: str, kind: str) ->
             if kind == "accuracy":
                 ys = [100 * r["accuracy_mean"] for _, r in series]
                 err = [100 * (r["accuracy_std"] or 0.0) for _, r in series]
-                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=METHODS[method])
+                ax.errorbar(xs, ys, yerr=err, **method_style(method), capsize=3, label=METHODS[method])
             else:
+                style = method_style(method)
                 ys = [r["projected_time_s"] for _, r in series]
-                line = ax.plot(xs, ys, marker="o", label=f"{METHODS[method]}: projected")[0]
+                ax.plot(xs, ys, **style, label=f"{METHODS[method]}: projected")
                 seq = [r["sequential_time_s"] for _, r in series]
                 if seq != ys:
-                    ax.plot(xs, seq, marker="x", linestyle="--", color=line.get_color(), alpha=0.6)
+                    ax.plot(xs, seq, linestyle="--", **style, fillstyle="none", alpha=0.6)
         ax.set_xticks(range(len(grids)), [f"{g}\n(N={n})" for n, g in grids])
         ax.set_xlabel("grid of sub-domains")
         ax.set_ylabel("test accuracy (%)" if kind == "accuracy" else "training time (s), log scale")

@@ -95,6 +95,28 @@ def _colours(n: int) -> list:
     return [cmap(i % cmap.N) if n <= 20 else cmap(i / max(n - 1, 1)) for i in range(n)]
 
 
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "*", "p")
+
+
+def method_style(key: str) -> dict[str, Any]:
+    """The colour and marker of one method (a ``METHODS`` key), the same in every plot: each method of the table
+    differs from every other in colour and marker (the dark hues of tab20 first, then its light ones), so a line is
+    told apart from its legend entry even in a plot of the whole family (``cnn_dnn``, a run's own CNN-DNN, is drawn
+    as the paper's, on probabilities). Unknown keys get grey."""
+    from matplotlib import colormaps
+
+    from ddcnn.report.results import METHODS
+
+    keys = list(METHODS)
+    key = "cnn_dnn_probs" if key == "cnn_dnn" else key
+    if key not in keys:
+        return {"color": "0.5", "marker": "."}
+    i = keys.index(key)
+    tab20 = colormaps["tab20"]
+    hue = 2 * i if i < 10 else 2 * (i - 10) + 1
+    return {"color": tab20(hue % tab20.N), "marker": _MARKERS[i % len(_MARKERS)]}
+
+
 def _draw_boxes(ax, decomposition: Decomposition, indices: Sequence[int], axes: tuple[int, int]) -> None:
     """Rectangles of the sub-domains ``indices`` in the plane of spatial axes ``axes`` (rows, columns).
 
@@ -531,15 +553,15 @@ def plot_accuracy_vs_time(
     """
     fig, axes = _new_figure(panel=(6.0, 4.2))
     ax = axes[0, 0]
-    colours = _colours(max(len(curves), 1))
-    for colour, (name, curve) in zip(colours, curves.items(), strict=False):
+    for name, curve in curves.items():
+        style = method_style(name)
         t = np.asarray(curve["time_s"], dtype=np.float64)
         val = np.asarray([np.nan if v is None else v for v in curve["val_acc"]], dtype=np.float64)
-        ax.plot(t, val, "o-", color=colour, label=f"{name} (val)", markersize=3)
+        ax.plot(t, val, "-", **style, label=f"{name} (val)", markersize=4)
         test = np.asarray([np.nan if v is None else v for v in curve.get("test_acc", [])], dtype=np.float64)
         ok = np.isfinite(test)
         if ok.any():
-            ax.plot(t[ok], test[ok], "s--", color=colour, alpha=0.7, label=f"{name} (test)", markersize=3)
+            ax.plot(t[ok], test[ok], "--", **style, alpha=0.6, label=f"{name} (test)", markersize=3, fillstyle="none")
     if equal and equal.get("at_cnn_dnn_accuracy"):
         target = equal["at_cnn_dnn_accuracy"]["target_val_acc"]
         ax.axhline(target, color="0.4", linestyle=":", linewidth=1, label="CNN-DNN val accuracy")

@@ -114,3 +114,24 @@ def test_accuracy_and_time_against_grid_size(tmp_path):
         [4, 16], {"CNN-DNN": [0.9, None]}, tmp_path / "s.png", "accuracy", "N", "accuracy", ["2x2", "4x4"]
     )
     assert_real_png(out)
+
+
+def test_every_method_of_the_family_has_its_own_colour_and_marker_in_every_plot(tmp_path):
+    """A plot of the whole family (12 methods) must not give two methods one look: the default colour cycle has 10
+    colours, so the global CNN and its transfer variant were both blue on the results page."""
+    from matplotlib.colors import to_hex
+
+    from ddcnn.report.plots import method_style, plot_accuracy_vs_time
+    from ddcnn.report.results import METHODS
+
+    looks = {key: (to_hex(method_style(key)["color"]), method_style(key)["marker"]) for key in METHODS}
+    assert len({colour for colour, _ in looks.values()}) == len(METHODS), looks
+    assert len({marker for _, marker in looks.values()}) == len(METHODS), looks
+    assert method_style("cnn_dnn") == method_style("cnn_dnn_probs")  # a run's own CNN-DNN: the paper's
+
+    curves = {
+        key: {"time_s": [1.0, 2.0, 3.0], "val_acc": [0.5, 0.7, 0.8], "test_acc": [None, None, 0.79]}
+        for key in ("global", "cnn_dnn", "mean_prob", "e2e", "transfer", "global_transfer", "global_ddp")
+    }
+    path = plot_accuracy_vs_time(curves, tmp_path / "curves.png")
+    assert_real_png(path)
