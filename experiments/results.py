@@ -47,15 +47,15 @@ rather than ending the training. A smaller step also makes the validation accura
 trainings an epoch counts as an improvement only by more than ``--min-delta`` = 0.002 (``engine.min_delta``: 6 of the
 3000 validation images, a third of the accuracy's sampling error there); the weights kept are still the best epoch's.
 
-**CPU time** (the shared 2-core development machine, AMD EPYC, one torch thread per training, ``--jobs 2``,
-2026-12-02; each run's ``experiment_run.json`` has its own). With the earlier constant-rate recipe (cap 10, no
-``min_delta``) seed 0 of the whole plan took 7615 s CPU and 66 min wall (MNIST 2x2 overlap 0/2: 581/661 s, the global
-CNN trained in the first and copied from the store into the second; 4x4: 885/1223 s; Fashion-MNIST 743/649/905/1304
-s; AdrenalMNIST3D 664 s; the same nine runs took 5845 s on another machine of the same kind: expect +-15%), i.e. about
-6.3 CPU-hours for the 27 runs. The plateau recipe above trains some epochs longer (CPU of its first runs: see the
-page's header and the runs' records); the 10-hour budget bounds it. At about 3.5 hours wall it is more than one 3-hour
-working session: an invocation stopped part-way is simply started again, also on a fresh machine from the committed
-snapshots (step 1), and the page names the commits its runs were trained at and the span of their wall clock.
+**CPU time** (the 2-core development machine, AMD EPYC, one torch thread per training, ``--jobs 2``, 2026-12-02;
+each run's ``experiment_run.json`` has its own): the 27 runs of the page took 12189 s CPU, 3.4 of the 10 CPU-hours
+the page may cost (MNIST 5082 s, Fashion-MNIST 6248 s, AdrenalMNIST3D 860 s; one run 266-760 s, the 4x4 overlap-2
+runs the dearest), and 1.97 h wall from the first run's start to the last one's end. On another machine of the same
+kind, under a second job's load, the same runs had taken about twice the CPU (MNIST 2x2 overlap 0, seed 0: 858 s
+against 386 s here): read the figures as this machine's. With the earlier constant-rate recipe (cap 10, no
+``min_delta``) seed 0 of the plan had taken 7615 s CPU there. An invocation stopped part-way is simply started
+again, also on a fresh machine from the committed snapshots (step 1), and the page names the commits its runs were
+trained at and the span of their wall clock.
 """
 
 from __future__ import annotations
