@@ -443,12 +443,12 @@ def _plot_vs_grid(rows: Sequence[Mapping], path: Path, title: str, kind: str) ->
         for method in [m for m in METHODS if any(r["method_key"] == m for r in panel)]:
             series = sorted((x[r["grid"]], r) for r in panel if r["method_key"] == method)
             xs = [i for i, _ in series]
+            style = method_style(method)
             if kind == "accuracy":
                 ys = [100 * r["accuracy_mean"] for _, r in series]
                 err = [100 * (r["accuracy_std"] or 0.0) for _, r in series]
-                ax.errorbar(xs, ys, yerr=err, **method_style(method), capsize=3, label=METHODS[method])
+                ax.errorbar(xs, ys, yerr=err, **style, capsize=3, label=METHODS[method])
             else:
-                style = method_style(method)
                 ys = [r["projected_time_s"] for _, r in series]
                 ax.plot(xs, ys, **style, label=f"{METHODS[method]}: projected")
                 seq = [r["sequential_time_s"] for _, r in series]
