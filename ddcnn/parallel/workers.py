@@ -13,8 +13,11 @@
 
 A sub-domain that fails is recorded (which one, on which worker, why; the traceback in
 ``local/i/error.log``), the other sub-domains still train, and the call then raises
-:class:`LocalStageFailed` naming them. Finished sub-domains have ``done`` markers, so running the same
-command again trains only what is missing.
+:class:`LocalStageFailed` naming them. A worker that dies is named with its signal; one that stops
+reporting, or whose main thread stops moving (:mod:`ddcnn.parallel.heartbeat`), is killed after
+``parallel.heartbeat_timeout_s``. Finished sub-domains have ``done`` markers, so running the same
+command again trains only what is missing. Why this is not ``concurrent.futures.ProcessPoolExecutor``
+(measured): ``docs/slurm.md``.
 """
 
 from __future__ import annotations
