@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["majority_rate", "chance_margin", "near_chance", "auc_chance_margin", "balanced_chance_margin", "at_chance"]
+__all__ = ["majority_rate", "chance_margin", "near_chance", "at_chance"]
 
 # Standard errors of the majority-class rate (and at least 1 point) within which an accuracy is "at chance".
 CHANCE_SE = 3.0
@@ -40,15 +40,11 @@ def near_chance(accuracy: float, rate: float, n: int) -> bool:
     return accuracy <= rate + chance_margin(rate, n)
 
 
-def _present(counts: Sequence[int]) -> list[int]:
-    return [int(c) for c in counts if int(c) > 0]
-
-
-def auc_chance_margin(counts: Sequence[int]) -> float:
+def _auc_margin(present: Sequence[int]) -> float:
     """How far above 0.5 a ROC AUC (one-vs-rest, macro-averaged beyond two classes) on test classes of sizes
-    ``counts`` must lie to be above chance: 3 standard errors of the AUC of scores unrelated to the labels (Hanley &
-    McNeil 1982: variance ``(n1 + n0 + 1) / (12 n1 n0)``; the classes' AUCs taken as independent), at least 1 point."""
-    present = _present(counts)
+    ``present`` (none empty) must lie to be above chance: 3 standard errors of the AUC of scores unrelated to the
+    labels (Hanley & McNeil 1982: variance ``(n1 + n0 + 1) / (12 n1 n0)``; the classes' AUCs taken as independent), at
+    least 1 point."""
     n = sum(present)
     if len(present) < 2:
         return math.inf  # no AUC can be computed with one class
@@ -57,11 +53,10 @@ def auc_chance_margin(counts: Sequence[int]) -> float:
     return max(0.01, CHANCE_SE * math.sqrt(variance))
 
 
-def balanced_chance_margin(counts: Sequence[int]) -> float:
-    """How far above ``1/K`` a balanced accuracy on test classes of sizes ``counts`` must lie to be above chance: 3
-    standard errors of the mean per-class recall of a guess that picks each of the ``K`` classes with probability
-    ``1/K`` whatever the sample, at least 1 point."""
-    present = _present(counts)
+def _balanced_margin(present: Sequence[int]) -> float:
+    """How far above ``1/K`` a balanced accuracy on test classes of sizes ``present`` (none empty) must lie to be
+    above chance: 3 standard errors of the mean per-class recall of a guess that picks each of the ``K`` classes with
+    probability ``1/K`` whatever the sample, at least 1 point."""
     k = max(len(present), 1)
     variance = sum((1 / k) * (1 - 1 / k) / c for c in present) / k**2
     return max(0.01, CHANCE_SE * math.sqrt(variance))
@@ -78,11 +73,13 @@ def at_chance(
     """Whether a classifier's results on test classes of sizes ``counts`` are at chance: its ``accuracy`` within noise
     of the majority-class ``rate`` and, when it has one, its ``auc`` within noise of 0.5 (the scores do not rank the
     classes) or, without an AUC, its ``balanced_accuracy`` within noise of ``1/K``. Any figure clearly above chance
-    clears the row: an imbalanced test set's accuracy alone cannot tell a weak classifier from a constant guess."""
-    if not near_chance(accuracy, rate, sum(_present(counts))):
+    clears the row: an imbalanced test set's accuracy alone cannot tell a weak classifier from a constant guess.
+    Classes absent from the test set (count 0) do not count."""
+    present = [int(c) for c in counts if int(c) > 0]
+    if not near_chance(accuracy, rate, sum(present)):
         return False
     if auc is not None and math.isfinite(auc):
-        return auc <= 0.5 + auc_chance_margin(counts)
+        return auc <= 0.5 + _auc_margin(present)
     if balanced_accuracy is not None and math.isfinite(balanced_accuracy):
-        return balanced_accuracy <= 1 / max(len(_present(counts)), 1) + balanced_chance_margin(counts)
+        return balanced_accuracy <= 1 / max(len(present), 1) + _balanced_margin(present)
     return True

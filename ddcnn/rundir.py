@@ -38,6 +38,7 @@ __all__ = [
     "flatten",
     "result_settings",
     "FingerprintMismatch",
+    "L2_GRID",
     "StageLock",
     "StageBusy",
     "ArtifactWriteError",
@@ -95,7 +96,8 @@ RENAMED_KEYS = {
 
 
 _ABSENT = object()
-_L2_GRID = [10.0, 1.0, 0.1, 0.01, 0.001, 0.0001]
+# The L2 strengths the convex combiners try (coarse.linear.l2_grid, methods.stacker.l2_grid: the YAML holds the same).
+L2_GRID = (10.0, 1.0, 0.1, 0.01, 0.001, 0.0001)
 # Settings added since a run directory may have been recorded, at their defaults: a record without the key matches
 # a configuration that has this value (a run recorded before the key existed was trained as that default does).
 ADDED_DEFAULTS: dict[str, Any] = {
@@ -104,7 +106,7 @@ ADDED_DEFAULTS: dict[str, Any] = {
     "coarse.patience": 3,
     "coarse.divergence_restarts": 3,
     "coarse.linear.enabled": True,
-    "coarse.linear.l2_grid": _L2_GRID,
+    "coarse.linear.l2_grid": list(L2_GRID),
     "coarse.linear.max_rows": 10000,
     "coarse.linear.max_iter": 200,
     "coarse.net.input_norm": "standardize",
@@ -112,7 +114,7 @@ ADDED_DEFAULTS: dict[str, Any] = {
     "coarse.net.linear": True,
     "coarse.scheduler._target_": "torch.optim.lr_scheduler.CosineAnnealingLR",
     "coarse.scheduler._partial_": True,
-    "methods.stacker.l2_grid": _L2_GRID,
+    "methods.stacker.l2_grid": list(L2_GRID),
     "methods.stacker.max_iter": 200,
     "methods.local_oof.folds": 5,
 }
@@ -152,11 +154,6 @@ def _differences(recorded: Mapping, settings: Mapping) -> dict[str, tuple[Any, A
         if not _same_value(key, before, now):
             out[key] = (before, now)
     return out
-
-
-def _same_settings(recorded: Mapping, settings: Mapping) -> bool:
-    """Whether recorded settings match ``settings`` (:func:`_differences` finds none)."""
-    return not _differences(recorded, settings)
 
 
 def _drop(container: dict, dotted: str) -> None:
@@ -225,6 +222,10 @@ class StageLock:
     once; on NFS (v4) the server does the same when the dead client's lease expires.
     """
 
+    # Threads of this process now waiting for another process's lock (a worker's heartbeat does not count the wait
+    # as its main thread being stuck).
+    waiting = 0
+
     def __init__(self, run: RunDir, stage: str, subdomain: int | None = None, wait: bool = True) -> None:
         from filelock import FileLock
 
@@ -257,7 +258,11 @@ class StageLock:
             if not self.wait:
                 raise StageBusy(f"{self.name} is being trained by {self.holder()} ({self.path}).") from None
             logging.getLogger(__name__).info("%s: waiting for %s, which trains it", self.name, self.holder())
-            self._lock.acquire()
+            StageLock.waiting += 1
+            try:
+                self._lock.acquire()
+            finally:
+                StageLock.waiting -= 1
         since = time.strftime("%Y-%m-%d %H:%M:%S")
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "since": since}
         atomic_write_json(self.owner_path, owner, fsync=False)
@@ -387,8 +392,9 @@ class RunDir:
         """Whether ``key`` is a setting of an optional method (``methods.<stage>.*``) whose stage never started here:
         each method's settings are read by its own stage only, and the stages that depend on it (``coarse_oof`` on
         ``local_oof``) cannot have run before it."""
-        head, stage, *rest = key.split(".") + [""]
-        return head == "methods" and bool(stage) and stage != "enabled" and not (self.root / stage).exists()
+        head, _, tail = key.partition(".")
+        stage = tail.partition(".")[0]
+        return head == "methods" and bool(stage) and not (self.root / stage).exists()
 
     def check_fingerprint(self, cfg: DictConfig) -> str:
         """Record the configuration on first use; refuse a directory that holds another configuration, except in

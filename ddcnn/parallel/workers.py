@@ -13,8 +13,11 @@
 
 A sub-domain that fails is recorded (which one, on which worker, why; the traceback in
 ``local/i/error.log``), the other sub-domains still train, and the call then raises
-:class:`LocalStageFailed` naming them. Finished sub-domains have ``done`` markers, so running the same
-command again trains only what is missing.
+:class:`LocalStageFailed` naming them. A worker that dies is named with its signal; one that stops
+reporting, or whose main thread stops moving (:mod:`ddcnn.parallel.heartbeat`), is killed after
+``parallel.heartbeat_timeout_s``. Finished sub-domains have ``done`` markers, so running the same
+command again trains only what is missing. Why this is not ``concurrent.futures.ProcessPoolExecutor``
+(measured): ``docs/slurm.md``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from ddcnn import registry
 from ddcnn.io import atomic_write_json, atomic_write_text
 from ddcnn.parallel.devices import WorkerDevice, configure_process, plan_workers, process_device
+from ddcnn.parallel.heartbeat import MainThreadWatch, beat
 from ddcnn.rundir import RunDir
 from ddcnn.runtime import WORKERS_ENV, quiet_process, run_generation, shard, srun_task
 
@@ -214,19 +218,6 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _heartbeat(result_q, rank: int, parent_pid: int, interval_s: float, stop: threading.Event) -> None:
-    """Tell the parent every ``interval_s`` that this worker lives; a stopped (SIGSTOP) or frozen process stops too.
-    Exits the worker when the parent is gone; returns once ``stop`` is set."""
-    while not stop.is_set():
-        if os.getppid() != parent_pid:
-            os._exit(1)
-        try:
-            result_q.put(("alive", rank, None))
-        except (OSError, ValueError):
-            os._exit(1)
-        stop.wait(interval_s)
-
-
 def _exit_now(result_q, heartbeat: threading.Thread, stop: threading.Event) -> None:
     """End a worker whose work is done and reported, without the interpreter's tear-down.
 
@@ -263,8 +254,8 @@ def _worker_main(
     """
     rank = wdev.rank
     _die_with_parent(parent_pid)
-    stop = threading.Event()
-    heartbeat = threading.Thread(target=_heartbeat, args=(result_q, rank, parent_pid, heartbeat_s, stop), daemon=True)
+    stop, watch = threading.Event(), MainThreadWatch(wdev.device)
+    heartbeat = threading.Thread(target=beat, args=(result_q, rank, parent_pid, heartbeat_s, stop, watch), daemon=True)
     heartbeat.start()
     try:
         configure_process(wdev)
@@ -277,7 +268,8 @@ def _worker_main(
         if isinstance(data, str) and data == _FROM_QUEUE:
             # Started before the parent had the data: import the training side now, while the parent loads it.
             registry.load("local")
-            data = task_q.get()
+            with watch.waiting_for_parent():
+                data = task_q.get()
         ctx = build_context(OmegaConf.create(cfg_dict), run_dir, data=data)
         images_per_s = None
         if int(calibration.get("steps", 0)) > 0:
@@ -297,7 +289,8 @@ def _worker_main(
     except BaseException:
         result_q.put(("crashed", rank, traceback.format_exc()))
         return
-    subdomains = task_q.get()
+    with watch.waiting_for_parent():
+        subdomains = task_q.get()
     for i in subdomains:
         result_q.put(("start", rank, i))
         start = time.perf_counter()
@@ -333,9 +326,9 @@ class _Pool:
         self.wall_start = time.perf_counter()
         self.handed = not (isinstance(data, str) and data == _FROM_QUEUE)  # the workers have (or load) their data
         self.heartbeat_timeout_s = float(heartbeat_timeout_s)
-        # Before its first heartbeat a worker is still starting (interpreter, torch, unpickling the data).
+        # Until it reports ready a worker is still starting (interpreter, torch, unpickling the data, calibration).
         self.startup_timeout_s = max(float(startup_timeout_s), self.heartbeat_timeout_s)
-        self.heard: set[int] = set()
+        self.ready: set[int] = set()
         heartbeat_s = max(0.2, min(5.0, self.heartbeat_timeout_s / 5))
         ctx = mp.get_context("spawn")
         self.result_q = ctx.Queue()
@@ -364,7 +357,9 @@ class _Pool:
             else:
                 os.environ[WORKERS_ENV] = previous
         self.closed: set[int] = set()  # workers that said finished/crashed or died
-        self.last_seen = {d.rank: time.monotonic() for d in devices}
+        self.last_seen = {d.rank: time.monotonic() for d in devices}  # last message of any kind
+        self.last_moved = dict(self.last_seen)  # last progress of the worker's main thread
+        self.where: dict[int, str] = {}  # where its main thread was at the last heartbeat
 
     def messages(self, poll_s: float = 0.5):
         """Yield ``(kind, rank, payload)``; a worker that exits without a last word yields ``("died", rank, code)``."""
@@ -393,24 +388,39 @@ class _Pool:
             yield from self._handle(msg)
 
     def _silent(self):
-        """Workers that stopped reporting for ``heartbeat_timeout_s``: killed and reported as ``("hung", rank, s)``."""
+        """Workers silent, or whose main thread made no progress, for ``heartbeat_timeout_s`` (``startup_timeout_s``
+        until they are ready): killed and reported as ``("hung", rank, reason)``."""
         now = time.monotonic()
         for rank, p in enumerate(self.procs):
-            silent = now - self.last_seen[rank]
-            limit = self.heartbeat_timeout_s if rank in self.heard else self.startup_timeout_s
-            if rank not in self.closed and p.exitcode is None and silent > limit:
-                p.kill()
-                p.join(timeout=10)
-                self.closed.add(rank)
-                yield ("hung", rank, silent)
+            if rank in self.closed or p.exitcode is not None:
+                continue
+            limit = self.heartbeat_timeout_s if rank in self.ready else self.startup_timeout_s
+            silent, stuck = now - self.last_seen[rank], now - self.last_moved[rank]
+            if silent > limit:
+                reason = f"worker stopped reporting for {silent:.0f} s (stopped or frozen) and was killed"
+            elif stuck > limit:
+                where = self.where.get(rank, "-")
+                reason = f"worker's main thread made no progress for {stuck:.0f} s (hung at {where}) and was killed"
+            else:
+                continue
+            p.kill()
+            p.join(timeout=10)
+            self.closed.add(rank)
+            yield ("hung", rank, reason)
 
     def _handle(self, msg):
-        self.last_seen[msg[1]] = time.monotonic()
-        self.heard.add(msg[1])
-        if msg[0] == "alive":
+        kind, rank, payload = msg
+        now = time.monotonic()
+        self.last_seen[rank] = now
+        if kind == "alive":
+            self.last_moved[rank] = max(self.last_moved[rank], now - payload["stuck_s"])
+            self.where[rank] = payload["where"]
             return
-        if msg[0] in ("finished", "crashed"):
-            self.closed.add(msg[1])
+        self.last_moved[rank] = now
+        if kind == "ready":
+            self.ready.add(rank)
+        if kind in ("finished", "crashed"):
+            self.closed.add(rank)
         yield msg
 
     def close(self) -> None:
@@ -582,7 +592,7 @@ class _Session:
         elif kind == "died":
             self._died(rank, where, _exit_reason(payload))
         elif kind == "hung":
-            self._died(rank, where, f"worker stopped reporting for {payload:.0f} s (hung or stopped) and was killed")
+            self._died(rank, where, payload)
         if self.placed is None and len(self.ready) + len(self.gone) == len(self.devices):
             self._place(pool)
 

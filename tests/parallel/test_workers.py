@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ import time
 import pytest
 import torch
 
+from ddcnn.context import subdomain_seed
 from ddcnn.parallel.devices import WorkerDevice
 from ddcnn.parallel.workers import LocalStageFailed, _Session, record_failure, wait_for_local
 from ddcnn.pipeline import train
@@ -80,6 +82,34 @@ def test_workers_map_the_parents_store_entry_and_train_the_same_nets(make_cfg, t
     for i in (0, 3):
         a = RunDir(memory.paths.run_dir).load_probs("local", "test", i)["logits"]
         assert torch.equal(a, run.load_probs("local", "test", i)["logits"])
+
+
+@pytest.mark.slow
+def test_a_worker_whose_main_thread_hangs_is_named_and_stopped_within_the_timeout(make_cfg):
+    """Its heartbeat thread still beats; the parent sees that the main thread no longer moves."""
+    timeout_s = 5
+    cfg = make_cfg(
+        "stage=local",
+        "subdomain=[0,1]",
+        "parallel.workers=2",
+        "parallel.threads_per_worker=1",
+        "parallel.calibration_steps=0",
+        f"parallel.heartbeat_timeout_s={timeout_s}",
+        "seed=0",
+        "model._target_=tests.parallel.hanging_net.vgg_tiny_hanging_on",
+        f"+model.hang_seed={subdomain_seed(0, 1)}",
+    )
+    run = RunDir(cfg.paths.run_dir)
+    with pytest.raises(LocalStageFailed, match=r"sub-domain 1 \(worker [01]") as info:
+        train(cfg)
+    assert [f["subdomain"] for f in info.value.failures] == [1]
+    error = info.value.failures[0]["error"]
+    assert "main thread made no progress" in error and "hanging_net.py" in error, error
+    assert "while training this sub-domain" in (run.stage_dir("local", 1) / "error.log").read_text()
+    assert run.is_done("local", 0) and not run.is_done("local", 1)  # the other worker finished its share
+    # Killed within the timeout plus a look at the main thread (1 s) and a poll of the parent (0.5 s) of the hang.
+    stuck_s = int(re.search(r"no progress for (\d+) s", error).group(1))
+    assert timeout_s <= stuck_s <= timeout_s + 3, error
 
 
 class _FakePool:

@@ -1,0 +1,28 @@
+"""A local net whose training forward pass never returns on one sub-domain: its worker's main thread hangs."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from ddcnn.models.vgg import vgg_tiny
+
+
+class _Deadlocked(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            threading.Event().wait()  # a lock nobody releases
+        return self.net(x)
+
+
+def vgg_tiny_hanging_on(hang_seed: int, **kwargs) -> nn.Module:
+    """``vgg_tiny``, whose training forward hangs when built under seed ``hang_seed`` (the local stage seeds torch
+    with the sub-domain's seed just before it builds the net)."""
+    net = vgg_tiny(**kwargs)
+    return _Deadlocked(net) if torch.initial_seed() == hang_seed else net
