@@ -59,7 +59,8 @@ SPLIT_FOLDERS = {"train": ("train", "training"), "val": ("val", "valid", "valida
 COLOUR_TOLERANCE = 2
 # A stretch that changes an image's aspect ratio by more than this factor is counted and warned about.
 STRETCH_WARN = 1.5  # 4:3 and 3:2 photographs stretched to a square pass; 16:9 is counted
-SHOWN = 10  # files named in one message
+SHOWN = 10  # files named in the report and the log
+SHOWN_IN_ERRORS = 5  # files named in an error message (one short paragraph)
 _ALPHA_MODES = {"RGBA": "RGBA", "RGBa": "RGBA", "LA": "LA", "La": "LA", "PA": "RGBA"}
 
 
@@ -307,9 +308,9 @@ def _rel(root: Path, path: Path) -> str:
     return path.relative_to(root).as_posix()
 
 
-def _listing(items: list[str]) -> str:
-    more = f" and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
-    return "; ".join(items[:SHOWN]) + more
+def _listing(items: list[str], shown: int = SHOWN_IN_ERRORS) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return "; ".join(items[:shown]) + more
 
 
 def read_folder(
@@ -525,10 +526,10 @@ def _log(root: Path, report: dict) -> None:
         )  # fmt: skip
     if report["bad_files"]["count"]:
         log.warning("image folder %s: skipped %d unreadable file(s): %s", root, report["bad_files"]["count"],
-                    _listing(report["bad_files"]["examples"]))  # fmt: skip
+                    "; ".join(report["bad_files"]["examples"]))  # fmt: skip
     if report["not_images"]["count"]:
         log.info("image folder %s: ignored %d file(s) that are not images, e.g. %s", root,
-                 report["not_images"]["count"], _listing(report["not_images"]["examples"]))  # fmt: skip
+                 report["not_images"]["count"], "; ".join(report["not_images"]["examples"]))  # fmt: skip
     if report.get("stretched"):
         log.warning(
             "image folder %s: %d of %d images change their aspect ratio by more than %.0f%% when stretched to "
