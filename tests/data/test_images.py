@@ -130,6 +130,12 @@ def test_every_mode_is_converted_deliberately(tmp_path):
     Image.fromarray(np.array([[0.0, 0.5, 1.0]], np.float32), "F").save(tmp_path / "float.tif")
     assert read_image(tmp_path / "float.tif", 1)[0].tolist() == [[0, 128, 255]]
 
+    # A photo is read upright: the EXIF orientation 6 (rotate 90 degrees clockwise) is applied.
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(np.zeros((10, 30), np.uint8)).save(tmp_path / "portrait.jpg", exif=exif)
+    assert read_image(tmp_path / "portrait.jpg", 1).shape == (1, 30, 10)
+
 
 def test_format_by_content_and_resize_modes(tmp_path):
     wide = np.zeros((20, 80), np.uint8)
