@@ -262,3 +262,29 @@ def test_published_folder_trains_with_nothing_else_typed(make_cfg, tmp_path):
     assert results["data"]["n_train"] == 26
     recorded = json.loads((tmp_path / "run" / "fingerprint.json").read_text())["settings"]["data"]
     assert recorded["num_classes"] == 4 and recorded["in_channels"] == 1  # what ran, not "auto"
+
+
+def test_report_and_class_counts_come_back_from_the_store(tmp_path, caplog):
+    """Read once: a second run maps the prepared copy and still reports what the folder held, without reading it."""
+    import logging
+
+    from ddcnn.data.prepare import PrepareSettings, load_prepared
+    from ddcnn.store import Store
+
+    root = messy_folder(tmp_path / "data", per_class=(3, 1, 1))
+    spec = {"_target_": "ddcnn.data.sources.image_folder", "root": str(root), "image_size": [16, 16]}
+    settings = PrepareSettings(num_classes="auto", in_channels="auto", spatial_dims=2, image_size=(16, 16))
+    store = Store(tmp_path / "store")
+    reads = []
+
+    def source():
+        reads.append(1)
+        return image_folder(root, image_size=(16, 16))
+
+    first = load_prepared(source, spec, settings, mode="mapped", store=store, progress=False)
+    with caplog.at_level(logging.INFO, logger="ddcnn.data.prepare"):
+        again = load_prepared(source, spec, settings, mode="mapped", store=store, progress=False)
+    assert len(reads) == 1 and again.holding == "mapped"
+    assert again.info["report"] == first.info["report"] and again.info["report"]["duplicates"]["groups"] == 2
+    assert again.info["class_counts"]["test"]["class 0"] == 2  # 1 + the leaked copy
+    assert "as read when prepared" in caplog.text and "test per class: class 0 2" in caplog.text
