@@ -260,9 +260,10 @@ def _layout(root: Path) -> tuple[dict[str, Path], list[str]]:
 
 
 def _image_suffixes() -> set[str]:
+    """The file name extensions of the formats PIL can open (not those it only writes, such as ``.pdf``)."""
     from PIL import Image
 
-    return set(Image.registered_extensions())
+    return {ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN}
 
 
 def _decode(f: _File, size, resize_mode: str, in_channels: int | None, background: int, claimed: set[str]) -> _File:
@@ -341,8 +342,6 @@ def read_folder(
         test_fraction, seed: The stratified test split carved when the folder has no test split.
         workers: Decoding threads (default: the CPUs of this process, at most 8).
     """
-    from ddcnn.data.sources import stratified_split
-
     root = Path(root).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(
@@ -351,18 +350,53 @@ def read_folder(
         )
     started = time.perf_counter()
     folders, class_names = _layout(root)
-    files: list[_File] = []
-    outside: list[Path] = []
-    for split, folder in folders.items():
-        outside += [p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")]
-        for label, name in enumerate(class_names):
-            files += [_File(p, split, label) for p in _visible_files(folder / name)]
-    claimed = _image_suffixes()
+    files, outside = _list_files(folders, class_names)
     size = tuple(int(v) for v in image_size) if image_size is not None else None
+    claimed = _image_suffixes()  # also loads PIL's plugins once, before the threads use them
     n_workers = workers or min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     with ThreadPoolExecutor(max_workers=n_workers) as pool:
         files = list(pool.map(lambda f: _decode(f, size, resize_mode, in_channels, background, claimed), files))
-    not_images = [f for f in files if f.kind == "not_image"]
+    images = _check_read(root, folders, class_names, files, on_bad_file, size)
+    channels = in_channels if in_channels is not None else (3 if any(f.colour for f in images) else 1)
+    report = _read_report(root, folders, files, outside, images, channels, on_bad_file)
+    if size is not None and resize_mode == "stretch":
+        report["stretched"] = _stretched(images, size)
+    kept = images
+    if duplicates == "drop":  # what was found, in the splits as found (before a test split is carved)
+        kept = _drop(images)
+        report["duplicates"] = _duplicates(root, images, kept, duplicates)
+    if "test" not in folders:  # carved from train, stratified, as ddcnn has always split a folder of class folders
+        from ddcnn.data.sources import stratified_split
+
+        train = [f for f in kept if f.split == "train"]
+        _, held = stratified_split(np.asarray([f.label for f in train], dtype=np.int64), test_fraction, seed)
+        for i in held:
+            train[i].split = "test"
+    if duplicates != "drop":  # in the splits the data are trained and tested on
+        report["duplicates"] = _duplicates(root, images, kept, duplicates)
+    splits = {
+        split: _arrays(part, channels) for split in SPLIT_FOLDERS if (part := [f for f in kept if f.split == split])
+    }
+    report["seconds"] = round(time.perf_counter() - started, 2)
+    report["summary"] = _summary(report, splits)
+    _log(root, report)
+    return FolderImages(class_names, splits, report)
+
+
+def _list_files(folders: dict[str, Path], class_names: list[str]) -> tuple[list[_File], list[Path]]:
+    """Every visible file below each class folder of each split, and the files beside the class folders."""
+    files: list[_File] = []
+    outside: list[Path] = []
+    for split, folder in folders.items():
+        outside += sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+        for label, name in enumerate(class_names):
+            files += [_File(p, split, label) for p in _visible_files(folder / name)]
+    return files, outside
+
+
+def _check_read(root: Path, folders: dict, class_names: list[str], files: list[_File], on_bad_file: str, size):
+    """The images read; unreadable files (unless skipped), an empty class folder or mixed sizes without a target
+    size are errors that name the files and the fix."""
     bad = [f for f in files if f.kind == "bad"]
     if bad and on_bad_file == "error":
         raise ValueError(
@@ -371,17 +405,13 @@ def read_folder(
             f"data.source.on_bad_file=skip to leave them out (they are counted in the log and in results.json)."
         )
     images = [f for f in files if f.kind == "image"]
+    present = {(f.split, f.label) for f in images}
     for split, folder in folders.items():
         for label, name in enumerate(class_names):
-            if not any(f.split == split and f.label == label for f in images):
+            if (split, label) not in present:
                 raise ValueError(
                     f"class folder {folder / name} holds no readable images; add some or remove the folder."
                 )
-    colour = sum(f.colour for f in images)
-    channels = in_channels if in_channels is not None else (3 if colour else 1)
-    for f in images:
-        if channels == 3 and f.array.ndim == 2:
-            f.array = np.repeat(f.array[..., None], 3, axis=-1)
     if size is None:
         shapes = defaultdict(list)
         for f in images:
@@ -392,46 +422,36 @@ def read_folder(
                 f"images under {root} have {len(shapes)} different sizes (HxW): {_listing(shown)}. Set "
                 f"data.image_size=[H,W] to bring them to one size; data.resize_mode=stretch|pad|center_crop says how."
             )
+    return images
+
+
+def _read_report(root, folders, files, outside, images, channels: int, on_bad_file: str) -> dict:
     published = folders["train"] != root
-    report = {
+    not_images = [f.path for f in files if f.kind == "not_image"]
+    bad = [f for f in files if f.kind == "bad"]
+    return {
         "layout": "published split" if published else "class folders",
         "split_folders": {s: f.name for s, f in folders.items()} if published else None,
         "files": len(files),
         "images": len(images),
         "in_channels": channels,
-        "colour_images": colour,
+        "colour_images": sum(f.colour for f in images),
         "modes": dict(sorted(Counter(f.mode for f in images).items())),
         "sizes": _sizes(images),
-        "not_images": {"count": len(not_images) + len(outside), "examples": [
-            _rel(root, p) for p in [*(f.path for f in not_images), *outside][:SHOWN]]},
+        "not_images": {"count": len(not_images), "examples": [_rel(root, p) for p in not_images[:SHOWN]]},
+        "outside_class_folders": {"count": len(outside), "examples": [_rel(root, p) for p in outside[:SHOWN]]},
         "bad_files": {"count": len(bad), "policy": on_bad_file,
                       "examples": [f"{_rel(root, f.path)} ({f.reason})" for f in bad[:SHOWN]]},
     }  # fmt: skip
-    if size is not None and resize_mode == "stretch":
-        report["stretched"] = _stretched(images, size)
-    if duplicates == "drop":  # what was found, in the splits as found (before the test split is carved)
-        report["duplicates"] = _duplicates(root, images, kept := _drop(images), duplicates)
-    else:
-        kept = images
-    if "test" not in folders:  # carved from train, stratified, as ddcnn has always split a folder of class folders
-        train = [f for f in kept if f.split == "train"]
-        _, held = stratified_split(np.asarray([f.label for f in train], dtype=np.int64), test_fraction, seed)
-        for i in held:
-            train[i].split = "test"
-    if duplicates != "drop":  # in the splits the data are trained and tested on
-        report["duplicates"] = _duplicates(root, images, kept, duplicates)
-    splits = {}
-    for split in ("train", "val", "test"):
-        part = [f for f in kept if f.split == split]
-        if not part:
-            continue
-        arrays = [f.array if f.array.ndim == 2 else np.moveaxis(f.array, -1, 0) for f in part]
-        x = np.stack(arrays)
-        splits[split] = (x[:, None] if x.ndim == 3 else x, np.asarray([f.label for f in part], dtype=np.int64))
-    report["seconds"] = round(time.perf_counter() - started, 2)
-    report["summary"] = _summary(report, splits)
-    _log(root, report)
-    return FolderImages(class_names, splits, report)
+
+
+def _arrays(part: list[_File], channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, y)``: ``x`` of shape ``(n, channels, H, W)`` uint8 (grey images repeated into RGB when the folder is
+    read in colour), ``y`` the labels."""
+    x = np.empty((len(part), channels, *part[0].array.shape[:2]), dtype=np.uint8)
+    for k, f in enumerate(part):
+        x[k] = f.array if f.array.ndim == 2 else np.moveaxis(f.array, -1, 0)  # a grey (H, W) fills every channel
+    return x, np.asarray([f.label for f in part], dtype=np.int64)
 
 
 def _sizes(images: list[_File]) -> dict:
@@ -503,6 +523,7 @@ def _summary(report: dict, splits: dict) -> str:
     text = (
         f"{report['images']} images ({report['layout']}: {counts}), {report['in_channels']} channel(s), "
         f"{report['sizes']['distinct']} size(s); {report['not_images']['count']} non-image file(s) ignored, "
+        f"{report['outside_class_folders']['count']} file(s) outside the class folders ignored, "
         f"{report['bad_files']['count']} unreadable file(s) {'skipped' if report['bad_files']['count'] else ''}"
     ).rstrip()
     text += (
@@ -527,6 +548,10 @@ def _log(root: Path, report: dict) -> None:
     if report["bad_files"]["count"]:
         log.warning("image folder %s: skipped %d unreadable file(s): %s", root, report["bad_files"]["count"],
                     "; ".join(report["bad_files"]["examples"]))  # fmt: skip
+    outside = report["outside_class_folders"]
+    if outside["count"]:
+        log.info("image folder %s: ignored %d file(s) outside the class folders, e.g. %s", root, outside["count"],
+                 "; ".join(outside["examples"]))  # fmt: skip
     if report["not_images"]["count"]:
         log.info("image folder %s: ignored %d file(s) that are not images, e.g. %s", root,
                  report["not_images"]["count"], "; ".join(report["not_images"]["examples"]))  # fmt: skip

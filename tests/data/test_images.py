@@ -79,6 +79,8 @@ def messy_folder(root: Path, splits=("train", "valid", "test"), classes=4, per_c
         (root / splits[-1] / "class 0" / "leaked.png").write_bytes(source.read_bytes())  # train and test
     other = sorted((root / (splits[0] if splits else "") / "class 1").glob("*.png"))[0]
     (first / "wrong label.png").write_bytes(other.read_bytes())  # the same image in class 0 and class 1
+    (first / "report.pdf").write_bytes(b"%PDF-1.4 not an image")  # PIL writes PDFs but does not read them
+    (root / (splits[0] if splits else "") / "labels.csv").write_text("file,label\n")  # beside the class folders
     return root
 
 
@@ -168,7 +170,8 @@ def test_published_split_is_used_as_given_and_reports_duplicates(tmp_path):
     report = splits.report
     assert report["layout"] == "published split"
     assert report["split_folders"] == {"train": "train", "val": "valid", "test": "test"}
-    assert report["not_images"]["count"] == 12  # notes.txt in 12 class folders
+    assert report["not_images"]["count"] == 13  # notes.txt in 12 class folders, report.pdf
+    assert report["outside_class_folders"] == {"count": 1, "examples": ["train/labels.csv"]}
     assert set(report["modes"]) == {"1", "CMYK", "I;16", "L", "LA", "P", "RGBA"}
     dup = report["duplicates"]
     assert dup["policy"] == "report" and dup["groups"] == 2  # the leaked copy joins the first image's group
