@@ -154,9 +154,11 @@ def read_image(
 
     with Image.open(path) as im:
         im = canonical(im, background)
-        im = fit(im.convert("L" if in_channels == 1 else "RGB"), size, resize_mode, background)
-        array = np.asarray(im, dtype=np.uint8)
-    return array[None] if array.ndim == 2 else np.moveaxis(array, -1, 0)
+        source = im if in_channels == 3 and is_colour(im) else im.convert("L")  # as _decode: grey before resizing
+        array = np.asarray(fit(source, size, resize_mode, background), dtype=np.uint8)
+    if array.ndim == 2:
+        return np.repeat(array[None], in_channels, axis=0)
+    return np.moveaxis(array, -1, 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -292,16 +294,10 @@ def _decode(f: _File, size, resize_mode: str, in_channels: int | None, backgroun
     # Identity of the decoded pixels: grey images by their grey values, whatever mode they were stored in.
     key = grey if grey is not None else im
     f.digest = hashlib.blake2b(f"{key.mode}{key.size}".encode() + key.tobytes(), digest_size=16).hexdigest()
-    # Grey is made before resizing (PIL's luma for colour files), as ddcnn has always read grey images. With channels
-    # decided by the folder (auto), a grey image stays grey here and is widened if the folder turns out to hold colour.
-    if in_channels == 1 or (in_channels is None and not f.colour):
-        source = grey if grey is not None else im.convert("L")
-    else:
-        source = im
-    out = fit(source, size, resize_mode, background)
-    if in_channels == 3 and out.mode != "RGB":
-        out = out.convert("RGB")
-    f.array = np.asarray(out, dtype=np.uint8)
+    # A grey image (and every image read with one channel: PIL's luma) is made grey before resizing, as ddcnn has
+    # always read grey images; read with three channels, its grey is repeated into each (_arrays).
+    source = im if f.colour and in_channels != 1 else (grey if grey is not None else im.convert("L"))
+    f.array = np.asarray(fit(source, size, resize_mode, background), dtype=np.uint8)
     return f
 
 

@@ -192,6 +192,19 @@ def test_published_split_is_used_as_given_and_reports_duplicates(tmp_path):
     assert not any(row.tobytes() in train_rows for row in dropped.x_test)
 
 
+@pytest.mark.parametrize("resize_mode", ["stretch", "pad"])
+def test_predict_reads_a_file_as_training_did(tmp_path, resize_mode):
+    """A colour folder: grey images are repeated into RGB, colour ones kept; ddcnn-predict's reader gives the same."""
+    root = messy_folder(tmp_path / "data", per_class=(2, 1, 2), colour=True)
+    splits = image_folder(root, image_size=(24, 20), resize_mode=resize_mode)
+    assert splits.in_channels == 3
+    test_files = [p for c in range(4) for p in sorted((root / "test" / f"class {c}").glob("*.png"))]
+    for k, path in enumerate(test_files):
+        assert np.array_equal(read_image(path, 3, (24, 20), resize_mode), splits.x_test[k]), path
+    assert not np.array_equal(splits.x_test[1, 0], splits.x_test[1, 2])  # the colour image of class 0
+    assert np.array_equal(splits.x_test[2, 0], splits.x_test[2, 2])  # a grey one
+
+
 def test_class_folders_colour_bad_and_non_image_files(tmp_path):
     root = messy_folder(tmp_path / "data", splits=(), per_class=(4, 0, 2), colour=True)
     found = read_folder(root, image_size=(24, 32), test_fraction=0.3, seed=0)
