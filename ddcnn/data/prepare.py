@@ -56,6 +56,7 @@ __all__ = [
     "Prepared",
     "prepare",
     "load_prepared",
+    "class_counts",
 ]
 
 PREPARED_KIND = "prepared"
