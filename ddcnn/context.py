@@ -32,6 +32,7 @@ __all__ = [
     "data_store",
     "build_context",
     "check_settings",
+    "resolve_data_counts",
     "check_networks",
     "check_methods",
     "tuple_or_int",
@@ -65,15 +66,20 @@ def data_store(cfg: DictConfig) -> Store:
     return Store(default_root(node.get("root")), stale_after_s=float(node.get("stale_after_s", 120) or 120))
 
 
-def _accepts_lazy(target: str) -> bool:
+def _accepts(target: str, name: str) -> bool:
     import inspect
 
     from hydra.utils import get_method
 
     try:
-        return "lazy" in inspect.signature(get_method(target)).parameters
+        return name in inspect.signature(get_method(target)).parameters
     except (ValueError, TypeError, ImportError, AttributeError):
         return False
+
+
+def _count(value) -> int | str:
+    """A data-derived count as set: ``auto`` (the data decide) or a whole number."""
+    return "auto" if value == "auto" else int(value)
 
 
 def load_data(cfg: DictConfig) -> Prepared:
@@ -81,11 +87,14 @@ def load_data(cfg: DictConfig) -> Prepared:
     (same numbers in every stage and process; see :mod:`ddcnn.data.prepare`)."""
     d = cfg.data
     spec = OmegaConf.to_container(d.source, resolve=True)
-    lazy = {"lazy": True} if _accepts_lazy(str(spec.get("_target_", ""))) else {}
+    target = str(spec.get("_target_", ""))
+    extra = {"lazy": True} if _accepts(target, "lazy") else {}
+    if _accepts(target, "in_channels"):  # a source that can read 1 or 3 channels (image files) reads data.in_channels
+        extra["in_channels"] = _count(d.in_channels)
     image_size, window = d.get("image_size"), d.get("window")
     settings = PrepareSettings(
-        num_classes=int(d.num_classes),
-        in_channels=int(d.in_channels),
+        num_classes=_count(d.num_classes),
+        in_channels=_count(d.in_channels),
         spatial_dims=int(d.spatial_dims),
         image_size=tuple(image_size) if image_size is not None else None,
         val_fraction=float(d.get("val_fraction", 0.1)),
@@ -99,7 +108,7 @@ def load_data(cfg: DictConfig) -> Prepared:
     memory = d.get("memory") or {}
     store = cfg.get("store") or {}
     return load_prepared(
-        lambda: instantiate(d.source, **lazy),
+        lambda: instantiate(d.source, **extra),
         {k: v for k, v in spec.items() if k not in NOT_IDENTITY},
         settings,
         mode=str(memory.get("mode", "auto")),
@@ -116,14 +125,16 @@ def build_context(
     """Load the data, build the decomposition, check the networks and (``claim``) the run directory.
 
     With ``claim=False`` the caller checks further settings first and then calls
-    ``ctx.run.check_fingerprint(cfg)`` itself. ``data`` skips loading: the parent of the parallel workers hands
-    them the data it prepared (the tensors in shared memory, or the store entry that each worker maps) instead of
-    each worker reading and preparing them again.
+    ``ctx.run.check_fingerprint(ctx.cfg)`` itself. ``ctx.cfg`` is ``cfg`` with ``data.num_classes`` and
+    ``data.in_channels`` set to the data's where they were ``auto`` (:func:`resolve_data_counts`). ``data`` skips
+    loading: the parent of the parallel workers hands them the data it prepared (the tensors in shared memory, or the
+    store entry that each worker maps) instead of each worker reading and preparing them again.
     """
     run = RunDir(run_dir if run_dir is not None else cfg.paths.run_dir)
     check_settings(cfg)
     if data is None:
         data = load_data(cfg)
+    cfg = resolve_data_counts(cfg, data)
     dec = Decomposition(tuple(cfg.decomposition.grid), data.image_shape, tuple_or_int(cfg.decomposition.overlap))
     ctx = Context(cfg, run, data, dec)
     check_networks(ctx)
@@ -132,10 +143,32 @@ def build_context(
     return ctx
 
 
-def _positive_int(cfg: DictConfig, key: str) -> None:
+def _positive_int(cfg: DictConfig, key: str, auto: bool = False) -> None:
     value = OmegaConf.select(cfg, key)
+    if auto and value == "auto":
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} must be a positive whole number, got {value!r}; set {key}=<n> with n >= 1.")
+        also = " or auto (taken from the data)" if auto else ""
+        raise ValueError(
+            f"{key} must be a positive whole number{also}, got {value!r}; set {key}=<n> with n >= 1{also}."
+        )
+
+
+def resolve_data_counts(cfg: DictConfig, data: Prepared) -> DictConfig:
+    """``cfg``, or a copy with ``data.num_classes`` / ``data.in_channels`` that were ``auto`` set to the data's: what
+    the stages read, and what the run directory's fingerprint records (a run of 4 classes is not a run of 5)."""
+    auto = [key for key in ("num_classes", "in_channels") if cfg.data.get(key) == "auto"]
+    if not auto:
+        return cfg
+    import copy
+
+    from omegaconf import open_dict
+
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        for key in auto:
+            out.data[key] = int(getattr(data, key))
+    return out
 
 
 def check_settings(cfg: DictConfig) -> None:
@@ -155,7 +188,7 @@ def check_settings(cfg: DictConfig) -> None:
     if not isinstance(frac, int | float) or not 0 < frac < 1:
         raise ValueError(f"data.val_fraction must lie strictly between 0 and 1, got {frac!r}.")
     for key in ("data.num_classes", "data.in_channels"):
-        _positive_int(cfg, key)
+        _positive_int(cfg, key, auto=True)
     if cfg.data.spatial_dims not in (2, 3):
         raise ValueError(f"data.spatial_dims must be 2 (images) or 3 (volumes), got {cfg.data.spatial_dims!r}.")
     reuse = (cfg.get("store") or {}).get("reuse", True)

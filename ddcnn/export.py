@@ -180,7 +180,9 @@ def _file_reading(cfg) -> dict:
     if target.endswith(".image_folder"):
         size = _plain(source.get("image_size"))
         images["size"] = [size, size] if isinstance(size, int) else size
-        images["mode"] = "L" if source.get("grayscale", True) else "RGB"
+        # ddcnn.data.images decodes every PIL mode, then brings the image to size as resize_mode says
+        images["resize_mode"] = str(source.get("resize_mode") or "stretch")
+        images["background"] = int(source.get("background") or 0)
     if target.endswith(".nifti"):
         nifti = {k: _plain(source.get(k)) for k in _NIFTI_KEYS if source.get(k) is not None}
     return {"image_files": images, "nifti": nifti}

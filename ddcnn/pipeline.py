@@ -130,7 +130,7 @@ def _train(cfg: DictConfig, run_dir, stage: str, optional: list[str], pool) -> d
             f"subdomain {bad} does not exist: the {ctx.decomposition.describe()} has sub-domains "
             f"0..{ctx.decomposition.num_subdomains - 1} (row-major, last axis fastest)."
         )
-    ctx.run.check_fingerprint(cfg)
+    ctx.run.check_fingerprint(ctx.cfg)  # data.num_classes, data.in_channels as resolved from the data
     log.info("run directory %s: %s", ctx.run.root, ctx.decomposition.describe())
     device = resolve_device(cfg.get("device"))  # auto: every stage of this process on the same kind of device
     out: dict = {}

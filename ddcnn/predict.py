@@ -77,7 +77,14 @@ def _read_image(path: Path, meta: dict) -> np.ndarray:
             f"{path}: image files give 1 (grayscale) or 3 (RGB) channels but the model expects {c}. Save the input "
             f"as a .npy array of shape ({c}, H, W)."
         )
-    try:
+    if "resize_mode" in reading:  # read as the image-folder source read the training images
+        from ddcnn.data.images import read_image
+
+        try:
+            return read_image(path, c, reading.get("size"), reading["resize_mode"], int(reading.get("background", 0)))
+        except (OSError, ValueError, UnidentifiedImageError) as err:
+            raise InputError(f"{path}: cannot be read as an image ({err}); check the file.") from err
+    try:  # a model exported before the image-folder source decoded every mode (or trained on other data)
         with Image.open(path) as im:
             im = im.convert(reading.get("mode") or ("L" if c == 1 else "RGB"))
             size = reading.get("size")

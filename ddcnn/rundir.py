@@ -117,14 +117,23 @@ ADDED_DEFAULTS: dict[str, Any] = {
     "methods.stacker.l2_grid": list(L2_GRID),
     "methods.stacker.max_iter": 200,
     "methods.local_oof.folds": 5,
+    # The image-folder source's reading settings (ddcnn.data.images): these defaults read an image folder as before.
+    "data.resize_mode": "stretch",
+    "data.source.resize_mode": "stretch",
+    "data.source.background": 0,
+    "data.source.on_bad_file": "error",
+    "data.source.duplicates": "report",
 }
 # Defaults that changed: a record with the old default matches a configuration with the new one (key -> (old, new)).
-# Only the coarse DNN's recipe is here: a finished coarse stage stays finished, and its meta.json records how it was
+# The coarse DNN's recipe: a finished coarse stage stays finished, and its meta.json records how it was
 # trained (coarse_net, fit); force=true retrains it with today's recipe.
 CHANGED_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "coarse.max_epochs": (8, "auto"),
     "coarse.batch_size": (1024, "auto"),
     "coarse.optimizer.lr": (0.02, 0.003),
+    # The image-folder source follows data.in_channels now (auto: from the images); a run recorded with grey reading
+    # recorded data.in_channels=1 too, which the resolved count must match.
+    "data.source.grayscale": (True, None),
 }
 
 

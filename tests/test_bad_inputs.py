@@ -44,8 +44,71 @@ def _data(tmp_path: Path, kind: str) -> list[str]:
     ]
 
 
+def _folder(tmp_path: Path, kind: str = "") -> list[str]:
+    """An image folder of 3 classes x 5 grey PNGs (a published train/valid/test split for ``split_mismatch``)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    root = tmp_path / "images"
+    splits = ("train", "valid", "test") if kind == "split_mismatch" else ("",)
+    for split in splits:
+        for c in range(3):
+            folder = root / split / (f"c{c}" if not (kind == "split_mismatch" and split == "test" and c == 2) else "x")
+            folder.mkdir(parents=True)
+            for k in range(5):
+                size = (20, 20 + 4 * k) if kind == "sizes" else (20, 20)
+                Image.fromarray(rng.integers(0, 255, size, dtype=np.uint8)).save(folder / f"img {k}.png")
+    if kind == "truncated":
+        path = root / "c1" / "img 2.png"
+        path.write_bytes(path.read_bytes()[:60])
+    return ["data=image_folder", f"data.root={root}", "data.image_size=[16,16]", "data.batch_size=4"]
+
+
 # (case id, overrides (a function of tmp_path), exception type, pattern in the message)
 CASES = [
+    (
+        "image_folder_truncated_file",
+        lambda t: _folder(t, "truncated"),
+        ValueError,
+        r"1 of 15 files under .* cannot be read as images: c1/img 2\.png \(.*data\.source\.on_bad_file=skip",
+    ),
+    (
+        "image_folder_num_classes_disagrees",
+        lambda t: [*_folder(t), "data.num_classes=4"],
+        ValueError,
+        r"has 3 classes \(c0, c1, c2\) but data\.num_classes=4; set data\.num_classes=3 or auto",
+    ),
+    (
+        "image_folder_sizes_differ",
+        lambda t: [*_folder(t, "sizes"), "data.image_size=null"],
+        ValueError,
+        r"5 different sizes \(HxW\): 20x20 \(c0/img 0\.png\).*Set data\.image_size=\[H,W\]",
+    ),
+    (
+        "image_folder_split_classes_differ",
+        lambda t: _folder(t, "split_mismatch"),
+        ValueError,
+        r"class folders of test/ differ from those of train/ \(missing there: \['c2'\]; not in train: \['x'\]\)",
+    ),
+    (
+        "image_folder_unknown_resize_mode",
+        lambda t: [*_folder(t), "data.resize_mode=fit"],
+        ValueError,
+        r"data\.resize_mode must be one of \['stretch', 'pad', 'center_crop'\], got 'fit'",
+    ),
+    (
+        "image_folder_two_channels",
+        lambda t: [*_folder(t), "data.in_channels=2"],
+        ValueError,
+        r"data\.in_channels=2 cannot be read from image files.*1, 3 or auto",
+    ),
+    (
+        "image_folder_grayscale_disagrees",
+        lambda t: [*_folder(t), "data.source.grayscale=true", "data.in_channels=3"],
+        ValueError,
+        r"data\.source\.grayscale=true reads 1 channel\(s\) but data\.in_channels=3",
+    ),
+    ("zero_classes", lambda t: ["data.num_classes=0"], ValueError, r"data\.num_classes must be a positive.* or auto"),
     ("grid_larger_than_image", lambda t: ["decomposition.grid=[20,20]"], ValueError, "at most 16 sub-domains"),
     ("overlap_too_large", lambda t: ["decomposition.overlap=17"], ValueError, "overlap of at most 16"),
     ("negative_overlap", lambda t: ["decomposition.overlap=-1"], ValueError, "must be >= 0"),

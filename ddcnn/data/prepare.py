@@ -56,6 +56,7 @@ __all__ = [
     "Prepared",
     "prepare",
     "load_prepared",
+    "class_counts",
 ]
 
 PREPARED_KIND = "prepared"
@@ -80,10 +81,13 @@ class DataDoesNotFit(ValueError):
 
 @dataclass(frozen=True)
 class PrepareSettings:
-    """The settings of a preparation (``data.*``); all but ``normalize`` name the prepared copy in the store."""
+    """The settings of a preparation (``data.*``); all but ``normalize`` name the prepared copy in the store.
 
-    num_classes: int
-    in_channels: int
+    ``num_classes`` and ``in_channels`` may be ``"auto"``: the source's class list and channels decide.
+    """
+
+    num_classes: int | str
+    in_channels: int | str
     spatial_dims: int
     image_size: tuple[int, ...] | None = None
     val_fraction: float = 0.1
@@ -146,6 +150,7 @@ class _Plan:
     size: tuple[int, ...] | None  # resize target (None: kept)
     stored: np.dtype
     scale_uint8: bool
+    report: dict  # what the source found while reading (Splits.report)
 
     def n(self, split: str) -> int:
         return len(self.routes[split][1])
@@ -155,8 +160,31 @@ class _Plan:
         return row * (self.n(split) if split else sum(self.n(s) for s in SPLITS))
 
 
+def _resolve(splits: Splits, s: PrepareSettings) -> PrepareSettings:
+    """``s`` with ``auto`` class and channel counts taken from the data, and a declared class count checked against a
+    source that lists its classes (class folders)."""
+    from dataclasses import replace
+
+    where = f"dataset {splits.name!r}"
+    listed = len(splits.class_names)
+    if s.num_classes == "auto":
+        if not listed:
+            raise ValueError(f"{where} names no classes, so data.num_classes=auto cannot count them; set the number.")
+        s = replace(s, num_classes=listed)
+    elif splits.classes_listed and s.num_classes != listed:
+        shown = ", ".join(splits.class_names[:12]) + (", ..." if listed > 12 else "")
+        raise ValueError(
+            f"{where} has {listed} classes ({shown}) but data.num_classes={s.num_classes}; set data.num_classes="
+            f"{listed} or auto (counted from the data)."
+        )
+    if s.in_channels == "auto":
+        s = replace(s, in_channels=splits.in_channels)
+    return s
+
+
 def _plan(splits: Splits, s: PrepareSettings) -> _Plan:
     where = f"dataset {splits.name!r}"
+    s = _resolve(splits, s)
     if splits.x_train.ndim != s.spatial_dims + 2:
         raise ValueError(
             f"{where} has images of shape {tuple(splits.x_train.shape[1:])} (channels first), which is "
@@ -165,7 +193,7 @@ def _plan(splits: Splits, s: PrepareSettings) -> _Plan:
     if splits.in_channels != s.in_channels:
         raise ValueError(
             f"{where} has {splits.in_channels} channel(s) but data.in_channels={s.in_channels}; set data.in_channels="
-            f"{splits.in_channels}."
+            f"{splits.in_channels} (or auto)."
         )
     sources = {"train": splits.x_train, "test": splits.x_test}
     labels = {"train": np.asarray(splits.y_train), "test": np.asarray(splits.y_test)}
@@ -212,7 +240,8 @@ def _plan(splits: Splits, s: PrepareSettings) -> _Plan:
     resized = size is not None and any(tuple(x.shape[2:]) != size for x in sources.values())
     stored, scale = storage_dtype([x.dtype for x in sources.values()], resized, s.float_storage)
     row_shape = (s.in_channels, *(size if size is not None else spatial))
-    return _Plan(splits.name, list(splits.class_names), sources, routes, y, row_shape, size, stored, scale)
+    report = dict(splits.report)
+    return _Plan(splits.name, list(splits.class_names), sources, routes, y, row_shape, size, stored, scale, report)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -602,7 +631,7 @@ def _record(plan: _Plan, stats: _Stats, settings: PrepareSettings) -> dict:
         "shapes": {s: [plan.n(s), *plan.row_shape] for s in SPLITS},
         "decode": {"scale_uint8": plan.scale_uint8, "window": list(settings.window) if settings.window else None},
         "stats": {"mean": [float(v) for v in mean], "std": [float(v) for v in std], "of": "train, decoded"},
-        "info": {f"n_{s}": plan.n(s) for s in SPLITS},
+        "info": {**{f"n_{s}": plan.n(s) for s in SPLITS}, **({"report": plan.report} if plan.report else {})},
     }
 
 
@@ -701,7 +730,31 @@ def prepare(
         float_storage,
         tuple(window) if window is not None else None,
     )
-    return _prepare_in_memory(_plan(splits, settings), settings, progress)
+    data = _prepare_in_memory(_plan(splits, settings), settings, progress)
+    data.info["class_counts"] = class_counts(data)
+    return data
+
+
+def class_counts(data: Prepared) -> dict[str, dict[str, int]]:
+    """Samples per class in each split, ``{split: {class name: count}}`` (every class listed, zeros included)."""
+    out = {}
+    for split in SPLITS:
+        counts = np.bincount(data.y[split].numpy(), minlength=data.num_classes)
+        out[split] = {name: int(n) for name, n in zip(data.class_names, counts, strict=False)}
+    return out
+
+
+def _log_classes(data: Prepared) -> None:
+    counts = data.info["class_counts"]
+    if data.num_classes <= 20:
+        for split in SPLITS:
+            shown = ", ".join(f"{k} {v}" for k, v in counts[split].items())
+            log.info("data %s: %s per class: %s", data.name, split, shown)
+        return
+    for split in SPLITS:
+        values = list(counts[split].values())
+        log.info("data %s: %s: %d classes, %d to %d samples per class", data.name, split, data.num_classes,
+                 min(values), max(values))  # fmt: skip
 
 
 def _gb(value: int) -> str:
@@ -744,13 +797,19 @@ def load_prepared(
     started, rss_before = time.perf_counter(), rss_bytes()
     depends = {"format": PREPARED_FORMAT, "settings": settings.depends(), "source": dict(spec)}
     plan = entry = None
-    built = False
+    built = read = False
+
+    def splits_of_source() -> Splits:
+        nonlocal read
+        read = True
+        return source()
+
     if mode in ("auto", "mapped") and store is not None:
         depends["files"] = source_identity(dict(spec))
         entry = store.get(PREPARED_KIND, depends)
     if entry is None:
         if mode in ("auto", "memory"):
-            plan = _plan(source(), settings)
+            plan = _plan(splits_of_source(), settings)
         if mode == "auto":
             limit = available_bytes() if limit_gb is None else float(limit_gb) * 1e9
             small = plan.nbytes() <= float(auto_max_mb) * 1e6 and (limit is None or plan.nbytes() <= limit)
@@ -765,7 +824,7 @@ def load_prepared(
             def build(folder: Path) -> dict:
                 nonlocal built, plan
                 built = True
-                plan = plan if plan is not None else _plan(source(), settings)
+                plan = plan if plan is not None else _plan(splits_of_source(), settings)
                 return _write_entry(plan, settings, folder, progress)
 
             entry = store.get_or_build(PREPARED_KIND, depends, build, describe=f"prepared {spec_name(spec)}")
@@ -774,6 +833,7 @@ def load_prepared(
             entry = store.stage(entry, stage_to)
         data = Prepared.from_entry(entry.path, settings.normalize)
     data.info["built"] = built
+    data.info["class_counts"] = class_counts(data)
     data.info["prepare_s"] = round(time.perf_counter() - started, 3)
     rss_ready = rss_bytes()
     if rss_before is not None and rss_ready is not None:
@@ -790,6 +850,10 @@ def load_prepared(
         data.info["prepare_s"],
         f"; this process +{(rss_ready - rss_before) / 1e6:.0f} MB resident" if rss_before and rss_ready else "",
     )
+    summary = (data.info.get("report") or {}).get("summary")
+    if summary and not read:  # the source logged it when it was read; from the store, the record says it
+        log.info("data %s, as read when prepared: %s", data.name, summary)
+    _log_classes(data)
     return data
 
 

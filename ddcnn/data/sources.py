@@ -27,8 +27,6 @@ __all__ = [
     "NOT_IDENTITY",
 ]
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".pgm", ".tif", ".tiff", ".gif")
-
 
 @dataclass
 class Splits:
@@ -42,6 +40,10 @@ class Splits:
         x_val, y_val: An official validation split, or ``None`` (the datamodule carves one from train).
         class_names: Names of the classes, index = label.
         name: Short dataset name for reports.
+        classes_listed: ``class_names`` lists every class (class folders): a declared ``data.num_classes`` must
+            equal their number. Otherwise they may be made up from the labels seen.
+        report: What the source found while reading (files ignored or skipped, duplicates), JSON-ready; kept with
+            the prepared data and written to ``results.json``.
     """
 
     x_train: np.ndarray | Rows
@@ -52,6 +54,8 @@ class Splits:
     y_val: np.ndarray | None = None
     class_names: list[str] = field(default_factory=list)
     name: str = "data"
+    classes_listed: bool = False
+    report: dict = field(default_factory=dict)
 
     @property
     def num_classes(self) -> int:
@@ -254,51 +258,92 @@ def _cifar10(root: Path) -> Splits:
 def image_folder(
     root: str | Path,
     image_size: Sequence[int] | int | None = None,
-    grayscale: bool = True,
+    grayscale: bool | None = None,
     test_fraction: float = 0.3,
     seed: int = 0,
+    resize_mode: str = "stretch",
+    background: int = 0,
+    on_bad_file: str = "error",
+    duplicates: str = "report",
+    in_channels: int | str = "auto",
 ) -> Splits:
-    """A folder with one sub-folder of images per class (e.g. one per person for face recognition).
+    """A folder of images as it comes: one sub-folder per class, or a published split of such folders.
 
-    The test split is stratified with a fixed seed, so every class (person) appears in train and test.
-    Images are resized to ``image_size`` (needed when their sizes differ).
+    ``ROOT/<class>/...`` is split into train and test stratified with a fixed seed (every class in both);
+    ``ROOT/{train,val|valid,test}/<class>/...`` is used as given (test carved from train when absent; the datamodule
+    carves validation from train when absent). Every PIL mode is converted deliberately, images are brought to
+    ``image_size`` by ``resize_mode``, unreadable files are named or skipped, non-image files ignored and identical
+    images counted or dropped: :mod:`ddcnn.data.images` says how. What was found is :attr:`Splits.report`.
+
+    Args:
+        root: The folder (``data.root``).
+        image_size: ``(H, W)`` (or one int for both) every image is brought to; ``None``: all must have one size.
+        grayscale: ``True`` reads 1 channel, ``False`` 3 (RGB); ``None`` follows ``in_channels``.
+        test_fraction, seed: The stratified test split of a folder without a published test split.
+        resize_mode: ``stretch``, ``pad`` or ``center_crop`` (``data.resize_mode``).
+        background: Grey level 0..255 under transparent pixels and around padded images.
+        on_bad_file: ``error`` or ``skip`` unreadable and truncated files.
+        duplicates: ``report`` or ``drop`` identical images.
+        in_channels: 1, 3 or ``auto`` (3 when some image is in colour), from ``data.in_channels``.
     """
-    from PIL import Image
+    from ddcnn.data.images import BAD_FILE_POLICIES, DUPLICATE_POLICIES, RESIZE_MODES, read_folder
 
-    root = Path(root).expanduser()
-    if not root.is_dir():
-        raise FileNotFoundError(
-            f"image folder {root} does not exist; set data.root to a folder with one sub-folder per class."
+    for key, value, allowed in (
+        ("data.resize_mode", resize_mode, RESIZE_MODES),
+        ("data.source.on_bad_file", on_bad_file, BAD_FILE_POLICIES),
+        ("data.source.duplicates", duplicates, DUPLICATE_POLICIES),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{key} must be one of {list(allowed)}, got {value!r}.")
+    if isinstance(background, bool) or not isinstance(background, int) or not 0 <= background <= 255:
+        raise ValueError(f"data.source.background must be a grey level 0..255 (0 = black), got {background!r}.")
+    if in_channels not in ("auto", 1, 3) or isinstance(in_channels, bool):
+        raise ValueError(
+            f"data.in_channels={in_channels!r} cannot be read from image files: they give 1 (grey) or 3 (RGB) "
+            f"channels; set data.in_channels=1, 3 or auto (3 when the folder holds colour images)."
         )
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if len(classes) < 2:
-        raise ValueError(f"image folder {root} has {len(classes)} class sub-folders; a classifier needs at least 2.")
+    if grayscale is not None and not isinstance(grayscale, bool):
+        raise ValueError(
+            f"data.source.grayscale must be true, false or null (follow data.in_channels), got {grayscale!r}."
+        )
+    channels = None if in_channels == "auto" else int(in_channels)
+    if grayscale is not None:
+        wanted = 1 if grayscale else 3
+        if channels is not None and channels != wanted:
+            raise ValueError(
+                f"data.source.grayscale={str(grayscale).lower()} reads {wanted} channel(s) but data.in_channels="
+                f"{channels}; set one of them (data.source.grayscale=null follows data.in_channels)."
+            )
+        channels = wanted
     if isinstance(image_size, int):
         image_size = (image_size, image_size)
-    images, labels = [], []
-    for label, cls in enumerate(classes):
-        files = sorted(p for p in (root / cls).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-        if not files:
-            raise ValueError(
-                f"class folder {root / cls} holds no images ({', '.join(IMAGE_SUFFIXES)}); add some or remove it."
-            )
-        for f in files:
-            try:
-                with Image.open(f) as im:
-                    im = im.convert("L" if grayscale else "RGB")
-                    if image_size is not None:
-                        im = im.resize((image_size[1], image_size[0]), Image.BILINEAR)
-                    images.append(np.asarray(im, dtype=np.uint8))
-            except OSError as err:
-                raise ValueError(f"image {f} cannot be read ({err}); remove or replace the file.") from err
-            labels.append(label)
-    shapes = {im.shape for im in images}
-    if len(shapes) > 1:
-        raise ValueError(f"images under {root} have different sizes {sorted(shapes)[:3]}...; set data.image_size.")
-    x = _with_channel_axis(np.stack(images), 2, str(root))
-    y = np.asarray(labels, dtype=np.int64)
-    train, test = stratified_split(y, test_fraction, seed)
-    return Splits(x[train], y[train], x[test], y[test], class_names=classes, name=root.name)
+    if image_size is not None and (len(image_size) != 2 or min(int(v) for v in image_size) < 1):
+        raise ValueError(f"data.image_size={list(image_size)} must be two positive sizes [H, W] for images, or null.")
+    found = read_folder(
+        root,
+        image_size=image_size,
+        resize_mode=resize_mode,
+        in_channels=channels,
+        background=background,
+        on_bad_file=on_bad_file,
+        duplicates=duplicates,
+        test_fraction=test_fraction,
+        seed=seed,
+    )
+    (x_train, y_train), (x_test, y_test) = found.splits["train"], found.splits["test"]
+    x_val, y_val = found.splits.get("val", (None, None))
+    return Splits(
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        x_val,
+        y_val,
+        class_names=found.class_names,
+        name=Path(root).expanduser().name,
+        classes_listed=True,
+        report=found.report,
+    )
 
 
 def nifti(

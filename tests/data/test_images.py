@@ -1,0 +1,306 @@
+"""Image folders as they come (ddcnn/data/images.py and the image_folder source): modes, sizes, disguised formats,
+odd names, bad and non-image files, published splits and duplicates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ddcnn.data.images import read_folder, read_image
+from ddcnn.data.prepare import prepare
+from ddcnn.data.sources import image_folder
+
+
+def _pattern(label: int, h: int, w: int, seed: int) -> np.ndarray:
+    """A grey image whose bright band sits where its class says (so classes differ), with noise (so images differ)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 60, (h, w)).astype(np.uint8)
+    rows = slice(label * h // 4, (label + 1) * h // 4)
+    x[rows] = 200
+    x[rng.integers(0, h, 8), rng.integers(0, w, 8)] = 255  # so that bilevel copies differ too
+    return x
+
+
+def _save_mode(path: Path, grey: np.ndarray, mode: str) -> None:
+    """``grey`` saved as a file of PIL ``mode`` (the file format follows the mode; the name is ``path`` as given)."""
+    if mode == "RGB":
+        colour = np.stack([grey, grey // 2, 255 - grey], axis=-1)
+        Image.fromarray(colour, "RGB").save(path, format="PNG")
+    elif mode == "RGBA":
+        alpha = np.full(grey.shape, 255, np.uint8)
+        alpha[:, :2] = 0  # a transparent border
+        Image.fromarray(np.stack([grey, grey, grey, alpha], -1), "RGBA").save(path, format="PNG")
+    elif mode == "LA":
+        Image.fromarray(np.stack([grey, np.full_like(grey, 255)], -1), "LA").save(path, format="PNG")
+    elif mode == "P":
+        Image.fromarray(grey).convert("P").save(path, format="PNG", transparency=0)
+    elif mode == "I;16":
+        Image.fromarray(grey.astype(np.uint16) * 257).save(path, format="PNG")
+    elif mode == "1":
+        Image.fromarray(grey > 128).save(path, format="PNG")
+    elif mode == "CMYK":
+        Image.fromarray(grey).convert("CMYK").save(path, format="JPEG", quality=95)
+    elif mode == "JPEG-as-png":  # a .png name holding a JPEG
+        Image.fromarray(grey).save(path, format="JPEG", quality=95)
+    else:
+        Image.fromarray(grey).save(path, format="PNG")
+
+
+MODES = ["L", "RGBA", "LA", "P", "I;16", "1", "CMYK", "JPEG-as-png"]
+SIZES = [(120, 90), (64, 256), (300, 120), (90, 90), (40, 400)]  # (H, W): ~100 to 400 px, aspect 0.1 to 6
+
+
+def messy_folder(root: Path, splits=("train", "valid", "test"), classes=4, per_class=(6, 2, 3), colour=False) -> Path:
+    """Class folders (in split folders when ``splits``) of mixed modes and sizes, names with spaces and parentheses,
+    a non-image file in each class, and three duplicates: one within train, one across train and test (same class),
+    one across classes."""
+    layout = list(zip(splits, per_class, strict=True)) if splits else [(None, sum(per_class))]
+    seed = 0
+    for split, n in layout:
+        for c in range(classes):
+            folder = root / split / f"class {c}" if split else root / f"class {c}"
+            folder.mkdir(parents=True)
+            for k in range(n):
+                h, w = SIZES[(k + c) % len(SIZES)]
+                mode = MODES[(k + 3 * c) % len(MODES)]
+                if colour and k == 0 and c == 0:
+                    mode = "RGB"
+                _save_mode(folder / f"scan ({k}) {mode.replace(';', '')}.png", _pattern(c, h, w, seed), mode)
+                seed += 1
+            (folder / "notes.txt").write_text("not an image")
+    first = root / (splits[0] if splits else "") / "class 0"
+    source = sorted(first.glob("*.png"))[0]
+    (first / "copy of first.png").write_bytes(source.read_bytes())  # within one split, same class
+    if splits:
+        (root / splits[-1] / "class 0" / "leaked.png").write_bytes(source.read_bytes())  # train and test
+    other = sorted((root / (splits[0] if splits else "") / "class 1").glob("*.png"))[0]
+    (first / "wrong label.png").write_bytes(other.read_bytes())  # the same image in class 0 and class 1
+    (first / "report.pdf").write_bytes(b"%PDF-1.4 not an image")  # PIL writes PDFs but does not read them
+    (root / (splits[0] if splits else "") / "labels.csv").write_text("file,label\n")  # beside the class folders
+    return root
+
+
+# --- modes ------------------------------------------------------------------------------------------------------
+
+
+def test_every_mode_is_converted_deliberately(tmp_path):
+    ramp = np.tile(np.linspace(0, 65535, 256).astype(np.uint16), (4, 1))
+    Image.fromarray(ramp).save(tmp_path / "ramp16.png")
+    assert Image.open(tmp_path / "ramp16.png").mode == "I;16"
+    grey16 = read_image(tmp_path / "ramp16.png", 1)[0]
+    # Scaled by the 16-bit range, not clipped: convert("L") turns all but the first 256 levels into 255.
+    assert np.asarray(Image.open(tmp_path / "ramp16.png").convert("L")).mean() > 250
+    assert grey16[0, 0] == 0 and grey16[0, -1] == 255 and abs(int(grey16[0, 128]) - 128) <= 1
+    assert np.all(np.diff(grey16[0].astype(int)) >= 0) and len(np.unique(grey16)) > 200
+
+    # Alpha composited onto the background (black by default, or data.source.background).
+    rgba = np.zeros((4, 4, 4), np.uint8)
+    rgba[..., :3] = 255  # white under every pixel
+    rgba[:, :2, 3] = 0  # left half transparent
+    rgba[:, 2:, 3] = 255
+    rgba[0, 3, 3] = 128  # one half-transparent pixel
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "alpha.png")
+    out = read_image(tmp_path / "alpha.png", 1)[0]
+    assert out[:, :2].max() == 0 and out[1:, 2:].min() == 255 and out[0, 3] == 128
+    assert read_image(tmp_path / "alpha.png", 1, background=255)[0].min() == 255
+
+    la = np.stack([np.full((4, 4), 200, np.uint8), np.array([[0, 255, 255, 255]] * 4, np.uint8)], -1)
+    Image.fromarray(la, "LA").save(tmp_path / "la.png")
+    assert read_image(tmp_path / "la.png", 1)[0].tolist() == [[0, 200, 200, 200]] * 4
+
+    # A palette expanded through its palette, with its transparent index.
+    pal = Image.new("P", (3, 1))
+    pal.putpalette([0, 0, 0, 255, 0, 0, 10, 20, 30] + [0] * 759)
+    pal.putdata([0, 1, 2])
+    pal.save(tmp_path / "palette.png", transparency=1)
+    rgb = read_image(tmp_path / "palette.png", 3)
+    assert rgb[:, 0, 0].tolist() == [0, 0, 0]
+    assert rgb[:, 0, 1].tolist() == [0, 0, 0]  # index 1 (red) is transparent: composited onto black
+    assert rgb[:, 0, 2].tolist() == [10, 20, 30]
+
+    Image.fromarray(np.array([[True, False]])).save(tmp_path / "bilevel.png")
+    assert read_image(tmp_path / "bilevel.png", 1)[0].tolist() == [[255, 0]]
+
+    Image.new("CMYK", (4, 4), (0, 255, 255, 0)).save(tmp_path / "cmyk.jpg", quality=100)  # red in CMYK
+    red = read_image(tmp_path / "cmyk.jpg", 3)[:, 0, 0]
+    assert red[0] > 240 and red[1] < 15 and red[2] < 15
+
+    Image.fromarray(np.array([[0.0, 0.5, 1.0]], np.float32), "F").save(tmp_path / "float.tif")
+    assert read_image(tmp_path / "float.tif", 1)[0].tolist() == [[0, 128, 255]]
+
+    # A photo is read upright: the EXIF orientation 6 (rotate 90 degrees clockwise) is applied.
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(np.zeros((10, 30), np.uint8)).save(tmp_path / "portrait.jpg", exif=exif)
+    assert read_image(tmp_path / "portrait.jpg", 1).shape == (1, 30, 10)
+
+
+def test_format_by_content_and_resize_modes(tmp_path):
+    wide = np.zeros((20, 80), np.uint8)
+    wide[:, 30:50] = 255
+    Image.fromarray(wide).save(tmp_path / "wide (1).png", format="JPEG", quality=100)  # a JPEG named .png
+    path = tmp_path / "wide (1).png"
+    assert Image.open(path).format == "JPEG"
+    stretch = read_image(path, 1, (40, 40), "stretch")[0]
+    pad = read_image(path, 1, (40, 40), "pad", background=0)[0]
+    crop = read_image(path, 1, (40, 40), "center_crop")[0]
+    assert stretch.shape == pad.shape == crop.shape == (40, 40)
+    # stretch keeps the whole width (the bright band is the middle quarter), pad adds rows of background above and
+    # below (the image is 10 rows high once fitted), center_crop keeps the middle quarter of the width.
+    assert stretch[20, 0] < 30 and stretch[20, 20] > 220 and stretch[0, 20] > 220
+    assert pad[:14].max() < 5 and pad[26:].max() < 5 and pad[20, 20] > 220
+    assert crop.min() > 128  # the middle quarter of the width, the bright band, fills the square
+
+
+# --- folders ----------------------------------------------------------------------------------------------------
+
+
+def test_published_split_is_used_as_given_and_reports_duplicates(tmp_path):
+    root = messy_folder(tmp_path / "data")
+    splits = image_folder(root, image_size=(32, 32))
+    assert splits.class_names == ["class 0", "class 1", "class 2", "class 3"]
+    assert splits.in_channels == 1  # no colour image
+    # 4 classes x (6 train, 2 valid, 3 test), plus the copy and the wrong label in train, the leaked copy in test
+    assert (len(splits.y_train), len(splits.y_val), len(splits.y_test)) == (26, 8, 13)
+    assert splits.x_train.shape[1:] == (1, 32, 32) and splits.x_train.dtype == np.uint8
+    report = splits.report
+    assert report["layout"] == "published split"
+    assert report["split_folders"] == {"train": "train", "val": "valid", "test": "test"}
+    assert report["not_images"]["count"] == 13  # notes.txt in 12 class folders, report.pdf
+    assert report["outside_class_folders"] == {"count": 1, "examples": ["train/labels.csv"]}
+    assert set(report["modes"]) == {"1", "CMYK", "I;16", "L", "LA", "P", "RGBA"}
+    dup = report["duplicates"]
+    assert dup["policy"] == "report" and dup["groups"] == 2  # the leaked copy joins the first image's group
+    assert dup["copies"] == 3 and dup["across_classes"] == 1 and dup["across_splits"] == 1
+    assert dup["test_also_in_train_or_val"] == 1 and dup["within_one_split"] == 2 and dup["dropped"] == 0
+    json.dumps(report)  # recorded in the store entry and results.json
+    # ddcnn-predict reads a file (read_image) exactly as the source read it for training.
+    test_files = [p for c in range(4) for p in sorted((root / "test" / f"class {c}").glob("*.png"))]
+    assert len(test_files) == len(splits.y_test)
+    for k, path in enumerate(test_files):
+        assert np.array_equal(read_image(path, 1, (32, 32)), splits.x_test[k]), path
+
+    dropped = image_folder(root, image_size=(32, 32), duplicates="drop")
+    # The copy in train and the one leaked to test: the test copy stays; the image in two classes goes entirely.
+    assert dropped.report["duplicates"]["dropped"] == 4
+    assert (len(dropped.y_train), len(dropped.y_val), len(dropped.y_test)) == (22, 8, 13)
+    train_rows = {row.tobytes() for row in dropped.x_train}
+    assert not any(row.tobytes() in train_rows for row in dropped.x_test)
+
+
+@pytest.mark.parametrize("resize_mode", ["stretch", "pad"])
+def test_predict_reads_a_file_as_training_did(tmp_path, resize_mode):
+    """A colour folder: grey images are repeated into RGB, colour ones kept; ddcnn-predict's reader gives the same."""
+    root = messy_folder(tmp_path / "data", per_class=(2, 1, 2), colour=True)
+    splits = image_folder(root, image_size=(24, 20), resize_mode=resize_mode)
+    assert splits.in_channels == 3
+    test_files = [p for c in range(4) for p in sorted((root / "test" / f"class {c}").glob("*.png"))]
+    for k, path in enumerate(test_files):
+        assert np.array_equal(read_image(path, 3, (24, 20), resize_mode), splits.x_test[k]), path
+    assert not np.array_equal(splits.x_test[1, 0], splits.x_test[1, 2])  # the colour image of class 0
+    assert np.array_equal(splits.x_test[2, 0], splits.x_test[2, 2])  # a grey one
+
+
+def test_class_folders_colour_bad_and_non_image_files(tmp_path):
+    root = messy_folder(tmp_path / "data", splits=(), per_class=(4, 0, 2), colour=True)
+    found = read_folder(root, image_size=(24, 32), test_fraction=0.3, seed=0)
+    assert found.report["in_channels"] == 3 and found.report["colour_images"] == 2  # auto: a colour image and its copy
+    assert found.splits["train"][0].shape[1:] == (3, 24, 32) and "val" not in found.splits
+    assert sorted(set(found.splits["test"][1].tolist())) == [0, 1, 2, 3]
+    forced = image_folder(root, image_size=(24, 32), in_channels=1)
+    assert forced.in_channels == 1
+    assert image_folder(root, image_size=(24, 32), grayscale=True).in_channels == 1
+
+    # Unreadable files: one error naming them all, or skipped with a count.
+    good = sorted((root / "class 2").glob("*.png"))[0].read_bytes()
+    (root / "class 2" / "cut off.png").write_bytes(good[: len(good) // 2])
+    (root / "class 3" / "garbage.jpg").write_bytes(b"\x00" * 100)
+    with pytest.raises(ValueError) as err:
+        image_folder(root, image_size=(24, 32))
+    message = str(err.value)
+    assert "2 of" in message and "class 2/cut off.png" in message and "class 3/garbage.jpg" in message
+    assert "data.source.on_bad_file=skip" in message
+    skipped = image_folder(root, image_size=(24, 32), on_bad_file="skip")
+    assert skipped.report["bad_files"]["count"] == 2
+    assert len(skipped.y_train) + len(skipped.y_test) == len(forced.y_train) + len(forced.y_test)
+
+    with pytest.raises(ValueError, match=r"different sizes.*data\.image_size=\[H,W\]"):
+        image_folder(root, image_size=None, on_bad_file="skip")
+
+
+def test_bad_layouts_are_explained(tmp_path):
+    root = messy_folder(tmp_path / "a", per_class=(2, 1, 1))
+    (root / "valid" / "class 3").rename(root / "valid" / "class three")
+    with pytest.raises(ValueError, match=r"class folders of valid/ differ.*missing there: \['class 3'\]"):
+        image_folder(root, image_size=(16, 16))
+    mixed = messy_folder(tmp_path / "b", per_class=(2, 1, 1))
+    (mixed / "extra").mkdir()
+    with pytest.raises(ValueError, match="mixes split folders"):
+        image_folder(mixed, image_size=(16, 16))
+    no_test = messy_folder(tmp_path / "c", splits=("train", "val"), per_class=(6, 2))
+    carved = image_folder(no_test, image_size=(16, 16), test_fraction=0.5)
+    assert len(carved.y_val) == 9 and sorted(set(carved.y_test.tolist())) == [0, 1, 2, 3]  # 8 + the leaked copy
+    with pytest.raises(ValueError, match="data.resize_mode must be one of"):
+        image_folder(no_test, image_size=(16, 16), resize_mode="fit")
+
+
+def test_class_count_from_the_folders_or_checked(tmp_path):
+    root = messy_folder(tmp_path / "data", per_class=(3, 1, 1))
+    splits = image_folder(root, image_size=(16, 16))
+    data = prepare(splits, num_classes="auto", in_channels="auto", spatial_dims=2)
+    assert data.num_classes == 4 and data.in_channels == 1
+    assert data.info["class_counts"]["val"] == {f"class {c}": 1 for c in range(4)}
+    assert data.info["report"]["duplicates"]["groups"] == 2
+    with pytest.raises(
+        ValueError, match=r"has 4 classes \(class 0, .*data\.num_classes=5; set data\.num_classes=4 or auto"
+    ):
+        prepare(splits, num_classes=5, in_channels=1, spatial_dims=2)
+
+
+def test_published_folder_trains_with_nothing_else_typed(make_cfg, tmp_path):
+    """``ddcnn-train data=image_folder data.root=FOLDER`` (plus tiny sizes for speed): classes and channels from the
+    folder, the published split as given, the class counts and the duplicate report in results.json."""
+    from ddcnn.pipeline import train
+
+    root = messy_folder(tmp_path / "slices", per_class=(6, 2, 3))
+    cfg = make_cfg("data=image_folder", f"data.root={root}", "data.image_size=[16,16]", "data.batch_size=8")
+    results = train(cfg)
+    data = json.loads((tmp_path / "run" / "results.json").read_text())["data"]
+    assert data["num_classes"] == 4 and data["image_shape"] == [16, 16]
+    assert data["class_counts"]["val"] == {f"class {c}": 2 for c in range(4)}
+    assert data["class_counts"]["test"]["class 0"] == 4  # 3 + the leaked copy
+    assert data["report"]["duplicates"]["test_also_in_train_or_val"] == 1
+    assert data["report"]["split_folders"]["val"] == "valid"
+    assert results["data"]["n_train"] == 26
+    recorded = json.loads((tmp_path / "run" / "fingerprint.json").read_text())["settings"]["data"]
+    assert recorded["num_classes"] == 4 and recorded["in_channels"] == 1  # what ran, not "auto"
+
+
+def test_report_and_class_counts_come_back_from_the_store(tmp_path, caplog):
+    """Read once: a second run maps the prepared copy and still reports what the folder held, without reading it."""
+    import logging
+
+    from ddcnn.data.prepare import PrepareSettings, load_prepared
+    from ddcnn.store import Store
+
+    root = messy_folder(tmp_path / "data", per_class=(3, 1, 1))
+    spec = {"_target_": "ddcnn.data.sources.image_folder", "root": str(root), "image_size": [16, 16]}
+    settings = PrepareSettings(num_classes="auto", in_channels="auto", spatial_dims=2, image_size=(16, 16))
+    store = Store(tmp_path / "store")
+    reads = []
+
+    def source():
+        reads.append(1)
+        return image_folder(root, image_size=(16, 16))
+
+    first = load_prepared(source, spec, settings, mode="mapped", store=store, progress=False)
+    with caplog.at_level(logging.INFO, logger="ddcnn.data.prepare"):
+        again = load_prepared(source, spec, settings, mode="mapped", store=store, progress=False)
+    assert len(reads) == 1 and again.holding == "mapped"
+    assert again.info["report"] == first.info["report"] and again.info["report"]["duplicates"]["groups"] == 2
+    assert again.info["class_counts"]["test"]["class 0"] == 2  # 1 + the leaked copy
+    assert "as read when prepared" in caplog.text and "test per class: class 0 2" in caplog.text
