@@ -596,7 +596,8 @@ def _plot_vs_grid(rows: Sequence[Mapping], path: Path, title: str, kind: str) ->
         grids = sorted({(r["num_subdomains"], r["grid"]) for r in panel})
         x = {g: i for i, (_, g) in enumerate(grids)}
         for method in [m for m in METHODS if any(r["method_key"] == m for r in panel)]:
-            series = sorted((x[r["grid"]], r) for r in panel if r["method_key"] == method)
+            # rows of one grid in several timing contexts: one point each, in table order
+            series = sorted(((x[r["grid"]], r) for r in panel if r["method_key"] == method), key=lambda p: p[0])
             xs = [i for i, _ in series]
             style = method_style(method)
             if kind == "accuracy":

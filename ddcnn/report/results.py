@@ -96,7 +96,8 @@ TIMING_RULE = (
 # the index: two workers on cuda:0 and cuda:1 of one model are alike), device count, threads, trainings side by side,
 # the machine and the code that was timed. The load is compared apart (_load_differences): it is a number, not a label.
 CONTEXT_KEYS = ("device_kind", "num_devices", "torch_threads", "concurrent_trainings", "host", "code")
-# Stages whose device count is part of the method (DDP on P devices): compared by the cores they used in all.
+# Stages whose device count is part of the method (DDP on P devices): each of its devices (a rank, its threads) is
+# compared with the one device of the others; equal device counts are the business of speedup_equal_devices.
 _MULTI_DEVICE_STAGES = ("global_ddp",)
 
 
@@ -190,8 +191,8 @@ def timing_contexts(contexts: dict[str, dict | None], reused: Mapping[str, dict]
     count, threads, trainings side by side, host and code, a like load (:func:`_excess_load` within
     :func:`load_tolerance`), and none copied from another run's training (``reused``: stage -> its ``reused_from``),
     except for threads a stage records as chosen by design (``threads_by_design``, the coarse DNN's
-    ``coarse.num_threads``) and the device count of a method that trains on several devices (DDP: its cores in all
-    are compared with the others' threads).
+    ``coarse.num_threads``) and the device count of a method that trains on several devices (DDP: each rank is
+    compared with the others' one device).
 
     Returns:
         ``{"contexts": {stage: {...}}, "comparable": bool, "differences": {key: {value: [stages]}}}``; stages without
@@ -202,8 +203,7 @@ def timing_contexts(contexts: dict[str, dict | None], reused: Mapping[str, dict]
     by_design = {k for k, c in contexts.items() if c and c.get("threads_by_design")}
     for stage in _MULTI_DEVICE_STAGES:
         if stage in known:
-            c = known[stage]
-            c["torch_threads"] = int(c["torch_threads"] or 1) * int(c.pop("num_devices") or 1)
+            known[stage].pop("num_devices")  # its P devices are the method's; each is compared like one device
     differences: dict[str, dict[str, list[str]]] = {}
     for field in CONTEXT_KEYS:
         values: dict[str, list[str]] = {}

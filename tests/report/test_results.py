@@ -188,9 +188,14 @@ def test_times_under_another_load_of_another_code_or_reused_from_another_run_are
         "trained by /runs/earlier": ["global"],
         "trained in this run": ["local 0"],
     }
-    # DDP on 2 devices of 1 thread each uses the cores of one 2-thread training: its device count is not a difference.
-    ddp = {**quiet, "torch_threads": 1, "num_devices": 2}
+    # DDP on 2 devices: its device count is the method's; each rank is compared with the global CNN's one device.
+    ddp = {**quiet, "num_devices": 2, "load_avg": [4.1, 4.0, 4.0]}  # 2 ranks of 2 threads: a load of 4 is its own
     assert timing_contexts({"global": quiet, "global_ddp": ddp})["comparable"]
+    assert set(
+        timing_contexts({"global": quiet, "global_ddp": {**ddp, "torch_threads": 1, "load_avg": [2.1, 2.0, 2.0]}})[
+            "differences"
+        ]
+    ) == {"torch_threads"}
 
 
 def _set_convergence(meta_path: Path, converged: bool, reasons: list[str]) -> None:
