@@ -5,8 +5,10 @@ of a Hydra sweep ``ddcnn-train -m ...``), groups them by dataset, backbone, grid
 that differs between runs of one dataset, such as ``trainer.max_epochs``), and reports for every method of
 :data:`ddcnn.report.results.METHODS` the test accuracy, balanced accuracy and ROC AUC (each as mean ± sample
 standard deviation over the seeds), the sequential training time, the projected time on the devices the method can
-use, the speedup against the global CNN and the parameter count (definitions:
-:func:`ddcnn.report.results.method_rows`).
+use, the speedup against the global CNN on one device (equal device counts: ``docs/protocol.md``), the speedup to the
+fixed target on one device, whether the timing was comparable, and the parameter count (definitions:
+:func:`ddcnn.report.results.method_rows`), then the paired differences by seed with their 95% interval and verdict
+(:func:`paired_rows`).
 
 Files written into the output folder:
 
