@@ -417,12 +417,12 @@ def _by_devices_lines(results: Mapping[str, Any]) -> list[str]:
         lead = f"{e['speedup']:.2f}x"
         baseline = _baseline_state(results, e["baseline"])
         if baseline == "baseline not converged":
-            lead = f"{lead}, baseline not converged: no verdict"
+            lead = "baseline not converged (no speedup against it is given)"  # the figure stays in results.json
         elif baseline:
             lead = f"{lead}, {baseline}"
         parts.append(
             f"{p} device{'s' if int(p) > 1 else ''}: {name} {_seconds(e['baseline_s'])} / CNN-DNN "
-            f"{_seconds(e['cnn_dnn_s'])} = {lead}"
+            f"{_seconds(e['cnn_dnn_s'])}: {lead}"
         )
     if parts:
         comparable = (results.get("timing") or {}).get("comparable", True)
@@ -489,15 +489,16 @@ def _single_seed_lines(results: Mapping[str, Any]) -> list[str]:
     for a, b, what, baseline in pairs:
         if acc.get(a) is None or acc.get(b) is None:
             continue
-        text = f"{what} {100 * (acc[a] - acc[b]):+.2f} points"
         if baseline == "global":
             state = _baseline_state(results)
         else:
             local = (results.get("convergence") or {}).get("local") or []
             state = "baseline not converged" if any(r.get("converged") is False for r in local) else None
-        if state == "baseline not converged":
-            text += " (baseline not converged)"
-        parts.append(text)
+        # against an unconverged baseline no lead is printed, not even one seed's (results.json keeps the accuracies)
+        figure = (
+            "baseline not converged" if state == "baseline not converged" else f"{100 * (acc[a] - acc[b]):+.2f} points"
+        )
+        parts.append(f"{what}: {figure}")
     if not parts:
         return []
     return [
