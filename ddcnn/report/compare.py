@@ -96,9 +96,9 @@ CSV_COLUMNS = (
     "speedup",
     "speedup_1_device",
     "timing_comparable",
-    "speedup_equal_accuracy_mean",
-    "speedup_equal_accuracy_std",
-    "equal_accuracy_reached",
+    "speedup_to_target_mean",
+    "speedup_to_target_std",
+    "target_reached",
     "unconverged_runs",
     "params",
 )
@@ -327,7 +327,7 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
             backbone, n, grid, overlap, label, context, method = key
             entries = cells[key]
             acc = [float(row["accuracy"]) for _, row in entries]
-            equal = [e for e in (_equal_accuracy(run, method) for run, _ in entries) if e is not None]
+            equal = [e for e in (_to_target(run, method) for run, _ in entries) if e is not None]
             marks = sorted({m for run, _ in entries for m in run.timing_marks})
             marked = sum(bool(run.timing_marks) for run, _ in entries)
             unconverged = sum(bool(_row_unconverged(run, method)) for run, _ in entries)
@@ -363,9 +363,9 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
                         "yes" if not marked else f"no in {marked}/{len(entries)} runs ({', '.join(marks)})"
                     ),
                     "unconverged_runs": f"{unconverged}/{len(entries)}" if unconverged else None,
-                    "speedup_equal_accuracy_mean": equal_speedup[0],
-                    "speedup_equal_accuracy_std": equal_speedup[1],
-                    "equal_accuracy_reached": (
+                    "speedup_to_target_mean": equal_speedup[0],
+                    "speedup_to_target_std": equal_speedup[1],
+                    "target_reached": (
                         f"{len(reached)}/{sum(e is not None for e in equal)}"
                         if any(e is not None for e in equal)
                         else None
@@ -381,7 +381,7 @@ def _row_unconverged(run: Run, method: str) -> bool:
     return any(f.get("kind") == "unconverged" and f.get("method") == method for f in run.results.get("flags") or [])
 
 
-def _equal_accuracy(run: Run, method: str) -> dict | None:
+def _to_target(run: Run, method: str) -> dict | None:
     """The run's speedup to the fixed target on one device (the global CNN's time over the CNN-DNN's with its local
     nets one after another, ``results.json`` ``time_to_target``) if ``method`` is its CNN-DNN row; ``None`` for runs
     without a fixed target (an older ddcnn) or another row."""
@@ -474,11 +474,11 @@ def paired_markdown(rows: Sequence[Mapping]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _equal_cell(row: Mapping) -> str:
-    reached = row.get("equal_accuracy_reached")
+def _target_cell(row: Mapping) -> str:
+    reached = row.get("target_reached")
     if not reached:
         return "-"
-    mean, std = row.get("speedup_equal_accuracy_mean"), row.get("speedup_equal_accuracy_std")
+    mean, std = row.get("speedup_to_target_mean"), row.get("speedup_to_target_std")
     if mean is None:
         return f"not reached ({reached})"
     return (f"{mean:.2f}x" if std is None else f"{mean:.2f} ± {std:.2f}x") + f" ({reached})"
@@ -534,7 +534,7 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
             _num(r["projected_time_s"], 1),
             "-" if r["devices"] is None else str(r["devices"]),
             "-" if r.get("speedup_1_device") is None else f"{r['speedup_1_device']:.2f}x",
-            _equal_cell(r),
+            _target_cell(r),
             str(r.get("timing_comparable") or "-"),
             "-" if r["params"] is None else f"{int(round(r['params'])):,}",
         ]

@@ -235,3 +235,33 @@ def test_an_unconverged_baseline_gets_no_verdict_and_other_timing_is_marked(swee
     assert rows["cnn_dnn_probs"]["seeds"] == 2 and rows["cnn_dnn_probs"]["timing_comparable"] == "no in 1/2 runs (load)"
     table = table_markdown(list(rows.values()))
     assert "global CNN (unconverged in 1/2 runs)" in table and "no in 1/2 runs (load)" in table
+
+
+def test_the_speedup_to_the_fixed_target_compares_one_device_with_one_device(sweep, tmp_path):
+    """results.json of two seeds edited to hold a time to the fixed target (runs with report.curves on write it): the
+    global CNN's time over the CNN-DNN's with its local nets one after another, never its N-device time."""
+
+    def reached(global_s, one_device_s, n_devices_s):
+        def edit(results):
+            results["time_to_target"] = {
+                "target": {"value": 0.9, "source": "s", "tolerance": 0.01, "baseline_converged": True},
+                "global": {"time_s": global_s, "reached": True, "why_not": None, "epoch": 3, "devices": 1},
+                "cnn_dnn": {
+                    "time_s": n_devices_s,
+                    "reached": one_device_s is not None,
+                    "why_not": None if one_device_s is not None else "budget",
+                    "epoch": 2,
+                    "devices": 2,
+                    "time_s_by_devices": {"1": one_device_s, "2": n_devices_s} if one_device_s is not None else None,
+                },
+            }
+
+        return edit
+
+    runs = [
+        _edited(sweep, tmp_path, "0_1x2_s0", reached(30.0, 15.0, 8.0)),
+        _edited(sweep, tmp_path, "1_1x2_s1", reached(30.0, None, None)),
+    ]
+    row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_probs")
+    assert row["speedup_to_target_mean"] == pytest.approx(2.0) and row["target_reached"] == "1/2"
+    assert "| 2.00x (1/2) |" in table_markdown([row])
