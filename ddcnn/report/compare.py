@@ -41,7 +41,7 @@ from omegaconf import OmegaConf
 
 from ddcnn.io import atomic_write_text
 from ddcnn.report.results import METHODS, TIMING_RULE, method_rows
-from ddcnn.report.stats import paired_difference
+from ddcnn.report.stats import PAIRS, paired_difference
 from ddcnn.rundir import NON_RESULT_KEYS, flatten
 
 log = logging.getLogger(__name__)
@@ -123,13 +123,6 @@ PAIRED_COLUMNS = (
     "baseline_converged",
 )
 
-# The paired differences of the protocol: (label, method, baseline, the training the baseline's convergence is read
-# from: the global CNN, or the local nets for the averaging combiner).
-PAIRS = (
-    ("CNN-DNN − global CNN", "cnn_dnn", "global", "global"),
-    ("CNN-DNN − mean probability", "cnn_dnn", "mean_prob", "local"),
-    ("global DDP − global CNN", "global_ddp", "global", "global"),
-)
 # Differences of a run's timing that mark its rows but do not split groups (they vary from run to run).
 _MARK_ONLY = ("load", "reused")
 

@@ -35,6 +35,7 @@ from ddcnn.report.curves import (
     target_accuracy,
     time_to_target,
 )
+from ddcnn.report.stats import PAIRS
 
 log = logging.getLogger(__name__)
 
@@ -480,13 +481,8 @@ def _time_to_target_line(results: Mapping[str, Any]) -> str | None:
 def _single_seed_lines(results: Mapping[str, Any]) -> list[str]:
     """The paired differences of one run: one seed, so a difference without an interval and without a verdict."""
     acc = results.get("accuracy") or {}
-    pairs = (
-        ("cnn_dnn", "global", "CNN-DNN − global CNN", "global"),
-        ("cnn_dnn", "mean_prob", "CNN-DNN − mean probability", "local"),
-        ("global_ddp", "global", "global CNN, DDP − global CNN", "global"),
-    )
     parts = []
-    for a, b, what, baseline in pairs:
+    for what, a, b, baseline in PAIRS:
         if acc.get(a) is None or acc.get(b) is None:
             continue
         if baseline == "global":

@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 
 __all__ = [
+    "PAIRS",
     "BETTER",
     "WORSE",
     "WITHIN_NOISE",
@@ -27,6 +28,14 @@ __all__ = [
     "paired_difference",
     "verdict",
 ]
+
+# The paired differences of the protocol: (label, method, baseline, the training whose convergence the baseline's is:
+# the global CNN, or the local nets for the averaging combiner). Keys of results.json ``accuracy``.
+PAIRS = (
+    ("CNN-DNN − global CNN", "cnn_dnn", "global", "global"),
+    ("CNN-DNN − mean probability", "cnn_dnn", "mean_prob", "local"),
+    ("global DDP − global CNN", "global_ddp", "global", "global"),
+)
 
 BETTER, WORSE, WITHIN_NOISE = "better", "worse", "within noise"
 NO_INTERVAL = "n<2: no interval"

@@ -224,7 +224,7 @@ def test_an_unconverged_global_cnn_is_flagged_and_no_lead_over_it_is_printed(mak
     md = (root / "results.md").read_text()
     assert "| global CNN (unconverged) |" in md and "**Check this row:** global CNN: trained without converging" in md
     assert "CNN-DNN − global CNN: baseline not converged" in md  # no difference printed, even on one seed
-    assert "global CNN, DDP − global CNN" not in md  # (no DDP in this run)
+    assert "global DDP − global CNN" not in md  # (no DDP in this run)
     assert "CNN-DNN − mean probability: " in md and "points" in md  # the local nets did converge: its figure stays
     assert "baseline not converged (no speedup against it is given)" in md  # the equal-device speedup against it
     assert "better" not in md.lower()
