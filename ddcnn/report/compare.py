@@ -95,6 +95,8 @@ CSV_COLUMNS = (
     "devices",
     "speedup",
     "speedup_1_device",
+    "speedup_vs_ddp",
+    "ddp_devices",
     "timing_comparable",
     "speedup_to_target_mean",
     "speedup_to_target_std",
@@ -212,7 +214,12 @@ def load_run(path: str | Path) -> Run:
         grid=tuple(int(g) for g in dec["grid"]),
         overlap=tuple(int(o) for o in dec["overlap"]),
         seed=int(config.get("seed", results.get("seed", 0))),
-        rows=results.get("methods") or method_rows(results),
+        # rows written before equal-device speedups existed are rebuilt by today's rule (method_rows reads any version)
+        rows=(
+            results["methods"]
+            if results.get("methods") and all("speedup_1_device" in r for r in results["methods"])
+            else method_rows(results)
+        ),
     )
 
 
@@ -321,6 +328,7 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
             entries = cells[key]
             acc = [float(row["accuracy"]) for _, row in entries]
             equal = [e for e in (_to_target(run, method) for run, _ in entries) if e is not None]
+            vs_ddp = [e for e in (_vs_ddp(run, method) for run, _ in entries) if e is not None]
             marks = sorted({m for run, _ in entries for m in run.timing_marks})
             marked = sum(bool(run.timing_marks) for run, _ in entries)
             unconverged = sum(bool(_row_unconverged(run, method)) for run, _ in entries)
@@ -352,6 +360,8 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
                     "devices": entries[0][1].get("devices"),
                     "speedup": _mean(row.get("speedup") for _, row in entries),
                     "speedup_1_device": _mean(row.get("speedup_1_device") for _, row in entries),
+                    "speedup_vs_ddp": _mean(e["speedup"] for e in vs_ddp) if vs_ddp else None,
+                    "ddp_devices": "/".join(sorted({str(e["devices"]) for e in vs_ddp})) or None,
                     "timing_comparable": (
                         "yes" if not marked else f"no in {marked}/{len(entries)} runs ({', '.join(marks)})"
                     ),
@@ -368,6 +378,18 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
             )
         tables[dataset] = rows
     return tables
+
+
+def _vs_ddp(run: Run, method: str) -> dict | None:
+    """The CNN-DNN projected on P devices against the DDP global CNN run on P devices (``results.json``
+    ``speedup_equal_devices``) if ``method`` is the run's CNN-DNN row and DDP ran."""
+    inputs = run.results.get("coarse_input") or {}
+    if method != f"cnn_dnn_{inputs.get('coarse', 'probs')}":
+        return None
+    for p, e in (run.results.get("speedup_equal_devices") or {}).items():
+        if e.get("baseline") == "global_ddp":
+            return {"devices": int(p), "speedup": e["speedup"]}
+    return None
 
 
 def _row_unconverged(run: Run, method: str) -> bool:
@@ -509,6 +531,7 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
         "projected time (s)",
         "devices",
         "speedup vs global, 1 device",
+        "speedup vs DDP, P devices",
         "speedup to target, 1 device",
         "timing comparable",
         "parameters",
@@ -527,6 +550,7 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
             _num(r["projected_time_s"], 1),
             "-" if r["devices"] is None else str(r["devices"]),
             "-" if r.get("speedup_1_device") is None else f"{r['speedup_1_device']:.2f}x",
+            "-" if r.get("speedup_vs_ddp") is None else f"{r['speedup_vs_ddp']:.2f}x (P={r['ddp_devices']})",
             _target_cell(r),
             str(r.get("timing_comparable") or "-"),
             "-" if r["params"] is None else f"{int(round(r['params'])):,}",
@@ -684,7 +708,9 @@ def write_report(
         "every stage the method needs one after another on one device; projected = on the devices it can use "
         "(N local nets in parallel, then the coarse DNN and any further training; 1 device for the global CNN and "
         "the end-to-end CNN-DNN); every speedup compares equal device counts (docs/protocol.md): speedup vs global, "
-        "1 device = global CNN time / the method's time on one device (its sequential time); speedup to target, "
+        "1 device = global CNN time / the method's time on one device (its sequential time); speedup vs DDP, P "
+        "devices = the DDP global CNN's time on P devices / the CNN-DNN's local nets placed on P devices plus its "
+        "coarse DNN; speedup to target, "
         "1 device = the global CNN's time to the fixed target (its best validation accuracy minus one binomial "
         "standard error) / the CNN-DNN's on one device, training clocks only, mean over the runs where both reached "
         "it (reached/runs). " + TIMING_RULE + " Runs whose times were measured in different contexts (device, "

@@ -88,7 +88,13 @@ def test_table_has_every_row_and_column(report):
     header = md.splitlines()[2]
     for column in ("method", "seeds", "test accuracy (%)", "sequential time (s)", "projected time (s)"):
         assert f"| {column} |" in header
-    assert "| speedup vs global, 1 device | speedup to target, 1 device | timing comparable | parameters |" in header
+    assert "| speedup vs global, 1 device | speedup vs DDP, P devices | speedup to target, 1 device |" in header
+    # The methods=all run trained DDP on 2 devices: its CNN-DNN is compared with it on 2 devices.
+    run = load_run(report.parent / "0_1x2_s0")
+    t, by_devices = run.results["time_s"], run.results["projected_time_s_by_devices"]
+    cnn_dnn = next(r for r in rows if r["grid"] == "1x2" and r["method_key"] == "cnn_dnn_probs")
+    assert cnn_dnn["ddp_devices"] == "2"
+    assert float(cnn_dnn["speedup_vs_ddp"]) == pytest.approx(t["global_ddp"] / by_devices["2"], rel=1e-6)
     for name in METHODS.values():
         assert f"| {name} |" in md
     report_md = (report / "report.md").read_text()
