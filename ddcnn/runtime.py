@@ -13,6 +13,8 @@ SLURM auto-requeue does not exist in ddcnn's loop: its Fabric gets ddcnn's own c
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
 import platform
@@ -29,6 +31,8 @@ __all__ = [
     "srun_task",
     "shard",
     "execution_context",
+    "load_average",
+    "source_hash",
     "WORKERS_ENV",
     "GENERATION_ENV",
     "run_generation",
@@ -146,6 +150,7 @@ def execution_context(device: str | None = None, num_devices: int = 1, threads_b
     import torch
 
     workers = int(os.environ.get(WORKERS_ENV, "1") or 1)
+    load = load_average()
     kind = torch.device(str(device or "cpu")).type
     context = {
         "device": str(device or "cpu"),
@@ -157,6 +162,11 @@ def execution_context(device: str | None = None, num_devices: int = 1, threads_b
         "host": socket.gethostname(),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        # What else ran: the machine's load average when the time was recorded (the end of the stage), over the last
+        # 1, 5 and 15 minutes; other trainings beside this one (any process) show here. ``None`` where the OS has none.
+        "load_avg": load,
+        # The code that was timed (the package's source hash): a time of other code is another measurement.
+        "code": source_hash(),
     }
     if threads_by_design:
         context["threads_by_design"] = str(threads_by_design)
@@ -168,6 +178,29 @@ def execution_context(device: str | None = None, num_devices: int = 1, threads_b
     if task is not None:
         context["srun_tasks"] = task.ntasks
     return context
+
+
+def load_average() -> list[float] | None:
+    """The machine's load average over the last 1, 5 and 15 minutes (rounded to 0.01), ``None`` where the OS has none
+    (Windows)."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+@functools.cache
+def source_hash() -> str:
+    """A hash of the ``ddcnn`` package's Python sources (their paths and contents), computed once per process: the
+    version string stays 0.1.0 while the code changes, and a changed loop or model must not reuse older results nor be
+    timed as the same code."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 # --- a quiet console, set once per process entry (CLI, worker process, test session), never per training ---------

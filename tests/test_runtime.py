@@ -145,3 +145,19 @@ def test_force_skips_a_stage_recomputed_in_this_generation(make_cfg):
     stamp = (run.stage_dir("local", 0) / "done").stat().st_mtime_ns
     train(make_cfg("stage=local", "subdomain=0", "force=true", "run_generation=attempt-2"))  # a peer of attempt 2
     assert (run.stage_dir("local", 0) / "done").stat().st_mtime_ns == stamp
+
+
+def test_a_timing_context_records_the_load_and_the_code_it_timed(no_slurm):
+    """What ddcnn.report.results.timing_contexts compares besides devices and threads: the machine's load when the
+    time was recorded (1, 5 and 15 minutes) and the hash of the package's sources (the store's reuse key uses it
+    too)."""
+    import os
+
+    from ddcnn.runtime import execution_context, source_hash
+    from ddcnn.stages.reuse import source_hash as reuse_hash
+
+    context = execution_context("cpu")
+    assert context["code"] == source_hash() == reuse_hash() and len(context["code"]) == 16
+    if hasattr(os, "getloadavg"):
+        load = context["load_avg"]
+        assert len(load) == 3 and all(isinstance(v, float) and v >= 0 for v in load)

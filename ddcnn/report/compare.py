@@ -5,13 +5,18 @@ of a Hydra sweep ``ddcnn-train -m ...``), groups them by dataset, backbone, grid
 that differs between runs of one dataset, such as ``trainer.max_epochs``), and reports for every method of
 :data:`ddcnn.report.results.METHODS` the test accuracy, balanced accuracy and ROC AUC (each as mean ± sample
 standard deviation over the seeds), the sequential training time, the projected time on the devices the method can
-use, the speedup against the global CNN and the parameter count (definitions:
-:func:`ddcnn.report.results.method_rows`).
+use, the speedup against the global CNN on one device (equal device counts: ``docs/protocol.md``), the speedup to the
+fixed target on one device, whether the timing was comparable, and the parameter count (definitions:
+:func:`ddcnn.report.results.method_rows`), then the paired differences by seed with their 95% interval and verdict
+(:func:`paired_rows`).
 
 Files written into the output folder:
 
 - ``report.md``: every dataset's table, the plots and any external baseline rows;
-- ``<dataset>.md`` and ``<dataset>.csv``: the table of one dataset;
+- ``<dataset>.md`` and ``<dataset>.csv``: the table of one dataset, then its paired differences;
+- ``<dataset>_paired.csv``: the paired differences (CNN-DNN − global CNN, CNN-DNN − mean probability, global DDP −
+  global CNN; test accuracy in points, paired by seed within a configuration) with their 95% t-interval and verdict
+  (:func:`paired_rows`, :mod:`ddcnn.report.stats`);
 - ``<dataset>_accuracy_vs_grid.png``, ``<dataset>_time_vs_grid.png``: one panel per backbone and overlap;
 - ``<dataset>_<backbone>_<grid>_o<overlap>_subdomains.png``: mean test accuracy of every local net, laid out like the
   grid (3D grids: one panel per layer of the first axis);
@@ -36,6 +41,7 @@ from omegaconf import OmegaConf
 
 from ddcnn.io import atomic_write_text
 from ddcnn.report.results import METHODS, TIMING_RULE, method_rows
+from ddcnn.report.stats import PAIRS, paired_difference
 from ddcnn.rundir import NON_RESULT_KEYS, flatten
 
 log = logging.getLogger(__name__)
@@ -46,6 +52,8 @@ __all__ = [
     "load_run",
     "load_baseline_rows",
     "comparison_rows",
+    "paired_rows",
+    "paired_markdown",
     "table_markdown",
     "write_report",
 ]
@@ -86,11 +94,39 @@ CSV_COLUMNS = (
     "projected_time_s",
     "devices",
     "speedup",
-    "speedup_equal_accuracy_mean",
-    "speedup_equal_accuracy_std",
-    "equal_accuracy_reached",
+    "speedup_1_device",
+    "speedup_vs_ddp",
+    "ddp_devices",
+    "timing_comparable",
+    "speedup_to_target_mean",
+    "speedup_to_target_std",
+    "target_reached",
+    "unconverged_runs",
     "params",
 )
+
+PAIRED_COLUMNS = (
+    "dataset",
+    "backbone",
+    "grid",
+    "num_subdomains",
+    "overlap",
+    "settings",
+    "comparison",
+    "method_key",
+    "baseline_key",
+    "n",
+    "seeds",
+    "mean_points",
+    "std_points",
+    "ci_low_points",
+    "ci_high_points",
+    "verdict",
+    "baseline_converged",
+)
+
+# Differences of a run's timing that mark its rows but do not split groups (they vary from run to run).
+_MARK_ONLY = ("load", "reused")
 
 
 @dataclass
@@ -114,8 +150,9 @@ class Run:
         timing = self.results.get("timing")
         if not timing:
             return "unknown"
-        if not timing.get("comparable", True):
-            return "mixed (" + ", ".join(sorted(timing.get("differences", {}))) + ")"
+        split = sorted(f for f in timing.get("differences", {}) if f not in _MARK_ONLY)
+        if split:
+            return "mixed (" + ", ".join(split) + ")"
         contexts = list((timing.get("contexts") or {}).values())
         if not contexts:
             return "unknown"
@@ -124,6 +161,22 @@ class Run:
         return (
             f"{c.get('device')}, {c.get('torch_threads')} thread(s), {trainings} training(s) at once, {c.get('host')}"
         )
+
+    @property
+    def timing_marks(self) -> list[str]:
+        """Why this run's compared times are not comparable (``timing.differences``), ``[]`` when they are."""
+        timing = self.results.get("timing") or {}
+        return [] if timing.get("comparable", True) else sorted(timing.get("differences", {}))
+
+    def converged(self, training: str) -> bool | None:
+        """Whether ``training`` (``global``, ``global_ddp``, ``local``: every local net) converged in this run;
+        ``None`` when not recorded."""
+        record = (self.results.get("convergence") or {}).get(training)
+        records = record if isinstance(record, list) else [record] if record else []
+        values = [r.get("converged") for r in records]
+        if False in values:
+            return False
+        return None if not values or None in values else True
 
     @property
     def grid_label(self) -> str:
@@ -161,7 +214,12 @@ def load_run(path: str | Path) -> Run:
         grid=tuple(int(g) for g in dec["grid"]),
         overlap=tuple(int(o) for o in dec["overlap"]),
         seed=int(config.get("seed", results.get("seed", 0))),
-        rows=results.get("methods") or method_rows(results),
+        # rows written before equal-device speedups existed are rebuilt by today's rule (method_rows reads any version)
+        rows=(
+            results["methods"]
+            if results.get("methods") and all("speedup_1_device" in r for r in results["methods"])
+            else method_rows(results)
+        ),
     )
 
 
@@ -269,7 +327,11 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
             backbone, n, grid, overlap, label, context, method = key
             entries = cells[key]
             acc = [float(row["accuracy"]) for _, row in entries]
-            equal = [e for e in (_equal_accuracy(run, method) for run, _ in entries) if e is not None]
+            equal = [e for e in (_to_target(run, method) for run, _ in entries) if e is not None]
+            vs_ddp = [e for e in (_vs_ddp(run, method) for run, _ in entries) if e is not None]
+            marks = sorted({m for run, _ in entries for m in run.timing_marks})
+            marked = sum(bool(run.timing_marks) for run, _ in entries)
+            unconverged = sum(bool(_row_unconverged(run, method)) for run, _ in entries)
             reached = [e for e in equal if e.get("reached")]
             equal_speedup = _mean_std([e["speedup"] for e in reached]) if reached else (None, None)
             balanced = _mean_std([row.get("balanced_accuracy") for _, row in entries])
@@ -297,9 +359,16 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
                     "projected_time_s": _mean(row.get("projected_time_s") for _, row in entries),
                     "devices": entries[0][1].get("devices"),
                     "speedup": _mean(row.get("speedup") for _, row in entries),
-                    "speedup_equal_accuracy_mean": equal_speedup[0],
-                    "speedup_equal_accuracy_std": equal_speedup[1],
-                    "equal_accuracy_reached": (
+                    "speedup_1_device": _mean(row.get("speedup_1_device") for _, row in entries),
+                    "speedup_vs_ddp": _mean(e["speedup"] for e in vs_ddp) if vs_ddp else None,
+                    "ddp_devices": "/".join(sorted({str(e["devices"]) for e in vs_ddp})) or None,
+                    "timing_comparable": (
+                        "yes" if not marked else f"no in {marked}/{len(entries)} runs ({', '.join(marks)})"
+                    ),
+                    "unconverged_runs": f"{unconverged}/{len(entries)}" if unconverged else None,
+                    "speedup_to_target_mean": equal_speedup[0],
+                    "speedup_to_target_std": equal_speedup[1],
+                    "target_reached": (
                         f"{len(reached)}/{sum(e is not None for e in equal)}"
                         if any(e is not None for e in equal)
                         else None
@@ -311,20 +380,120 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
     return tables
 
 
-def _equal_accuracy(run: Run, method: str) -> dict | None:
-    """The run's speedup at equal accuracy (at the CNN-DNN's validation accuracy) if ``method`` is its CNN-DNN row."""
-    equal = run.results.get("speedup_at_equal_accuracy")
+def _vs_ddp(run: Run, method: str) -> dict | None:
+    """The CNN-DNN projected on P devices against the DDP global CNN run on P devices (``results.json``
+    ``speedup_equal_devices``) if ``method`` is the run's CNN-DNN row and DDP ran."""
     inputs = run.results.get("coarse_input") or {}
-    if not equal or method != f"cnn_dnn_{inputs.get('coarse', 'probs')}":
+    if method != f"cnn_dnn_{inputs.get('coarse', 'probs')}":
         return None
-    return equal.get("at_cnn_dnn_accuracy")
+    for p, e in (run.results.get("speedup_equal_devices") or {}).items():
+        if e.get("baseline") == "global_ddp":
+            return {"devices": int(p), "speedup": e["speedup"]}
+    return None
 
 
-def _equal_cell(row: Mapping) -> str:
-    reached = row.get("equal_accuracy_reached")
+def _row_unconverged(run: Run, method: str) -> bool:
+    return any(f.get("kind") == "unconverged" and f.get("method") == method for f in run.results.get("flags") or [])
+
+
+def _to_target(run: Run, method: str) -> dict | None:
+    """The run's speedup to the fixed target on one device (the global CNN's time over the CNN-DNN's with its local
+    nets one after another, ``results.json`` ``time_to_target``) if ``method`` is its CNN-DNN row; ``None`` for runs
+    without a fixed target (an older ddcnn) or another row."""
+    ttt = run.results.get("time_to_target")
+    inputs = run.results.get("coarse_input") or {}
+    if not ttt or method != f"cnn_dnn_{inputs.get('coarse', 'probs')}":
+        return None
+    g, c = ttt.get("global") or {}, ttt.get("cnn_dnn") or {}
+    cnn_dnn_s = (c.get("time_s_by_devices") or {}).get("1")
+    reached = bool(g.get("reached") and c.get("reached") and cnn_dnn_s)
+    return {"reached": reached, "speedup": g["time_s"] / cnn_dnn_s if reached else None}
+
+
+def _config_key(run: Run, keys: Sequence[str]) -> tuple:
+    return (run.backbone, math.prod(run.grid), run.grid_label, run.overlap_label, _settings_label(run, keys))
+
+
+def paired_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, list[dict]]:
+    """Per dataset, the paired differences of :data:`PAIRS` in each configuration (backbone, grid, overlap, the
+    settings that split groups): test accuracy of the method minus the baseline's, in points, paired by seed, with
+    mean, sample std, n, 95% t-interval and verdict (:func:`ddcnn.report.stats.paired_difference`). A seed with several
+    runs (timed in different contexts) counts once, with its first run. The verdict is ``baseline not converged`` when
+    the baseline of any seed did not converge."""
+    by_dataset: dict[str, list[Run]] = {}
+    for run in runs:
+        by_dataset.setdefault(run.dataset, []).append(run)
+    tables: dict[str, list[dict]] = {}
+    for dataset, group in sorted(by_dataset.items()):
+        keys = _varying_settings(group, ignore)
+        configs: dict[tuple, dict[int, Run]] = {}
+        for run in sorted(group, key=lambda r: str(r.path)):
+            configs.setdefault(_config_key(run, keys), {}).setdefault(run.seed, run)
+        rows = []
+        for key in sorted(configs):
+            backbone, n, grid, overlap, label = key
+            by_seed = configs[key]
+            for what, method, baseline, training in PAIRS:
+                pairs = [
+                    (seed, run)
+                    for seed, run in sorted(by_seed.items())
+                    if (run.results.get("accuracy") or {}).get(method) is not None
+                    and (run.results.get("accuracy") or {}).get(baseline) is not None
+                ]
+                if not pairs:
+                    continue
+                diffs = [100 * (r.results["accuracy"][method] - r.results["accuracy"][baseline]) for _, r in pairs]
+                states = [r.converged(training) for _, r in pairs]
+                converged = False if False in states else (None if None in states else True)
+                stats = paired_difference(diffs, converged, [seed for seed, _ in pairs])
+                rows.append(
+                    {
+                        "dataset": dataset,
+                        "backbone": backbone,
+                        "grid": grid,
+                        "num_subdomains": n,
+                        "overlap": overlap,
+                        "settings": label,
+                        "comparison": what,
+                        "method_key": method,
+                        "baseline_key": baseline,
+                        "n": stats["n"],
+                        "seeds": " ".join(str(seed) for seed in stats["seeds"]),
+                        "mean_points": stats["mean"],
+                        "std_points": stats["std"],
+                        "ci_low_points": stats["low"],
+                        "ci_high_points": stats["high"],
+                        "verdict": stats["verdict"],
+                        "baseline_converged": {True: "yes", False: "no", None: "unknown"}[converged],
+                    }
+                )
+        tables[dataset] = rows
+    return tables
+
+
+def paired_markdown(rows: Sequence[Mapping]) -> str:
+    """The Markdown table of one dataset's :func:`paired_rows`."""
+    with_settings = any(r["settings"] for r in rows)
+    head = ["backbone", "grid", "overlap", *(["settings"] if with_settings else []), "difference", "seeds"]
+    head += ["mean ± std (points)", "95% interval (points)", "verdict"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        spread = "" if r["std_points"] is None else f" ± {r['std_points']:.2f}"
+        interval = "-" if r["ci_low_points"] is None else f"[{r['ci_low_points']:+.2f}, {r['ci_high_points']:+.2f}]"
+        verdict = r["verdict"]
+        if r["baseline_converged"] == "unknown" and verdict != "n<2: no interval":
+            verdict += " (convergence unknown)"
+        cells = [r["backbone"], r["grid"], r["overlap"], *([r["settings"]] if with_settings else [])]
+        cells += [r["comparison"], str(r["n"]), f"{r['mean_points']:+.2f}{spread}", interval, verdict]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _target_cell(row: Mapping) -> str:
+    reached = row.get("target_reached")
     if not reached:
         return "-"
-    mean, std = row.get("speedup_equal_accuracy_mean"), row.get("speedup_equal_accuracy_std")
+    mean, std = row.get("speedup_to_target_mean"), row.get("speedup_to_target_std")
     if mean is None:
         return f"not reached ({reached})"
     return (f"{mean:.2f}x" if std is None else f"{mean:.2f} ± {std:.2f}x") + f" ({reached})"
@@ -361,14 +530,17 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
         "sequential time (s)",
         "projected time (s)",
         "devices",
-        "speedup vs global",
-        "speedup at equal acc.",
+        "speedup vs global, 1 device",
+        "speedup vs DDP, P devices",
+        "speedup to target, 1 device",
+        "timing comparable",
         "parameters",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["backbone"], r["grid"], r["overlap"], *([r["settings"]] if with_settings else [])]
-        cells += [*([str(r.get("timing_context"))] if with_context else []), r["method"]]
+        method = r["method"] + (f" (unconverged in {r['unconverged_runs']} runs)" if r.get("unconverged_runs") else "")
+        cells += [*([str(r.get("timing_context"))] if with_context else []), method]
         cells += [
             str(r["seeds"]),
             _accuracy(r),
@@ -377,8 +549,10 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
             _num(r["sequential_time_s"], 1),
             _num(r["projected_time_s"], 1),
             "-" if r["devices"] is None else str(r["devices"]),
-            "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
-            _equal_cell(r),
+            "-" if r.get("speedup_1_device") is None else f"{r['speedup_1_device']:.2f}x",
+            "-" if r.get("speedup_vs_ddp") is None else f"{r['speedup_vs_ddp']:.2f}x (P={r['ddp_devices']})",
+            _target_cell(r),
+            str(r.get("timing_comparable") or "-"),
             "-" if r["params"] is None else f"{int(round(r['params'])):,}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -441,7 +615,8 @@ def _plot_vs_grid(rows: Sequence[Mapping], path: Path, title: str, kind: str) ->
         grids = sorted({(r["num_subdomains"], r["grid"]) for r in panel})
         x = {g: i for i, (_, g) in enumerate(grids)}
         for method in [m for m in METHODS if any(r["method_key"] == m for r in panel)]:
-            series = sorted((x[r["grid"]], r) for r in panel if r["method_key"] == method)
+            # rows of one grid in several timing contexts: one point each, in table order
+            series = sorted(((x[r["grid"]], r) for r in panel if r["method_key"] == method), key=lambda p: p[0])
             xs = [i for i, _ in series]
             style = method_style(method)
             if kind == "accuracy":
@@ -523,6 +698,7 @@ def write_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tables = comparison_rows(runs, ignore)
+    paired = paired_rows(runs, ignore)
     written: dict[str, list[Path]] = {"markdown": [], "csv": [], "plots": []}
     sections = [
         "# ddcnn comparison report",
@@ -531,22 +707,35 @@ def write_report(
         "seed shows no ±). Times are training times in seconds on the machine that ran each stage: sequential = "
         "every stage the method needs one after another on one device; projected = on the devices it can use "
         "(N local nets in parallel, then the coarse DNN and any further training; 1 device for the global CNN and "
-        "the end-to-end CNN-DNN); speedup = global CNN time / projected time; speedup at equal accuracy = the global "
-        "CNN's time to the CNN-DNN's validation accuracy / the CNN-DNN's time, training clocks only, mean over the "
-        "runs where the global CNN reached it (reached/runs). " + TIMING_RULE + " Runs whose times "
-        "were measured in different contexts (device, threads, trainings sharing the machine, host) are never "
-        "averaged together; a `timing context` column appears when a table holds more than one, and `mixed (...)` "
-        "marks a run whose own compared times come from different contexts.",
+        "the end-to-end CNN-DNN); every speedup compares equal device counts (docs/protocol.md): speedup vs global, "
+        "1 device = global CNN time / the method's time on one device (its sequential time); speedup vs DDP, P "
+        "devices = the DDP global CNN's time on P devices / the CNN-DNN's local nets placed on P devices plus its "
+        "coarse DNN; speedup to target, "
+        "1 device = the global CNN's time to the fixed target (its best validation accuracy minus one binomial "
+        "standard error) / the CNN-DNN's on one device, training clocks only, mean over the runs where both reached "
+        "it (reached/runs). " + TIMING_RULE + " Runs whose times were measured in different contexts (device, "
+        "threads, trainings sharing the machine, host, code) are never averaged together; a `timing context` column "
+        "appears when a table holds more than one, and `mixed (...)` marks a run whose own compared times come from "
+        "different contexts; `timing comparable` says in how many runs the load differed or a stage was reused from "
+        "another run's training. Paired differences: test accuracy of the method minus the baseline's, paired by "
+        "seed within a configuration, mean ± sample std, 95% t-interval and the verdict that follows it (better / "
+        "worse when the interval excludes 0, else within noise; n<2: no interval; baseline not converged: no verdict "
+        "against it).",
         "",
     ]
     for dataset, rows in tables.items():
         slug = _slug(dataset)
         table = table_markdown(rows)
-        atomic_write_text(out / f"{slug}.md", f"# {dataset}\n\n{table}")
+        pairs = paired.get(dataset) or []
+        pairs_md = f"Paired differences (test accuracy, points):\n\n{paired_markdown(pairs)}" if pairs else ""
+        atomic_write_text(out / f"{slug}.md", f"# {dataset}\n\n{table}" + (f"\n{pairs_md}" if pairs else ""))
         atomic_write_text(out / f"{slug}.csv", _csv_text(rows, CSV_COLUMNS))
         written["markdown"].append(out / f"{slug}.md")
         written["csv"].append(out / f"{slug}.csv")
-        sections += [f"## {dataset}", "", table]
+        if pairs:
+            atomic_write_text(out / f"{slug}_paired.csv", _csv_text(pairs, PAIRED_COLUMNS))
+            written["csv"].append(out / f"{slug}_paired.csv")
+        sections += [f"## {dataset}", "", table, *([pairs_md] if pairs else [])]
         dataset_runs = [r for r in runs if r.dataset == dataset]
         if plots:
             figures = [

@@ -549,7 +549,8 @@ def plot_accuracy_vs_time(
 
     Args:
         curves: ``{method: {"time_s", "val_acc", "test_acc"}}`` (``results.json`` ``curves``).
-        equal: ``results.json`` ``speedup_at_equal_accuracy``: the CNN-DNN's target is drawn as a dotted line.
+        equal: ``results.json`` ``speedup_at_equal_accuracy``: the fixed target (set by the global CNN alone,
+            ``docs/protocol.md``) is drawn as a dotted line.
     """
     fig, axes = _new_figure(panel=(6.0, 4.2))
     ax = axes[0, 0]
@@ -562,9 +563,9 @@ def plot_accuracy_vs_time(
         ok = np.isfinite(test)
         if ok.any():
             ax.plot(t[ok], test[ok], "--", **style, alpha=0.6, label=f"{name} (test)", markersize=3, fillstyle="none")
-    if equal and equal.get("at_cnn_dnn_accuracy"):
-        target = equal["at_cnn_dnn_accuracy"]["target_val_acc"]
-        ax.axhline(target, color="0.4", linestyle=":", linewidth=1, label="CNN-DNN val accuracy")
+    if equal and equal.get("at_global_accuracy"):
+        target = equal["at_global_accuracy"]["target_val_acc"]
+        ax.axhline(target, color="0.4", linestyle=":", linewidth=1, label="fixed target (global CNN)")
     ax.set_xlabel("training time (s; decomposed methods: on one device per local net)")
     ax.set_ylabel("accuracy")
     ax.grid(alpha=0.3)

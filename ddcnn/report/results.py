@@ -4,16 +4,19 @@ Reads only the run directory and the registry's data (:mod:`ddcnn.registry`): wh
 are called and which recorded times add up to each row's time. Besides the per-key dictionaries (``accuracy``,
 ``metrics``, ``val``, ``time_s``, ``params``), ``results.json`` holds ``methods``: one row per finished method
 (:func:`method_rows`) with its test accuracy, sequential training time, projected time on the devices it can use,
-speedup against the global CNN and parameter count, and ``timing``: in which execution context each time was
-measured and whether the compared times share one. The comparison report across runs (:mod:`ddcnn.report.compare`)
-reads those rows.
+speedup against the global CNN on one device and parameter count, and ``timing``: in which execution context each
+time was measured and whether the compared times share one. The protocol behind every verdict (``docs/protocol.md``)
+adds ``convergence`` (whether each training converged), ``flags`` (rows a reader must not take at face value: at
+chance, far below averaging, unconverged), ``time_to_target`` (time to a fixed target set by the global CNN),
+``projected_time_s_by_devices`` and ``speedup_equal_devices`` (the CNN-DNN on 1, 2 and N devices against a baseline on
+as many). The comparison report across runs (:mod:`ddcnn.report.compare`) reads those rows.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,7 +28,14 @@ from ddcnn.io import atomic_write_json, atomic_write_text
 from ddcnn.metrics import at_chance, majority_rate
 from ddcnn.registry import ResultRow
 from ddcnn.report.combiners import majority_vote, mean_probability
-from ddcnn.report.curves import run_curves, speedup_at_equal_accuracy
+from ddcnn.report.curves import (
+    makespan_by_devices,
+    run_curves,
+    speedup_at_equal_accuracy,
+    target_accuracy,
+    time_to_target,
+)
+from ddcnn.report.stats import PAIRS
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +49,8 @@ __all__ = [
     "results_markdown",
     "timing_contexts",
     "flag_rows",
+    "convergence_of",
+    "row_trainings",
 ]
 
 # Stages that combine the saved local outputs (their parameters add to the local nets').
@@ -82,8 +94,12 @@ TIMING_RULE = (
 )
 
 # The fields of a stage's recorded context that must agree for two of its times to be comparable. Device kind (not
-# the index: two workers on cuda:0 and cuda:1 of one model are alike), device count, threads, trainings side by side.
-CONTEXT_KEYS = ("device_kind", "num_devices", "torch_threads", "concurrent_trainings", "host")
+# the index: two workers on cuda:0 and cuda:1 of one model are alike), device count, threads, trainings side by side,
+# the machine and the code that was timed. The load is compared apart (_load_differences): it is a number, not a label.
+CONTEXT_KEYS = ("device_kind", "num_devices", "torch_threads", "concurrent_trainings", "host", "code")
+# Stages whose device count is part of the method (DDP on P devices): each of its devices (a rank, its threads) is
+# compared with the one device of the others; equal device counts are the business of speedup_equal_devices.
+_MULTI_DEVICE_STAGES = ("global_ddp",)
 
 
 def _context_value(context: dict, field: str):
@@ -142,28 +158,84 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
-def timing_contexts(contexts: dict[str, dict | None]) -> dict:
+def _excess_load(context: dict) -> float | None:
+    """The machine's 1-minute load average when the time was recorded, less the load the stage itself puts on it
+    (its threads, times the trainings of its run side by side, times its devices): what else was running."""
+    load = context.get("load_avg")
+    if not load:
+        return None
+    own = int(context.get("torch_threads") or 1) * int(context.get("concurrent_trainings") or 1)
+    own *= int(context.get("num_devices") or 1)
+    return max(0.0, float(load[0]) - min(own, int(context.get("cpu_count") or own)))
+
+
+def load_tolerance(contexts: Mapping[str, dict]) -> float:
+    """How far two stages' excess loads may differ and still count as one condition: one core, or a quarter of the
+    machine's cores if that is more (the 1-minute load average itself moves by about that on a quiet machine)."""
+    cores = max((int(c.get("cpu_count") or 1) for c in contexts.values()), default=1)
+    return max(1.0, 0.25 * cores)
+
+
+def _load_differences(contexts: Mapping[str, dict]) -> dict[str, list[str]] | None:
+    loads = {k: _excess_load(c) for k, c in contexts.items()}
+    known = {k: v for k, v in loads.items() if v is not None}
+    if len(known) < 2 or max(known.values()) - min(known.values()) <= load_tolerance(contexts):
+        return None
+    values: dict[str, list[str]] = {}
+    for stage, v in known.items():
+        values.setdefault(f"{v:.1f} besides its own", []).append(stage)
+    return values
+
+
+def timing_contexts(contexts: dict[str, dict | None], reused: Mapping[str, dict] | None = None) -> dict:
     """Whether the times of ``contexts`` (stage -> recorded context) were measured alike: same device kind, device
-    count, threads, trainings side by side and host, except for threads a stage records as chosen by design
-    (``threads_by_design``, the coarse DNN's ``coarse.num_threads``).
+    count, threads, trainings side by side, host and code, a like load (:func:`_excess_load` within
+    :func:`load_tolerance`), and none copied from another run's training (``reused``: stage -> its ``reused_from``),
+    except for threads a stage records as chosen by design (``threads_by_design``, the coarse DNN's
+    ``coarse.num_threads``) and the device count of a method that trains on several devices (DDP: each rank is
+    compared with the others' one device).
 
     Returns:
         ``{"contexts": {stage: {...}}, "comparable": bool, "differences": {key: {value: [stages]}}}``; stages without
-        a recorded context (older runs) are listed under ``unknown``.
+        a recorded context (older runs) are listed under ``unknown``. ``differences`` may hold ``load`` and ``reused``
+        besides the context fields.
     """
     known = {k: {f: _context_value(c, f) for f in CONTEXT_KEYS} for k, c in contexts.items() if c}
     by_design = {k for k, c in contexts.items() if c and c.get("threads_by_design")}
+    for stage in _MULTI_DEVICE_STAGES:
+        if stage in known:
+            known[stage].pop("num_devices")  # its P devices are the method's; each is compared like one device
     differences: dict[str, dict[str, list[str]]] = {}
     for field in CONTEXT_KEYS:
         values: dict[str, list[str]] = {}
         for stage, c in known.items():
-            if field == "torch_threads" and stage in by_design:
+            if field not in c or (field == "torch_threads" and stage in by_design):
                 continue  # chosen as part of the method (the coarse DNN's coarse.num_threads), not a difference
             values.setdefault(str(c[field]), []).append(stage)
         if len(values) > 1:
             differences[field] = values
+    load = _load_differences({k: c for k, c in contexts.items() if c})
+    if load:
+        differences["load"] = load
+    copied = {s: r for s, r in (reused or {}).items() if s in contexts}
+    if copied:
+        values = {}
+        for stage, source in copied.items():
+            values.setdefault(f"trained by {source.get('run_dir') or 'another run'}", []).append(stage)
+        values["trained in this run"] = [s for s in contexts if s not in copied]
+        differences["reused"] = values
+    for field, values in differences.items():
+        known_values = {v: stages for v, stages in values.items() if stages}
+        differences[field] = known_values
     unknown = sorted(k for k, c in contexts.items() if not c)
-    return {"contexts": known, "comparable": not differences, "differences": differences, "unknown": unknown}
+    loads = {k: _excess_load(c) for k, c in contexts.items() if c}
+    return {
+        "contexts": known,
+        "comparable": not differences,
+        "differences": differences,
+        "unknown": unknown,
+        "excess_load": loads,
+    }
 
 
 def _context_note(timing: dict | None) -> str | None:
@@ -189,16 +261,92 @@ def _short(stages: list[str]) -> list[str]:
 _BELOW_AVERAGING = 0.03
 
 
+def convergence_of(meta: Mapping[str, Any]) -> dict:
+    """Whether one training converged, from its ``meta.json``: ``converged`` (``True``, ``False`` or ``None``: not
+    recorded, a run of an older ddcnn), the ``reasons`` it did not, and how it ended (``stopped_by``:
+    ``early_stopping`` when early stopping ended it, else ``budget``, unless the record says otherwise)."""
+    record = meta.get("convergence") or {}
+    converged = meta.get("converged", record.get("converged"))
+    stopped_by = record.get("stopped_by") or ("early_stopping" if meta.get("stopped_epoch") is not None else "budget")
+    return {
+        "converged": None if converged is None else bool(converged),
+        "reasons": [str(r) for r in record.get("reasons") or []],
+        "stopped_by": stopped_by,
+    }
+
+
+def row_trainings(stage: str | None) -> tuple[str, ...]:
+    """The trainings a results row builds on (stage names; ``local`` stands for every local net): its own stage and
+    those its registry row adds up (the CNN-DNN: the local nets and the coarse DNN). Combiners: the local nets."""
+    if stage is None:
+        return ("local",)
+    row = registry.get(stage).row if stage in registry.STAGE_NAMES else None
+    terms = (row.sequential or row.projected) if row is not None else (stage,)
+    out: list[str] = []
+    for term in (*terms, stage):
+        if term in ("local_total", "local_max"):
+            out.append("local")
+        elif term == "local_oof_max":
+            out += ["local", "local_oof"]
+        else:
+            out.append(term)
+    return tuple(dict.fromkeys(out))
+
+
+def _unconverged(results: Mapping[str, Any], stage: str | None) -> list[str]:
+    """The trainings behind ``stage``'s row that did not converge, in words (``local net 2 (stopped at ...)``)."""
+    convergence = results.get("convergence") or {}
+    out = []
+    for training in row_trainings(stage):
+        records = convergence.get(training)
+        if records is None:
+            continue
+        if training == "local" and isinstance(records, list):
+            named = [(f"local net {i}", r) for i, r in enumerate(records)]
+        else:
+            named = [(training if training != "global" else "global CNN", records)]
+        for what, record in named:
+            if record and record.get("converged") is False:
+                reasons = "; ".join(record.get("reasons") or [])
+                out.append(f"{what}" + (f" ({reasons})" if reasons else ""))
+    return out
+
+
+def baseline_converged(results: Mapping[str, Any], stage: str = "global") -> bool | None:
+    """Whether the training of ``stage`` converged (``None``: not recorded or not finished)."""
+    record = (results.get("convergence") or {}).get(stage)
+    return None if not isinstance(record, Mapping) else record.get("converged")
+
+
+_UNCONVERGED_TRY = (
+    "Train it to convergence (docs/protocol.md, Convergence): a larger trainer.max_epochs (coarse.max_epochs for the "
+    "coarse DNN), early stopping that waits longer (engine.patience, coarse.patience); the convergence record in its "
+    "meta.json says which test failed. Until then no verdict against it holds."
+)
+
+
 def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
-    """Rows a reader must not take at face value: at chance (every figure of the row within noise of a guess
-    unrelated to the labels: accuracy against the majority-class ``rate``, then ROC AUC against 0.5 or balanced
-    accuracy against ``1/K``; see :func:`ddcnn.metrics.at_chance`), or a combiner of the local nets far below
-    averaging them. ``counts`` are the test split's class sizes. Each flag says what to try."""
+    """Rows a reader must not take at face value: built on a training that did not converge (``unconverged``: its own,
+    or any it builds on: for the CNN-DNN any local net or the coarse DNN; ``results["convergence"]``), at chance
+    (every figure of the row within noise of a guess unrelated to the labels: accuracy against the majority-class
+    ``rate``, then ROC AUC against 0.5 or balanced accuracy against ``1/K``; see :func:`ddcnn.metrics.at_chance`), or
+    a combiner of the local nets far below averaging them. ``counts`` are the test split's class sizes. Each flag says
+    what to try."""
     flags = []
     n_test = sum(int(c) for c in counts)
     mean = (results.get("accuracy") or {}).get("mean_prob")
     for row in results.get("methods") or []:
         acc, key, name = row["accuracy"], row["key"], row["name"]
+        unconverged = _unconverged(results, row.get("stage"))
+        if unconverged:
+            flags.append(
+                {
+                    "method": key,
+                    "kind": "unconverged",
+                    "message": f"{name}: trained without converging: {', '.join(unconverged)}.",
+                    "try": _UNCONVERGED_TRY,
+                }
+            )
         auc, balanced = row.get("auc"), row.get("balanced_accuracy")
         coarse = row.get("stage") in COMBINER_STAGES
         if at_chance(acc, rate, counts, auc=auc, balanced_accuracy=balanced):
@@ -239,23 +387,120 @@ def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
     return flags
 
 
-def _equal_accuracy_line(equal: dict | None) -> str | None:
-    if not equal:
-        return None
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def _baseline_state(results: Mapping[str, Any], stage: str = "global") -> str | None:
+    """``None`` for a converged baseline, else what a verdict against it must say instead of a lead."""
+    converged = baseline_converged(results, stage)
+    return {True: None, False: "baseline not converged", None: "convergence unknown"}[converged]
+
+
+def _by_devices_lines(results: Mapping[str, Any]) -> list[str]:
+    by_devices = results.get("projected_time_s_by_devices")
+    if not by_devices:
+        return []
+    n = results["decomposition"]["num_subdomains"]
+    times = "; ".join(f"{p} device{'s' if int(p) > 1 else ''}: {_seconds(v)}" for p, v in by_devices.items())
+    lines = [
+        f"- Projected CNN-DNN time on P devices (its {n} local nets placed longest first on P devices from their "
+        f"recorded times, then the coarse DNN): {times}."
+    ]
+    speedups = results.get("speedup_equal_devices") or {}
     parts = []
-    for key, what in (("at_cnn_dnn_accuracy", "the CNN-DNN's"), ("at_global_accuracy", "the global CNN's")):
-        e = equal[key]
-        where = f"{what} validation accuracy {e['target_val_acc']:.4f}"
-        if not e["reached"]:
-            who = "global CNN" if key == "at_cnn_dnn_accuracy" else "CNN-DNN"
-            parts.append(f"at {where}: not reached by the {who}")
+    for p in by_devices:
+        e = speedups.get(p)
+        if e is None:
+            parts.append(f"{p} devices: no baseline ran on {p} devices (global_ddp on {p} would give one)")
+            continue
+        name = "global CNN" if e["baseline"] == "global" else f"global CNN, DDP on {p} devices"
+        lead = f"{e['speedup']:.2f}x"
+        baseline = _baseline_state(results, e["baseline"])
+        if baseline == "baseline not converged":
+            lead = "baseline not converged (no speedup against it is given)"  # the figure stays in results.json
+        elif baseline:
+            lead = f"{lead}, {baseline}"
+        parts.append(
+            f"{p} device{'s' if int(p) > 1 else ''}: {name} {_seconds(e['baseline_s'])} / CNN-DNN "
+            f"{_seconds(e['cnn_dnn_s'])}: {lead}"
+        )
+    if parts:
+        comparable = (results.get("timing") or {}).get("comparable", True)
+        lines.append(
+            "- Speedup at equal devices (baseline time / CNN-DNN time on as many devices): "
+            + "; ".join(parts)
+            + "."
+            + ("" if comparable else " **Timed under different conditions** (below): not a like-for-like comparison.")
+        )
+    return lines
+
+
+def _time_to_target_line(results: Mapping[str, Any]) -> str | None:
+    ttt = results.get("time_to_target")
+    if not ttt:
+        return None
+    target = ttt["target"]
+    parts = []
+    for key, e in ttt.items():
+        if key in ("target", "comparable"):
+            continue
+        name = METHODS.get(key, "CNN-DNN" if key == "cnn_dnn" else key)
+        devices = e.get("devices")
+        on = f" on {devices} device{'s' if devices and devices > 1 else ''}" if devices else ""
+        if e["reached"]:
+            text = f"{name} {_seconds(e['time_s'])}{on} (epoch {e['epoch']})"
+            by = e.get("time_s_by_devices")
+            if by:
+                text += " [" + ", ".join(f"{p} device{'s' if int(p) > 1 else ''}: {_seconds(v)}" for p, v in by.items())
+                text += "]"
         else:
-            parts.append(
-                f"at {where}: {e['speedup']:.2f}x (global CNN {e['global_s']:.1f} s, CNN-DNN {e['cnn_dnn_s']:.1f} s)"
-            )
+            why = {"budget": "its epochs ran out", "stopped": "early stopping ended it"}.get(e["why_not"], e["why_not"])
+            text = f"{name}: not reached ({why})"
+        if e.get("reused_from"):
+            text += f" (reused: the clock of {e['reused_from']}, its own timing context)"
+        parts.append(text)
+    note = ""
+    if target.get("baseline_converged") is False:
+        note = (
+            " **The global CNN did not converge: the target is not a converged baseline's (baseline not converged).**"
+        )
+    elif target.get("baseline_converged") is None:
+        note = " (convergence unknown)"
+    if not ttt.get("comparable", True):
+        note += " Timed under different conditions (below)."
     return (
-        "- Speedup at equal accuracy (training clocks, first epoch at or above the target): " + "; ".join(parts) + "."
+        f"- Time to the fixed target {target['value']:.4f} (validation accuracy; {target['source']}; tolerance "
+        f"{target['tolerance']:.4f}), training clocks to the first evaluation at or above it: "
+        + "; ".join(parts)
+        + "."
+        + note
     )
+
+
+def _single_seed_lines(results: Mapping[str, Any]) -> list[str]:
+    """The paired differences of one run: one seed, so a difference without an interval and without a verdict."""
+    acc = results.get("accuracy") or {}
+    parts = []
+    for what, a, b, baseline in PAIRS:
+        if acc.get(a) is None or acc.get(b) is None:
+            continue
+        if baseline == "global":
+            state = _baseline_state(results)
+        else:
+            local = (results.get("convergence") or {}).get("local") or []
+            state = "baseline not converged" if any(r.get("converged") is False for r in local) else None
+        # against an unconverged baseline no lead is printed, not even one seed's (results.json keeps the accuracies)
+        figure = (
+            "baseline not converged" if state == "baseline not converged" else f"{100 * (acc[a] - acc[b]):+.2f} points"
+        )
+        parts.append(f"{what}: {figure}")
+    if not parts:
+        return []
+    return [
+        "- Test-accuracy differences on this run's one seed: " + "; ".join(parts) + ". One seed gives no interval and "
+        "no verdict (n<2); ddcnn-report over several seeds pairs them by seed and gives the 95% interval and verdict."
+    ]
 
 
 def results_markdown(results: dict) -> str:
@@ -266,19 +511,22 @@ def results_markdown(results: dict) -> str:
         f"# ddcnn results: {results['data']['name']}, {results['decomposition']['description']}",
         "",
         "| method | test accuracy | balanced acc. | AUC | sequential time (s) | projected time (s) | devices | speedup "
-        "| parameters |",
+        "vs global, 1 device | parameters |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    flagged = {f["method"] for f in results.get("flags") or [] if f["kind"] == "unconverged"}
     for row in results.get("methods") or method_rows(results):
         name = row["name"]
         if row["key"] == "global_ddp":
             name = f"{name} on {row['devices']} devices"
         if row.get("stage") in reused:
             name = f"{name} (reused)"
+        if row["key"] in flagged:
+            name = f"{name} (unconverged)"
         lines.append(
             f"| {name} | {_fmt(row['accuracy'])} | {_fmt(row.get('balanced_accuracy'))} | {_fmt(row.get('auc'))} | "
             f"{_fmt(row['sequential_time_s'], 1)} | {_fmt(row['projected_time_s'], 1)} | {_fmt(row['devices'])} | "
-            f"{_fmt(row['speedup'], 2)} | {_fmt(row['params'])} |"
+            f"{_fmt(row.get('speedup_1_device'), 2)} | {_fmt(row['params'])} |"
         )
     for i, r in enumerate(m["local"]):
         lines.append(
@@ -288,10 +536,10 @@ def results_markdown(results: dict) -> str:
     lines += [
         "",
         f"- Projected time on N={results['decomposition']['num_subdomains']} devices (slowest local net + coarse "
-        f"DNN): {_fmt(results['projected_time_s'], 1)} s; global CNN on one device: {_fmt(t.get('global'), 1)} s; "
-        f"projected speedup: {_fmt(results['projected_speedup'], 2)}x.",
+        f"DNN): {_fmt(results['projected_time_s'], 1)} s; global CNN on one device: {_fmt(t.get('global'), 1)} s.",
         "- Sequential CNN-DNN time (all local nets one after another + coarse): "
         f"{_fmt(t.get('cnn_dnn_sequential'), 1)} s.",
+        *_by_devices_lines(results),
         _devices_line(results.get("device_kinds") or {}),
         f"- Data: {results['data']['n_train']} train / {results['data']['n_val']} val / "
         f"{results['data']['n_test']} test samples of shape {results['data']['image_shape']}.",
@@ -303,9 +551,10 @@ def results_markdown(results: dict) -> str:
             f"{source.get('run_dir') or 'an earlier run'} and copied from the store ({source.get('entry')}); its time "
             "is that training's (store.reuse=false trains it in every run)."
         )
-    equal = _equal_accuracy_line(results.get("speedup_at_equal_accuracy"))
-    if equal:
-        lines.append(equal)
+    target = _time_to_target_line(results)
+    if target:
+        lines.append(target)
+    lines += _single_seed_lines(results)
     for flag in results.get("flags") or []:
         lines.append(f"- **Check this row:** {flag['message']} {flag['try']}")
     note = _context_note(results.get("timing"))
@@ -327,6 +576,67 @@ def _combiner_metrics(probs: torch.Tensor, labels: torch.Tensor, n: int, k: int)
     }
 
 
+def device_counts(n: int) -> list[int]:
+    """The device counts of every equal-device comparison: 1, 2 (what one machine runs DDP on) and N."""
+    return sorted({1, min(2, n), n})
+
+
+def equal_device_speedups(results: Mapping[str, Any]) -> dict[str, dict]:
+    """``{str(P): {"baseline", "baseline_s", "cnn_dnn_s", "speedup"}}``: the CNN-DNN projected on P devices against a
+    baseline that ran on P devices: the global CNN for P = 1, the DDP global CNN where it ran on exactly P devices.
+    Device counts without such a baseline are left out: no speedup compares unequal device counts."""
+    by_devices = results.get("projected_time_s_by_devices") or {}
+    t = results.get("time_s") or {}
+    ddp_devices = (results.get("devices") or {}).get("global_ddp")
+    out: dict[str, dict] = {}
+    for p, cnn_dnn_s in by_devices.items():
+        if int(p) == 1:
+            baseline = "global"
+        elif ddp_devices is not None and int(ddp_devices) == int(p):
+            baseline = "global_ddp"
+        else:
+            continue
+        base_s = t.get(baseline)
+        if base_s is None or not cnn_dnn_s:
+            continue
+        out[p] = {"baseline": baseline, "baseline_s": base_s, "cnn_dnn_s": cnn_dnn_s, "speedup": base_s / cnn_dnn_s}
+    return out
+
+
+def _ended(results: Mapping[str, Any]) -> dict[str, str | None]:
+    """How each curve's trainings ended, by curve key: ``early_stopping`` when early stopping ended the training (for
+    the CNN-DNN and the averaging combiner: any of its local nets, whose epochs make its curve), else ``budget``."""
+    convergence = results.get("convergence") or {}
+    local = convergence.get("local") or []
+    local_end = "early_stopping" if any(r.get("stopped_by") == "early_stopping" for r in local) else "budget"
+    out: dict[str, str | None] = {"cnn_dnn": local_end, "mean_prob": local_end}
+    for stage, row in _table_rows():
+        if stage is not None and isinstance(convergence.get(stage), Mapping):
+            out[row.key] = convergence[stage].get("stopped_by")
+    return out
+
+
+def _time_to_target(results: dict, n: int) -> dict | None:
+    """``time_to_target`` (:func:`ddcnn.report.curves.time_to_target`) of a run's results, each method's entry with
+    the devices its time is on and, for a reused global CNN, the run whose clock it carries."""
+    reused = results.get("reused") or {}
+    target = target_accuracy(
+        results["curves"], results["data"].get("n_val"), baseline_converged(results), "global" in reused
+    )
+    devices: dict[str, int | None] = {"cnn_dnn": n, "mean_prob": n}
+    for row in results.get("methods") or []:
+        devices.setdefault(row["key"], row.get("devices"))
+    out = time_to_target(results["curves"], target, _ended(results), devices, n)
+    if out is None:
+        return None
+    for stage, source in reused.items():
+        key = registry.get(stage).row.key if registry.get(stage).row else stage
+        if key in out:
+            out[key]["reused_from"] = source.get("run_dir") or source.get("entry")
+    out["comparable"] = bool((results.get("timing") or {}).get("comparable", True))
+    return out
+
+
 def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dict:
     """Collect the finished stages of a run into ``results.json`` / ``results.md`` and return the results.
 
@@ -344,6 +654,7 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
     val: dict[str, dict] = {"local": [_metrics_of(val_probs[:, i], val_labels, k) for i in range(n)]}
     val.update(_combiner_metrics(val_probs, val_labels, n, k))
     local_meta = [run.meta("local", i) for i in range(n)]
+    convergence: dict[str, Any] = {"local": [convergence_of(m) for m in local_meta]}
     # Training clocks only (no predictions): the times of the accuracy-versus-time curves.
     fit_times: dict[str, Any] = {"local": [m.get("fit_time_s", m["time_s"]) for m in local_meta]}
     fit_times["local_max"], fit_times["local_total"] = max(fit_times["local"]), sum(fit_times["local"])
@@ -352,6 +663,7 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
     time_s["local_total"] = sum(time_s["local"])
     if run.is_done("local_oof"):  # the out-of-fold trainings (coarse_oof): each sub-domain's device trains them too
         oof = run.meta("local_oof")
+        convergence["local_oof"] = convergence_of(oof)
         for times, key in ((time_s, "time_s"), (fit_times, "fit_time_s")):
             per = oof.get("subdomain_time_s") or [oof[key] / n] * n
             times["local_oof"] = oof[key]
@@ -384,6 +696,7 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         val[key] = _metrics_of(saved_val["probs"], saved_val["labels"], k)
         time_s[stage.name] = meta["time_s"]
         fit_times[stage.name] = meta.get("fit_time_s", meta["time_s"])
+        convergence[stage.name] = convergence_of(meta)
         params[stage.name] = meta["params"]
         contexts[stage.name] = meta.get("context")
         if meta.get("startup_s"):
@@ -412,7 +725,7 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
     for figure in ("accuracy", "balanced_accuracy", "auc"):
         val_figures[figure] = {key: (v[figure] if v else None) for key, v in val.items() if key != "local"}
         val_figures[figure]["local"] = [v[figure] for v in val["local"]]
-    compared = {s: c for s, c in contexts.items() if s.startswith("local ") or s in ("coarse", "global")}
+    compared = {s: c for s, c in contexts.items() if s.startswith("local ") or s in ("coarse", "global", "global_ddp")}
     device_kinds = {s: str(_context_value(c, "device_kind")) for s, c in contexts.items() if c}
     results = {
         "accuracy": accuracy,
@@ -427,8 +740,9 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         "devices": devices,
         "device_kinds": device_kinds,
         "reused": reused,
-        "timing": timing_contexts(compared),
-        "timing_all_stages": timing_contexts(contexts),
+        "timing": timing_contexts(compared, reused),
+        "timing_all_stages": timing_contexts(contexts, reused),
+        "convergence": convergence,
         "decomposition": {
             "grid": list(decomposition.grid),
             "overlap": list(decomposition.overlap),
@@ -447,9 +761,23 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         log.warning("evaluate: %s", _context_note(results["timing"]).lstrip("- ").replace("**", ""))
     results["methods"] = method_rows(results)
     results["fit_time_s"] = fit_times
+    # The inference of each training's outputs after its training clock stopped (saved predictions and net): for a
+    # local net, the outputs the coarse DNN reads.
+    results["predict_time_s"] = {
+        "local": [max(0.0, float(m["time_s"]) - float(m.get("fit_time_s", m["time_s"]))) for m in local_meta]
+    }
+    results["projected_time_s_by_devices"] = (
+        makespan_by_devices(time_s["local"], time_s["coarse"], device_counts(n))
+        if time_s.get("coarse") is not None
+        else None
+    )
+    results["speedup_equal_devices"] = equal_device_speedups(results)
     results["curves"] = run_curves(run, results)
-    cnn_dnn_time = fit_times["local_max"] + fit_times["coarse"] if fit_times.get("coarse") is not None else None
-    results["speedup_at_equal_accuracy"] = speedup_at_equal_accuracy(results["curves"], cnn_dnn_time)
+    results["time_to_target"] = _time_to_target(results, n)
+    cnn_dnn_time = time_s["local_max"] + fit_times["coarse"] if fit_times.get("coarse") is not None else None
+    results["speedup_at_equal_accuracy"] = speedup_at_equal_accuracy(
+        results["curves"], cnn_dnn_time, results["time_to_target"]
+    )
     rate = majority_rate(data.y["train"], labels)
     results["majority_rate"] = rate
     results["test_class_counts"] = torch.bincount(labels.long(), minlength=k).tolist()
@@ -481,7 +809,11 @@ def method_rows(results: dict) -> list[dict]:
     - ``projected_time_s``: on the ``devices`` it can use, i.e. ``N`` for the decomposed methods (the local nets
       in parallel: the slowest local net, then the coarse DNN and any further training), 1 for the global CNN and
       the end-to-end CNN-DNN (trained as one model), ``P`` for the DDP baseline (its wall time on ``P`` devices);
-    - ``speedup``: global CNN time over ``projected_time_s``.
+    - ``speedup``: global CNN time over ``projected_time_s`` (unequal devices for the decomposed methods: a scaling
+      figure, never printed as a verdict);
+    - ``speedup_1_device``: global CNN time over ``sequential_time_s``: both on one device (``None`` for a method
+      without a one-device time, DDP). The comparisons on 2 and N devices are ``results.json``
+      ``speedup_equal_devices``.
 
     Works on ``results.json`` files written before the registry existed (their CNN-DNN row is the coarse DNN on
     ``coarse_input`` or, unknown, on probabilities).
@@ -518,6 +850,7 @@ def method_rows(results: dict) -> list[dict]:
         else:
             row_params = p.get(stage)
         r = metrics[key]
+        sequential = _sum(t, row.sequential)
         rows.append(
             {
                 "key": key,
@@ -526,10 +859,13 @@ def method_rows(results: dict) -> list[dict]:
                 "accuracy": r["accuracy"],
                 "balanced_accuracy": r.get("balanced_accuracy"),
                 "auc": r.get("auc"),
-                "sequential_time_s": _sum(t, row.sequential),
+                "sequential_time_s": sequential,
                 "projected_time_s": projected,
                 "devices": devices,
+                # the global CNN on one device over this method on its devices: a scaling figure, not an equal-device
+                # comparison (kept for readers of older results; the protocol's figure is speedup_1_device)
                 "speedup": (t_global / projected) if t_global and projected else None,
+                "speedup_1_device": (t_global / sequential) if t_global and sequential else None,
                 "params": row_params,
             }
         )

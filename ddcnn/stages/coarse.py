@@ -491,6 +491,8 @@ def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
             {
                 **base,
                 "coarse_s": coarse_s,
+                "coarse_fit_s": fitted.result.fit_time_s,  # its training clock (coarse_s: wall time, set-up included)
+                "local_s": times,
                 "time_s": max(times) + coarse_s,
                 "val_acc": val["acc"],
                 "val_loss": val["loss"],

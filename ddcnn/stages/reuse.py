@@ -20,8 +20,6 @@ and leaves the store alone.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import logging
 import shutil
@@ -31,11 +29,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-import ddcnn
 from ddcnn.context import Context, data_store
 from ddcnn.data.sources import NOT_IDENTITY, source_identity
 from ddcnn.rundir import PROB_FILES, result_settings
-from ddcnn.runtime import run_generation
+from ddcnn.runtime import run_generation, source_hash
 from ddcnn.stages.common import curve_settings
 from ddcnn.store import Entry, Store, StoreError
 
@@ -54,17 +51,6 @@ _NOT_PUBLISHED = ("done", "last.ckpt", "best.ckpt", "resumed_from_epoch")
 def reuse_enabled(cfg) -> bool:
     """``store.reuse`` (default true; :func:`ddcnn.context.check_settings` refuses anything but true or false)."""
     return (cfg.get("store") or {}).get("reuse", True) is True
-
-
-@functools.cache
-def source_hash() -> str:
-    """A hash of the ``ddcnn`` package's Python sources (their paths and contents), computed once per process: the
-    version string stays 0.1.0 while the code changes, and a changed loop or model must not reuse older results."""
-    root = Path(ddcnn.__file__).resolve().parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
 
 
 def device_kind(device) -> str:

@@ -14,14 +14,18 @@ from ddcnn.pipeline import train
 from ddcnn.report.cli import report_main
 from ddcnn.report.compare import (
     CSV_COLUMNS,
+    PAIRED_COLUMNS,
     comparison_rows,
     find_runs,
     load_baseline_rows,
     load_run,
+    paired_markdown,
+    paired_rows,
     table_markdown,
     write_report,
 )
 from ddcnn.report.results import METHODS
+from ddcnn.report.stats import t_quantile_975
 from ddcnn.rundir import RunDir
 from tests.conftest import compose_config
 
@@ -84,7 +88,13 @@ def test_table_has_every_row_and_column(report):
     header = md.splitlines()[2]
     for column in ("method", "seeds", "test accuracy (%)", "sequential time (s)", "projected time (s)"):
         assert f"| {column} |" in header
-    assert "| speedup vs global | speedup at equal acc. | parameters |" in header
+    assert "| speedup vs global, 1 device | speedup vs DDP, P devices | speedup to target, 1 device |" in header
+    # The methods=all run trained DDP on 2 devices: its CNN-DNN is compared with it on 2 devices.
+    run = load_run(report.parent / "0_1x2_s0")
+    t, by_devices = run.results["time_s"], run.results["projected_time_s_by_devices"]
+    cnn_dnn = next(r for r in rows if r["grid"] == "1x2" and r["method_key"] == "cnn_dnn_probs")
+    assert cnn_dnn["ddp_devices"] == "2"
+    assert float(cnn_dnn["speedup_vs_ddp"]) == pytest.approx(t["global_ddp"] / by_devices["2"], rel=1e-6)
     for name in METHODS.values():
         assert f"| {name} |" in md
     report_md = (report / "report.md").read_text()
@@ -173,3 +183,92 @@ def test_runs_with_other_settings_are_not_averaged_together(sweep, tmp_path):
     merged = comparison_rows(runs, ignore=["trainer.max_epochs"])["digits"]
     merged = [r for r in merged if r["method_key"] == "cnn_dnn_probs"]
     assert len(merged) == 1 and merged[0]["seeds"] == 2 and merged[0]["settings"] == ""
+
+
+def test_differences_are_paired_by_seed_with_their_interval_and_verdict(sweep, report):
+    runs = {name: load_run(sweep / name) for name in ("0_1x2_s0", "1_1x2_s1")}
+    d = [100 * (r.results["accuracy"]["cnn_dnn"] - r.results["accuracy"]["global"]) for r in runs.values()]
+    with open(report / "digits_paired.csv", newline="") as fh:
+        reader = csv.DictReader(fh)
+        assert tuple(reader.fieldnames) == PAIRED_COLUMNS
+        rows = list(reader)
+    row = next(r for r in rows if r["grid"] == "1x2" and r["comparison"] == "CNN-DNN − global CNN")
+    assert row["n"] == "2" and row["seeds"] == "0 1"
+    half = t_quantile_975(1) * np.std(d, ddof=1) / np.sqrt(2)
+    assert float(row["mean_points"]) == pytest.approx(np.mean(d))
+    assert float(row["ci_low_points"]) == pytest.approx(np.mean(d) - half)
+    assert float(row["ci_high_points"]) == pytest.approx(np.mean(d) + half)
+    expected = "better" if np.mean(d) - half > 0 else "worse" if np.mean(d) + half < 0 else "within noise"
+    assert row["verdict"] == expected and row["baseline_converged"] == "unknown"  # today's runs record none
+    # One seed (the 2x2 grid): a difference, no interval, no verdict.
+    single = next(r for r in rows if r["grid"] == "2x2" and r["comparison"] == "CNN-DNN − mean probability")
+    assert single["n"] == "1" and single["ci_low_points"] == "" and single["verdict"] == "n<2: no interval"
+    md = (report / "digits.md").read_text()
+    assert "Paired differences (test accuracy, points):" in md and "| CNN-DNN − global CNN | 2 |" in md
+
+
+def _edited(sweep, tmp_path, name, edit):
+    """A copy of sweep run ``name`` (results.json and config.yaml only) with its results.json edited by ``edit``."""
+    copy = tmp_path / name
+    shutil.copytree(sweep / name, copy, ignore=shutil.ignore_patterns("local", "coarse*", "global*", "plots", "e2e"))
+    results = json.loads((copy / "results.json").read_text())
+    edit(results)
+    (copy / "results.json").write_text(json.dumps(results))
+    return load_run(copy)
+
+
+def test_an_unconverged_baseline_gets_no_verdict_and_other_timing_is_marked(sweep, tmp_path):
+    """Two seeds whose results.json say the global CNN did not converge in one of them (as the evaluate stage writes
+    it from the stage's meta.json, with its flag), and whose timing was taken under another load in one."""
+
+    def unconverged(results):
+        results["convergence"]["global"] = {"converged": False, "reasons": ["stopped early"], "stopped_by": "budget"}
+        results["flags"] = [{"method": "global", "kind": "unconverged", "message": "m", "try": "t"}]
+        results["timing"]["comparable"], results["timing"]["differences"] = True, {}  # whatever this machine's load
+
+    def loaded(results):
+        results["timing"]["comparable"] = False
+        results["timing"]["differences"] = {"load": {"3.0 besides its own": ["global"], "0.0 besides its own": []}}
+
+    runs = [_edited(sweep, tmp_path, "0_1x2_s0", unconverged), _edited(sweep, tmp_path, "1_1x2_s1", loaded)]
+    pairs = paired_rows(runs)["digits"]
+    versus_global = [r for r in pairs if r["baseline_key"] == "global"]
+    assert versus_global and all(r["verdict"] == "baseline not converged" for r in versus_global)
+    assert all(r["baseline_converged"] == "no" for r in versus_global)
+    assert "better" not in paired_markdown(versus_global)
+    rows = {r["method_key"]: r for r in comparison_rows(runs)["digits"]}
+    assert rows["global"]["unconverged_runs"] == "1/2" and rows["cnn_dnn_probs"]["unconverged_runs"] is None
+    # The load differed in one run: the rows stay one group (the seeds still pair) but are marked.
+    assert rows["cnn_dnn_probs"]["seeds"] == 2 and rows["cnn_dnn_probs"]["timing_comparable"] == "no in 1/2 runs (load)"
+    table = table_markdown(list(rows.values()))
+    assert "global CNN (unconverged in 1/2 runs)" in table and "no in 1/2 runs (load)" in table
+
+
+def test_the_speedup_to_the_fixed_target_compares_one_device_with_one_device(sweep, tmp_path):
+    """results.json of two seeds edited to hold a time to the fixed target (runs with report.curves on write it): the
+    global CNN's time over the CNN-DNN's with its local nets one after another, never its N-device time."""
+
+    def reached(global_s, one_device_s, n_devices_s):
+        def edit(results):
+            results["time_to_target"] = {
+                "target": {"value": 0.9, "source": "s", "tolerance": 0.01, "baseline_converged": True},
+                "global": {"time_s": global_s, "reached": True, "why_not": None, "epoch": 3, "devices": 1},
+                "cnn_dnn": {
+                    "time_s": n_devices_s,
+                    "reached": one_device_s is not None,
+                    "why_not": None if one_device_s is not None else "budget",
+                    "epoch": 2,
+                    "devices": 2,
+                    "time_s_by_devices": {"1": one_device_s, "2": n_devices_s} if one_device_s is not None else None,
+                },
+            }
+
+        return edit
+
+    runs = [
+        _edited(sweep, tmp_path, "0_1x2_s0", reached(30.0, 15.0, 8.0)),
+        _edited(sweep, tmp_path, "1_1x2_s1", reached(30.0, None, None)),
+    ]
+    row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_probs")
+    assert row["speedup_to_target_mean"] == pytest.approx(2.0) and row["target_reached"] == "1/2"
+    assert "| 2.00x (1/2) |" in table_markdown([row])

@@ -1,0 +1,138 @@
+"""Paired statistics of the comparison protocol (``docs/protocol.md``): the difference of two methods paired by seed,
+its 95% t-interval and the verdict that follows the interval.
+
+Two methods of one configuration (dataset, backbone, grid, overlap, settings) trained with the same seed share their
+data split, their local nets or their initial draw; their difference per seed cancels what the seed changes for both.
+Over ``n`` seeds with differences ``d_1 .. d_n`` (mean ``m``, sample standard deviation ``s``) the 95% interval is
+``m ± t(0.975, n-1) s / sqrt(n)`` (Student's t; the quantile from :func:`t_quantile_975`, no SciPy). The verdict:
+
+- ``better`` / ``worse``: the interval lies above / below 0 (0 itself on the bound is ``within noise``);
+- ``within noise``: the interval holds 0;
+- ``n<2: no interval``: one seed says nothing about noise;
+- ``baseline not converged``: the baseline of any seed did not converge; no verdict holds against it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = [
+    "PAIRS",
+    "BETTER",
+    "WORSE",
+    "WITHIN_NOISE",
+    "NO_INTERVAL",
+    "BASELINE_NOT_CONVERGED",
+    "t_quantile_975",
+    "paired_difference",
+    "verdict",
+]
+
+# The paired differences of the protocol: (label, method, baseline, the training whose convergence the baseline's is:
+# the global CNN, or the local nets for the averaging combiner). Keys of results.json ``accuracy``.
+PAIRS = (
+    ("CNN-DNN − global CNN", "cnn_dnn", "global", "global"),
+    ("CNN-DNN − mean probability", "cnn_dnn", "mean_prob", "local"),
+    ("global DDP − global CNN", "global_ddp", "global", "global"),
+)
+
+BETTER, WORSE, WITHIN_NOISE = "better", "worse", "within noise"
+NO_INTERVAL = "n<2: no interval"
+BASELINE_NOT_CONVERGED = "baseline not converged"
+
+# Student's t quantile t(0.975, df) for df = 1..30 (any statistics table, e.g. NIST/SEMATECH e-Handbook 1.3.6.7.2).
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
+# Beyond 30: the table's rows at 40, 60, 120 and infinity, interpolated linearly in 1/df (the table's own rule).
+_T975_TAIL = ((40, 2.021), (60, 2.000), (120, 1.980), (math.inf, 1.960))
+
+
+def t_quantile_975(df: int) -> float:
+    """Student's t quantile at 0.975 (a two-sided 95% interval) for ``df`` >= 1 degrees of freedom."""
+    if df < 1:
+        raise ValueError(f"a t quantile needs at least 1 degree of freedom, got {df}.")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    lo_df, lo_t = len(_T975), _T975[-1]
+    for hi_df, hi_t in _T975_TAIL:
+        if df <= hi_df:
+            x = (1 / lo_df - 1 / df) / (1 / lo_df - (0 if math.isinf(hi_df) else 1 / hi_df))
+            return lo_t + x * (hi_t - lo_t)
+        lo_df, lo_t = hi_df, hi_t
+    return 1.960
+
+
+def verdict(low: float | None, high: float | None, n: int, baseline_converged: bool | None = True) -> str:
+    """The verdict of a difference (method minus baseline) from its interval ``[low, high]`` over ``n`` seeds (module
+    doc). ``baseline_converged``: ``False`` when the baseline of any seed did not converge; ``None`` (not recorded)
+    gives the verdict of the interval, which the reader is told rests on a baseline of unknown convergence."""
+    if baseline_converged is False:
+        return BASELINE_NOT_CONVERGED
+    if n < 2 or low is None or high is None:
+        return NO_INTERVAL
+    if low > 0:
+        return BETTER
+    if high < 0:
+        return WORSE
+    return WITHIN_NOISE
+
+
+def paired_difference(
+    differences: Sequence[float], baseline_converged: bool | None = True, seeds: Sequence[int] | None = None
+) -> dict:
+    """Mean, sample standard deviation, ``n``, 95% t-interval and verdict of paired ``differences`` (one per seed).
+
+    Returns:
+        ``{"n", "mean", "std", "low", "high", "half_width", "verdict", "baseline_converged", "seeds"}``; ``std`` and the
+        interval are ``None`` for fewer than 2 differences.
+    """
+    values = [float(d) for d in differences]
+    n = len(values)
+    mean = sum(values) / n if n else None
+    std = low = high = half = None
+    if n >= 2:
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+        half = t_quantile_975(n - 1) * std / math.sqrt(n)
+        low, high = mean - half, mean + half
+    return {
+        "n": n,
+        "mean": mean,
+        "std": std,
+        "low": low,
+        "high": high,
+        "half_width": half,
+        "verdict": verdict(low, high, n, baseline_converged),
+        "baseline_converged": baseline_converged,
+        "seeds": list(seeds) if seeds is not None else None,
+    }
