@@ -9,9 +9,9 @@ script, Lightning, many repositories), or a ``.safetensors`` file (timm's and Hu
 :func:`load_weights` copies every tensor into the network and adapts what a different task changes:
 
 - the first convolution, when the file's has another number of input channels: as timm's ``adapt_input_conv`` does,
-  RGB weights summed for one input channel, and otherwise repeated and scaled by ``file channels / channels`` (so a
-  constant image gives the same response); the result equals timm's (a test compares them), and it also covers 3D
-  kernels and files of any channel count;
+  RGB weights summed for one input channel, and otherwise repeated and scaled by ``file channels / channels`` (a
+  constant image then gives the response it gave before, exactly for one channel and for multiples of the file's);
+  the result equals timm's (a test compares them), and it also covers 3D kernels and files of any channel count;
 - the classifier (the last layer with ``num_classes`` outputs), when the file's has another class count or none: kept
   as the network initialised it, i.e. re-initialised, and said so in the returned record.
 
