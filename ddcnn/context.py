@@ -302,10 +302,14 @@ def _size_fixes(ctx: Context, key: str, smallest: int, local: bool) -> list[str]
     for n, g, d in zip(shape, grid if local else (1,) * len(shape), overlap, strict=True):
         sizes.append(next(m for m in range(n, n + smallest * g + 1) if _sub_length(m, g, d) >= smallest))
     fixes.append(f"larger images: data.image_size=[{','.join(map(str, sizes))}]")
-    fixes.append(
-        "a network with a small-input stem (ddcnn's own model=resnet18, whose stem: small keeps the resolution, or "
-        "model=vgg_small, which take any size)"
-    )
+    target = str(OmegaConf.select(ctx.cfg, f"{key}._target_", default=""))
+    if target.startswith("ddcnn.") and not target.startswith(external.__name__):  # ddcnn's own VGG, ResNet
+        fixes.append(f"another {key}.norm (batch takes single pixels) or a network with fewer stages")
+    else:
+        fixes.append(
+            "a network with a small-input stem (ddcnn's own model=resnet18, whose stem: small keeps the resolution, "
+            "or model=vgg_small, which take any size)"
+        )
     return fixes
 
 
@@ -324,9 +328,9 @@ def _check_input_size(ctx: Context, key: str, what: str, net: nn.Module, spatial
         if smallest is not None and min(spatial) < smallest:
             fixes = _size_fixes(ctx, key, smallest, local=what == "sub-domains")
             raise ValueError(
-                f"the network of {key} ({arch}) cannot take {what} of {_shape_text(spatial)}: it needs at least "
-                f"{smallest} pixels per side (the smallest input it runs on). Settings that give it {smallest}: "
-                f"{'; '.join(fixes)}."
+                f"the network of {key} ({arch}) fails on inputs of shape {(channels, *spatial)} ({what} of "
+                f"{_shape_text(spatial)}): it needs at least {smallest} pixels per side (the smallest input it runs "
+                f"on). Settings that give it {smallest}: {'; '.join(fixes)}."
             ) from err
         raise ValueError(
             f"the network of {key} ({arch}) fails on inputs of shape {(channels, *spatial)}: "
@@ -415,15 +419,15 @@ def _network_spec(model_cfg: DictConfig) -> tuple[dict, str | None]:
     return spec, (None if path is None else str(path))
 
 
-def _read_weights(path: str) -> tuple[dict[str, torch.Tensor], str]:
+def _read_weights(path: str, setting: str) -> tuple[dict[str, torch.Tensor], str]:
     resolved = Path(path).expanduser().resolve()
     if not resolved.is_file():
-        pretrained.read_weights(resolved)  # raises the FileNotFoundError that names the setting
+        pretrained.read_weights(path, setting)  # raises the FileNotFoundError that names the setting
     stat = resolved.stat()
     key = (str(resolved), stat.st_size, stat.st_mtime_ns)
     if key not in _WEIGHTS:
         _WEIGHTS.clear()
-        _WEIGHTS[key] = pretrained.read_weights(resolved)
+        _WEIGHTS[key] = pretrained.read_weights(resolved, setting)
     return _WEIGHTS[key], str(resolved)
 
 
@@ -431,7 +435,7 @@ def _build(model_cfg: DictConfig, data: Prepared, key: str, weights: bool) -> nn
     spec, path = _network_spec(model_cfg)
     net = instantiate(spec, spatial_dims=data.spatial_dims, in_channels=data.in_channels, num_classes=data.num_classes)
     if weights and path is not None:
-        state, resolved = _read_weights(path)
+        state, resolved = _read_weights(path, f"{key}.weights")
         record = pretrained.load_weights(net, state, data.in_channels, data.num_classes, source=f"{key}.weights")
         _RECORDS[net] = {"setting": f"{key}.weights", "path": resolved, "sha256": file_sha256(resolved), **record}
     return net

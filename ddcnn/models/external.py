@@ -273,7 +273,7 @@ def _runs(net: nn.Module, spatial_dims: int, in_channels: int, size: int) -> boo
     try:
         with torch.no_grad():
             net(torch.zeros(1, in_channels, *(size,) * spatial_dims))
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # too small: conv/pool kernels (RuntimeError), norms of one pixel (ValueError)
         return False
     return True
 
@@ -282,7 +282,7 @@ def smallest_input(
     net: nn.Module, spatial_dims: int, in_channels: int, key: tuple | None = None, largest: int | None = None
 ) -> int | None:
     """The smallest side ``s`` such that ``net`` runs on an input of ``s`` pixels along every axis, or ``None`` when
-    it runs on none up to ``largest`` (default 1024 in 2D, 256 in 3D: it fails for another reason than size).
+    it runs on none up to ``largest`` (default 1024 in 2D, 128 in 3D: it fails for another reason than size).
 
     Found by trying zeros (batch 1, eval mode, no gradients, on the CPU): doubling from 1 until the network runs,
     then bisecting. With ``key`` (e.g. the library, architecture, dimensions and channels) the answer is remembered
@@ -290,7 +290,7 @@ def smallest_input(
     """
     if key is not None and key in _SMALLEST:
         return _SMALLEST[key]
-    largest = largest or (1024 if spatial_dims == 2 else 256)
+    largest = largest or (1024 if spatial_dims == 2 else 128)
     was_training = net.training
     net.eval()
     try:

@@ -39,15 +39,16 @@ class WeightsError(ValueError):
     """A weights file that cannot be read or does not fit the network; the message names the setting and the fix."""
 
 
-def _missing_file(path: Path) -> FileNotFoundError:
+def _missing_file(path: Path, setting: str) -> FileNotFoundError:
     return FileNotFoundError(
-        f"model.weights={str(path)!r}: no such file (relative paths start from the directory ddcnn-train runs in); "
-        f"pass the path of a local file of weights (a state dict, a checkpoint or .safetensors), or model.weights=null."
+        f"{setting}={str(path)!r}: no such file (relative paths start from the directory ddcnn-train runs in); "
+        f"pass the path of a local file of weights (a state dict, a checkpoint or .safetensors), or {setting}=null."
     )
 
 
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a weights file: a state dict, a checkpoint dict holding one, or ``.safetensors``.
+def read_weights(path: str | Path, setting: str = "model.weights") -> dict[str, torch.Tensor]:
+    """The tensors of a weights file: a state dict, a checkpoint dict holding one, or ``.safetensors``; errors name
+    ``setting``.
 
     Raises:
         FileNotFoundError: No such file.
@@ -55,13 +56,13 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise _missing_file(path)
+        raise _missing_file(path, setting)
     if path.suffix == ".safetensors":
         try:
             from safetensors.torch import load_file
         except ImportError as err:
             raise WeightsError(
-                f"model.weights={str(path)!r} is a .safetensors file, which needs the safetensors package: "
+                f"{setting}={str(path)!r} is a .safetensors file, which needs the safetensors package: "
                 f"pip install safetensors (timm installs it)."
             ) from err
         return dict(load_file(str(path), device="cpu"))
@@ -69,7 +70,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise WeightsError(
-            f"model.weights={str(path)!r} cannot be read as weights ({' '.join(str(err).split())[:300]}). ddcnn reads "
+            f"{setting}={str(path)!r} cannot be read as weights ({' '.join(str(err).split())[:300]}). ddcnn reads "
             f"tensors only (torch.load with weights_only=True, no Python objects): save the state dict alone, e.g. "
             f"torch.save(checkpoint['state_dict'], 'weights.pt'), or pass a .safetensors file."
         ) from err
@@ -81,7 +82,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     if not tensors:
         keys = list(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
         raise WeightsError(
-            f"model.weights={str(path)!r} holds no state dict (found {keys}); save one with "
+            f"{setting}={str(path)!r} holds no state dict (found {keys}); save one with "
             f"torch.save(net.state_dict(), PATH), or a checkpoint dict with it under one of {list(_CHECKPOINT_KEYS)}."
         )
     return tensors
