@@ -17,6 +17,7 @@ from torch import nn
 from ddcnn.context import build_context, build_local_net
 from ddcnn.models import external, pretrained
 from ddcnn.pipeline import train
+from ddcnn.predict import predict_main
 from ddcnn.rundir import FingerprintMismatch, RunDir, fingerprint, network_identity, result_settings
 from tests.conftest import compose_config, shared_data
 from tests.models.conftest import NUM_CLASSES
@@ -225,7 +226,7 @@ def test_no_weights_leave_the_fingerprint_and_store_keys_as_they_were(make_cfg):
 @pytest.mark.parametrize(
     "backbone, methods", [(TIMM, ALL_NETWORK_METHODS), (TORCHVISION, [])], ids=["timm-every-method", "torchvision"]
 )
-def test_external_backbones_train_and_the_export_predicts_like_the_pipeline(backbone, methods, tmp_path):
+def test_external_backbones_train_and_the_export_predicts_like_the_pipeline(backbone, methods, tmp_path, capsys):
     run_dir = tmp_path / "run"
     cfg = compose_config(
         [
@@ -251,6 +252,17 @@ def test_external_backbones_train_and_the_export_predicts_like_the_pipeline(back
         probs = model.predict_proba(torch.from_numpy(digits().x_test))
     staged = RunDir(run_dir).load_probs("coarse", "test")["probs"]
     assert torch.allclose(probs, staged, atol=1e-4)
+    # ddcnn-predict on a run directory without an export: it exports from config.yaml and the saved nets first
+    (run_dir / "export" / "cnn_dnn.pt").unlink()
+    batch = tmp_path / "batch.npy"
+    np.save(batch, digits().x_test[:3])
+    capsys.readouterr()  # the training's printed results
+    assert predict_main([str(run_dir), str(batch), "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    for j, line in enumerate(lines):
+        predicted = torch.tensor([line["probabilities"][str(k)] for k in range(10)])
+        assert torch.allclose(predicted, staged[j], atol=1e-4)
+    assert len(lines) == 3
 
 
 @pytest.mark.slow
