@@ -92,9 +92,9 @@ def library_of_target(target: str) -> str | None:
     return None
 
 
-# Settings of ddcnn's own networks (conf/model/vgg*.yaml, resnet*.yaml) that no library constructor takes as they mean
-# them: left over when only model._target_ is overridden on such a group.
-OWN_NET_SETTINGS = ("norm", "width_mult", "stem", "act", "kernel_size", "hidden", "dropout")
+# Settings of ddcnn's own networks (conf/model/vgg*.yaml, resnet*.yaml) that a library constructor does not take (or,
+# width_mult, takes with another meaning): left over when only model._target_ is overridden on such a group.
+OWN_NET_SETTINGS = ("norm", "width_mult", "stem")
 
 
 def adapter_spec(spec: dict) -> tuple[dict, list[str]]:
@@ -110,7 +110,7 @@ def adapter_spec(spec: dict) -> tuple[dict, list[str]]:
     out["_target_"] = f"{__name__}.{library}_net"
     name = target.rsplit(".", 1)[1]
     if name in ("create_model", "get_model"):
-        out["arch"] = out.pop("model_name", None) or out.pop("name", None) or out.get("arch")
+        out["arch"] = out.pop("model_name", None) or out.get("arch")  # timm.create_model(model_name=...)
     else:
         out["arch"] = name
     return out, sorted(set(spec) & set(OWN_NET_SETTINGS))
