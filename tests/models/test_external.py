@@ -171,6 +171,24 @@ def test_weights_load_with_the_first_conv_and_classifier_adapted(tmp_path):
         pretrained.load_weights(other, pretrained.read_weights(path), 1, NUM_CLASSES)
 
 
+@pytest.mark.parametrize("dims", [2, 3])
+def test_weights_of_ddcnn_and_monai_nets_load_into_other_channels_and_classes(dims, tmp_path):
+    from ddcnn.models.vgg import vgg_tiny
+
+    kw = {"init_features": 8, "growth_rate": 4, "block_config": [1, 1]}
+    for build in (lambda c, k: vgg_tiny(dims, c, k), lambda c, k: external.monai_net("DenseNet", dims, c, k, **kw)):
+        source, net = build(3, 7), build(2, NUM_CLASSES)
+        torch.save(source.state_dict(), tmp_path / "w.pt")
+        record = pretrained.load_weights(net, pretrained.read_weights(tmp_path / "w.pt"), 2, NUM_CLASSES)
+        key = record["first_conv"]["tensor"]
+        expected = pretrained.adapt_input_conv(2, source.state_dict()[key])
+        assert torch.equal(net.state_dict()[key], expected) and expected.shape[1] == 2
+        assert (
+            record["classifier"]["file_classes"] == 7 and record["loaded"] == len(source.state_dict()) - 2
+        )  # all but the classifier
+        assert net(torch.randn(2, 2, *(12,) * dims)).shape == (2, NUM_CLASSES)
+
+
 @pytest.mark.slow
 def test_pretrained_weights_train_through_the_pipeline(tmp_path, make_cfg):
     """``model.weights=PATH``: every local net and the global CNN start from it, meta.json and the fingerprint record
