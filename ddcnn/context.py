@@ -9,6 +9,9 @@ the modules of :mod:`ddcnn.stages`.
 
 from __future__ import annotations
 
+import json
+import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +25,12 @@ from ddcnn.data.augment import Augment
 from ddcnn.data.prepare import Prepared, PrepareSettings, load_prepared
 from ddcnn.data.sources import NOT_IDENTITY
 from ddcnn.decomposition import Decomposition
+from ddcnn.models import external, pretrained
 from ddcnn.models.cnn_dnn import CNNDNN
-from ddcnn.rundir import RunDir
+from ddcnn.rundir import RunDir, file_sha256
 from ddcnn.store import Store, default_root
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Context",
@@ -42,6 +48,7 @@ __all__ = [
     "build_local_net",
     "build_global_net",
     "build_coarse_net",
+    "weights_meta",
     "coarse_net_spec",
     "finished_coarse_spec",
     "count_parameters",
@@ -120,7 +127,11 @@ def load_data(cfg: DictConfig) -> Prepared:
 
 
 def build_context(
-    cfg: DictConfig, run_dir: str | Path | None = None, claim: bool = True, data: Prepared | None = None
+    cfg: DictConfig,
+    run_dir: str | Path | None = None,
+    claim: bool = True,
+    data: Prepared | None = None,
+    weights: bool = True,
 ) -> Context:
     """Load the data, build the decomposition, check the networks and (``claim``) the run directory.
 
@@ -128,7 +139,9 @@ def build_context(
     ``ctx.run.check_fingerprint(ctx.cfg)`` itself. ``ctx.cfg`` is ``cfg`` with ``data.num_classes`` and
     ``data.in_channels`` set to the data's where they were ``auto`` (:func:`resolve_data_counts`). ``data`` skips
     loading: the parent of the parallel workers hands them the data it prepared (the tensors in shared memory, or the
-    store entry that each worker maps) instead of each worker reading and preparing them again.
+    store entry that each worker maps) instead of each worker reading and preparing them again. ``weights=False``
+    leaves the pretrained weights file (``model.weights``) unread: a finished run's networks come from its own
+    ``net.pt`` files (the export).
     """
     run = RunDir(run_dir if run_dir is not None else cfg.paths.run_dir)
     check_settings(cfg)
@@ -137,7 +150,7 @@ def build_context(
     cfg = resolve_data_counts(cfg, data)
     dec = Decomposition(tuple(cfg.decomposition.grid), data.image_shape, tuple_or_int(cfg.decomposition.overlap))
     ctx = Context(cfg, run, data, dec)
-    check_networks(ctx)
+    check_networks(ctx, weights=weights)
     if claim:  # only a configuration that can run claims the run directory
         run.check_fingerprint(cfg)
     return ctx
@@ -232,29 +245,25 @@ def ddp_devices(cfg: DictConfig) -> int:
     return value
 
 
-def check_networks(ctx: Context) -> None:
+def check_networks(ctx: Context, weights: bool = True) -> None:
     """Build the local, global and coarse networks once and run two samples through them.
 
-    Catches a wrong model name, argument or an input too small for the network before any stage writes
-    anything, with a message that names the setting.
+    Catches a wrong model name or argument, a missing library, a pretrained weights file that does not fit
+    (``weights``) and an input too small for a network before any stage writes anything, with a message that names
+    the setting; for an input too small, the smallest size the network takes and settings that give it. A network
+    whose feature maps shrink to one pixel before its last downsampling stages runs, with a warning.
     """
     cfg, data, dec = ctx.cfg, ctx.data, ctx.decomposition
+    global_key = "global_model" if cfg.get("global_model") else "model"
     checks = [
-        ("model", lambda: build_local_net(cfg, data), (2, data.in_channels, *dec.sub_shape)),
-        (
-            "global_model" if cfg.get("global_model") else "model",
-            lambda: build_global_net(cfg, data),
-            (2, data.in_channels, *data.image_shape),
-        ),
-        (
-            "coarse.net",
-            lambda: build_coarse_net(cfg, dec.num_subdomains, data.num_classes),
-            (2, dec.num_subdomains, data.num_classes),
-        ),
+        ("model", "sub-domains", lambda: build_local_net(cfg, data, weights=weights), dec.sub_shape),
+        (global_key, "full images", lambda: build_global_net(cfg, data, weights=weights), data.image_shape),
     ]
-    for key, build, shape in checks:
+    for key, what, build, spatial in checks:
         try:
             net = build()
+        except (FileNotFoundError, external.MissingLibrary, pretrained.WeightsError):
+            raise  # they name the setting and the fix already
         except Exception as err:
             target = OmegaConf.select(cfg, f"{key}._target_", default="?")
             raise ValueError(
@@ -262,18 +271,122 @@ def check_networks(ctx: Context) -> None:
                 f"name and arguments under {key} in the configuration (conf/{key.split('.')[0]}/ lists the available "
                 "ones)."
             ) from err
-        try:
-            with torch.no_grad():
-                out = net.eval()(torch.zeros(shape))
-        except Exception as err:
-            raise ValueError(
-                f"the network of {key} fails on inputs of shape {tuple(shape[1:])}: {err}. Use larger sub-domains "
-                f"(fewer sub-domains, more overlap or a larger data.image_size) or another model/norm."
-            ) from err
-        if tuple(out.shape) != (2, data.num_classes):
-            raise ValueError(
-                f"the network of {key} returns shape {tuple(out.shape)}, expected (2, {data.num_classes})."
+        _log_weights(key, net)
+        _check_input_size(ctx, key, what, net, tuple(spatial))
+    key, shape = "coarse.net", (2, dec.num_subdomains, data.num_classes)
+    try:
+        net = build_coarse_net(cfg, dec.num_subdomains, data.num_classes)
+    except Exception as err:
+        target = OmegaConf.select(cfg, f"{key}._target_", default="?")
+        raise ValueError(
+            f"cannot build the network of {key} (_target_={target}): {' '.join(str(err).split())}. Check the name "
+            "and arguments under coarse.net in the configuration (conf/coarse/ lists the available ones)."
+        ) from err
+    try:
+        with torch.no_grad():
+            out = net.eval()(torch.zeros(shape))
+    except Exception as err:
+        raise ValueError(f"the network of {key} fails on inputs of shape {shape[1:]}: {err}.") from err
+    _check_output(key, out, data.num_classes)
+
+
+def _check_output(key: str, out, num_classes: int) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(
+            f"the network of {key} returns {type(out).__name__}, not a tensor of logits (2, {num_classes}); use a "
+            f"classification network that returns one tensor (for MONAI's ViT, classification heads return a tuple)."
+        )
+    if tuple(out.shape) != (2, num_classes):
+        raise ValueError(f"the network of {key} returns shape {tuple(out.shape)}, expected (2, {num_classes}).")
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "x".join(str(s) for s in shape)
+
+
+def _sub_length(n: int, g: int, d: int) -> int:
+    """A sub-domain's length along an axis of ``n`` pixels cut into ``g`` parts with overlap ``d`` (as
+    :class:`~ddcnn.decomposition.Decomposition` cuts it)."""
+    return n if g == 1 else -(-(n + (g - 1) * d) // g)
+
+
+def _size_fixes(ctx: Context, key: str, smallest: int, local: bool) -> list[str]:
+    """Settings that give the network of ``key`` inputs of at least ``smallest`` pixels per side."""
+    dec, shape = ctx.decomposition, tuple(ctx.data.image_shape)
+    grid, overlap = tuple(dec.grid), tuple(dec.overlap)
+    fixes = []
+    if local:
+        fewer, more = [], []
+        for n, g, d in zip(shape, grid, overlap, strict=True):
+            fewer.append(max((k for k in range(1, g + 1) if _sub_length(n, k, d) >= smallest), default=None))
+            more.append(
+                g
+                if _sub_length(n, g, d) >= smallest
+                else next((e for e in range(d, n + 1) if smallest <= _sub_length(n, g, e) <= n), None)
             )
+        if None not in fewer and tuple(fewer) != grid:
+            fixes.append(f"fewer sub-domains: decomposition.grid=[{','.join(map(str, fewer))}]")
+        if None not in more and grid != (1,) * len(grid):
+            more = [
+                d if _sub_length(n, g, d) >= smallest else e
+                for n, g, d, e in zip(shape, grid, overlap, more, strict=True)
+            ]
+            fixes.append(f"more overlap: decomposition.overlap=[{','.join(map(str, more))}]")
+    sizes = []
+    for n, g, d in zip(shape, grid if local else (1,) * len(shape), overlap, strict=True):
+        sizes.append(next(m for m in range(n, n + smallest * g + 1) if _sub_length(m, g, d) >= smallest))
+    fixes.append(f"larger images: data.image_size=[{','.join(map(str, sizes))}]")
+    target = str(OmegaConf.select(ctx.cfg, f"{key}._target_", default=""))
+    if target.startswith("ddcnn.") and not target.startswith(external.__name__):  # ddcnn's own VGG, ResNet
+        fixes.append(f"another {key}.norm (batch takes single pixels) or a network with fewer stages")
+    else:
+        fixes.append(
+            "a network with a small-input stem (ddcnn's own model=resnet18, whose stem: small keeps the resolution, "
+            "or model=vgg_small, which take any size)"
+        )
+    return fixes
+
+
+def _check_input_size(ctx: Context, key: str, what: str, net: nn.Module, spatial: tuple[int, ...]) -> None:
+    """Run ``net`` on two zero samples of ``spatial``; refuse an input too small with the smallest size it takes and
+    the settings that give it; warn when its feature maps collapse to one pixel before its last stages."""
+    data = ctx.data
+    channels, dims = data.in_channels, data.spatial_dims
+    arch = external.describe_arch(_network_spec(ctx.cfg[key])[0])
+    try:
+        with torch.no_grad():
+            out = net.eval()(torch.zeros(2, channels, *spatial))
+    except Exception as err:
+        size_key = (json.dumps(_network_spec(ctx.cfg[key])[0], sort_keys=True, default=str), dims, channels)
+        smallest = external.smallest_input(net, dims, channels, key=size_key)
+        if smallest is not None and min(spatial) < smallest:
+            fixes = _size_fixes(ctx, key, smallest, local=what == "sub-domains")
+            raise ValueError(
+                f"the network of {key} ({arch}) fails on inputs of shape {(channels, *spatial)} ({what} of "
+                f"{_shape_text(spatial)}): it needs at least {smallest} pixels per side (the smallest input it runs "
+                f"on). Settings that give it {smallest}: {'; '.join(fixes)}."
+            ) from err
+        raise ValueError(
+            f"the network of {key} ({arch}) fails on inputs of shape {(channels, *spatial)}: "
+            f"{' '.join(str(err).split())}. Use larger {what} (fewer sub-domains, more overlap or a larger "
+            f"data.image_size) or another model/norm."
+        ) from err
+    _check_output(key, out, data.num_classes)
+    report = external.downsampling(net, (channels, *spatial))
+    if report.collapsed:
+        log.warning(
+            "%s (%s): on %s of %s its feature maps shrink to one pixel before %d of its %d downsampling stages, which "
+            "then see a single pixel; it runs, but was designed for inputs of at least %d per side (%s give larger "
+            "inputs)",
+            key,
+            arch,
+            what,
+            _shape_text(spatial),
+            report.collapsed,
+            report.stages,
+            report.design_size,
+            "fewer sub-domains, more overlap or data.image_size" if what == "sub-domains" else "data.image_size",
+        )
 
 
 def tuple_or_int(value) -> int | float | tuple:
@@ -303,24 +416,109 @@ def instantiate(node, **kwargs):
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as err:
         cause = err.__cause__
-        if isinstance(cause, ValueError | OSError):
+        if isinstance(cause, ValueError | OSError | ImportError):
             raise cause from None
         raise ValueError(" ".join(str(err).split())) from err
 
 
 # --- networks ------------------------------------------------------------------------------------
-def _build(model_cfg: DictConfig, data: Prepared) -> nn.Module:
+# The pretrained weights file last read in this process (one file per run; N local nets read it once).
+_WEIGHTS: dict[tuple, dict[str, torch.Tensor]] = {}
+# What loading the weights did to each network built with them (meta.json records it: weights_meta).
+_RECORDS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+_LOGGED: set[tuple] = set()
+
+
+def _network_spec(model_cfg: DictConfig) -> tuple[dict, str | None]:
+    """The constructor settings of a ``model``/``global_model`` node and its pretrained weights file (or ``None``).
+
+    ``name`` is a label for run directories and reports and ``weights`` is loaded after building, so neither goes to
+    the constructor. A ``_target_`` that names a library's constructor (``torchvision.models.mobilenet_v2``) goes
+    through that library's adapter, as ``model=torchvision model.arch=mobilenet_v2`` does.
+    """
     spec = OmegaConf.to_container(model_cfg, resolve=True)
-    spec.pop("name", None)  # a label for run directories and reports, not a constructor argument
-    return instantiate(spec, spatial_dims=data.spatial_dims, in_channels=data.in_channels, num_classes=data.num_classes)
+    spec.pop("name", None)
+    path = spec.pop("weights", None)
+    spec, dropped = external.adapter_spec(spec)
+    if dropped and (key := ("dropped", spec.get("_target_"), tuple(dropped))) not in _LOGGED:
+        _LOGGED.add(key)
+        log.info(
+            "model: %s take no %s (settings of ddcnn's own networks); they are left out. model=%s model.arch=%s "
+            "states it without them",
+            spec["arch"],
+            ", ".join(dropped),
+            spec["_target_"].rsplit(".", 1)[1].removesuffix("_net"),
+            spec["arch"],
+        )
+    return spec, (None if path is None else str(path))
 
 
-def build_local_net(cfg: DictConfig, data: Prepared) -> nn.Module:
-    return _build(cfg.model, data)
+def _read_weights(path: str, setting: str) -> tuple[dict[str, torch.Tensor], str]:
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_file():
+        pretrained.read_weights(path, setting)  # raises the FileNotFoundError that names the setting
+    stat = resolved.stat()
+    key = (str(resolved), stat.st_size, stat.st_mtime_ns)
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()
+        _WEIGHTS[key] = pretrained.read_weights(resolved, setting)
+    return _WEIGHTS[key], str(resolved)
 
 
-def build_global_net(cfg: DictConfig, data: Prepared) -> nn.Module:
-    return _build(cfg.get("global_model") or cfg.model, data)
+def _build(model_cfg: DictConfig, data: Prepared, key: str, weights: bool) -> nn.Module:
+    spec, path = _network_spec(model_cfg)
+    net = instantiate(spec, spatial_dims=data.spatial_dims, in_channels=data.in_channels, num_classes=data.num_classes)
+    if weights and path is not None:
+        state, resolved = _read_weights(path, f"{key}.weights")
+        record = pretrained.load_weights(net, state, data.in_channels, data.num_classes, source=f"{key}.weights")
+        _RECORDS[net] = {"setting": f"{key}.weights", "path": resolved, "sha256": file_sha256(resolved), **record}
+    return net
+
+
+def build_local_net(cfg: DictConfig, data: Prepared, weights: bool = True) -> nn.Module:
+    """A local net as ``model`` says, with the pretrained weights of ``model.weights`` unless ``weights=False``."""
+    return _build(cfg.model, data, "model", weights)
+
+
+def build_global_net(cfg: DictConfig, data: Prepared, weights: bool = True) -> nn.Module:
+    """The global CNN as ``global_model`` says (``null``: as ``model``), with its pretrained weights unless
+    ``weights=False``."""
+    key = "global_model" if cfg.get("global_model") else "model"
+    return _build(cfg[key], data, key, weights)
+
+
+def weights_meta(net: nn.Module) -> dict:
+    """``{"pretrained_weights": ...}`` for a network built here with pretrained weights (for a CNN-DNN, those of its
+    local nets): the file, its SHA-256 and what loading adapted; ``{}`` otherwise. Stages add it to ``meta.json``."""
+    for module in net.modules():
+        if module in _RECORDS:
+            return {"pretrained_weights": dict(_RECORDS[module])}
+    return {}
+
+
+def _log_weights(key: str, net: nn.Module) -> None:
+    record = _RECORDS.get(net)
+    if record is None or (key, record["sha256"]) in _LOGGED:
+        return
+    _LOGGED.add((key, record["sha256"]))
+    parts = [f"loaded {record['loaded']} tensors from {record['path']} (sha256 {record['sha256'][:12]})"]
+    if record["prefix"]:
+        parts.append(f"without the prefix {record['prefix']!r} of its keys")
+    if record["first_conv"]:
+        conv = record["first_conv"]
+        parts.append(f"first convolution {conv['tensor']} adapted to {conv['channels']} channel(s): {conv['rule']}")
+    if record["classifier"]:
+        head = record["classifier"]
+        had = "none" if head["file_classes"] is None else head["file_classes"]
+        parts.append(
+            f"classifier {', '.join(head['tensors'])} re-initialised (the file's class count: {had}; the data's: "
+            f"{head['classes']})"
+        )
+    if record["ignored"]:
+        parts.append(
+            f"{len(record['ignored'])} tensors of the file have no place in the network, e.g. {record['ignored'][:3]}"
+        )
+    log.info("%s.weights: %s", key, "; ".join(parts))
 
 
 def coarse_net_spec(cfg: DictConfig, kind: str | None = None) -> dict:
@@ -367,7 +565,7 @@ def assemble_cnn_dnn(ctx: Context) -> CNNDNN:
         raise FileNotFoundError(f"cannot assemble the CNN-DNN of {ctx.run.root}: stages {missing} have not finished.")
     nets = []
     for i in range(n):
-        net = build_local_net(ctx.cfg, ctx.data)
+        net = build_local_net(ctx.cfg, ctx.data, weights=False)  # its trained weights follow
         net.load_state_dict(torch.load(ctx.run.stage_dir("local", i) / "net.pt", weights_only=True))
         nets.append(net)
     kind = str(ctx.run.meta("coarse").get("input") or ctx.cfg.coarse.get("input", "probs"))

@@ -234,6 +234,39 @@ def _metadata(ctx, model_results: dict | None = None) -> dict:
     }
 
 
+def _script(wrapped: ExportedCNNDNN, model: nn.Module, ctx) -> torch.jit.ScriptModule:
+    """Script the CNN-DNN with its preprocessing.
+
+    Every network of ddcnn, timm, torchvision and MONAI tried scripts (tests/test_export.py); a local net that does not
+    (Python TorchScript cannot compile) is traced instead: the CNN-DNN hands each local net crops of one fixed shape,
+    the sub-domain's, so a trace at that shape is the same function for every input it will get. The rest (input
+    checks, resizing, the coarse DNN) stays scripted.
+    """
+    try:
+        with _jit_deprecation_quiet():
+            return torch.jit.script(wrapped)
+    except Exception as err:  # TorchScript's errors have no common base class
+        reason = " ".join(str(err).split())[:300]
+    example = torch.zeros(2, ctx.data.in_channels, *ctx.decomposition.sub_shape)
+    try:
+        with _jit_deprecation_quiet(), torch.no_grad():
+            model.local_nets = nn.ModuleList(torch.jit.trace(net.eval(), example) for net in model.local_nets)
+            scripted = torch.jit.script(wrapped)
+    except Exception as err:
+        raise ValueError(
+            f"cannot export the CNN-DNN of {ctx.run.root} as TorchScript: its model "
+            f"({ctx.cfg.model.get('name', ctx.cfg.model.get('_target_'))}) neither scripts ({reason}) nor traces at "
+            f"the sub-domain shape ({' '.join(str(err).split())[:300]}). The run's results are complete without it; "
+            f"report.export=false skips the export."
+        ) from err
+    log.info(
+        "export: the local nets do not script (%s); traced at their sub-domain shape %s, the only shape they receive",
+        reason,
+        list(ctx.decomposition.sub_shape),
+    )
+    return scripted
+
+
 def exported_path(run_dir: str | Path) -> Path:
     """Where a run's exported model lives: ``RUN_DIR/export/cnn_dnn.pt``."""
     return Path(run_dir) / EXPORT_DIR / EXPORT_FILE
@@ -266,8 +299,7 @@ def export_context(ctx, path: str | Path | None = None) -> Path:
         window=data.window,
     )
     wrapped = ExportedCNNDNN(pre, model).eval()
-    with _jit_deprecation_quiet():
-        scripted = torch.jit.script(wrapped)
+    scripted = _script(wrapped, model, ctx)
     accuracy = None
     if ctx.run.is_done("coarse"):
         accuracy = ctx.run.meta("coarse").get("accuracy", {}).get("test")
@@ -300,7 +332,8 @@ def export_run(run_dir: str | Path, path: str | Path | None = None) -> Path:
             f"(hydra.run.dir)."
         )
     cfg = OmegaConf.load(config)
-    ctx = build_context(cfg, root, claim=False)
+    # The networks come from the run's net.pt files: a pretrained weights file it started from is not needed.
+    ctx = build_context(cfg, root, claim=False, weights=False)
     return export_context(ctx, path)
 
 

@@ -35,6 +35,8 @@ __all__ = [
     "CURVE_FILE",
     "NON_RESULT_KEYS",
     "fingerprint",
+    "file_sha256",
+    "network_identity",
     "flatten",
     "result_settings",
     "FingerprintMismatch",
@@ -180,6 +182,42 @@ def _drop(container: dict, dotted: str) -> None:
 # that value they are left out of the fingerprint, so existing run directories (and the store's keys) stay valid.
 NEUTRAL_SETTINGS = {"engine.min_delta": 0.0}
 
+_SHA256: dict[tuple, str] = {}
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 (hex) of a file's content, computed once per process and file version (path, size, mtime)."""
+    path = Path(path).expanduser().resolve()
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _SHA256:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        _SHA256[key] = digest.hexdigest()
+    return _SHA256[key]
+
+
+def network_identity(spec: Mapping | None) -> Any:
+    """A network's settings as results depend on them: its pretrained weights file (``weights``) by content
+    (``sha256:<hex>``), not by path, and left out when there is none, so that a network without weights has the
+    identity it had before the setting existed."""
+    if not isinstance(spec, Mapping) or "weights" not in spec:
+        return spec
+    out = dict(spec)
+    path = out.pop("weights")
+    if isinstance(path, str) and path.startswith("sha256:"):  # already an identity
+        out["weights"] = path
+    elif path is not None:
+        if not Path(str(path)).expanduser().is_file():
+            raise FileNotFoundError(
+                f"model.weights={str(path)!r}: no such file; pass the path of a local file of weights, or "
+                f"model.weights=null."
+            )
+        out["weights"] = f"sha256:{file_sha256(str(path))}"
+    return out
+
 
 def result_settings(cfg: DictConfig | Mapping) -> dict:
     """The part of the configuration that changes results (everything but :data:`NON_RESULT_KEYS`, and the settings
@@ -190,6 +228,9 @@ def result_settings(cfg: DictConfig | Mapping) -> dict:
         data = json.loads(json.dumps(cfg, default=str))
     for key in NON_RESULT_KEYS:
         _drop(data, key)
+    for key in ("model", "global_model"):  # pretrained weights by content, not by path
+        if isinstance(data.get(key), dict):
+            data[key] = network_identity(data[key])
     flat = flatten(data)
     for key, neutral in NEUTRAL_SETTINGS.items():
         if key in flat and flat[key] == neutral:

@@ -1,4 +1,5 @@
-"""Backbones (VGG, ResNet) for 2D and 3D inputs and the coarse model of the CNN-DNN.
+"""Backbones (VGG, ResNet) for 2D and 3D inputs and the coarse model of the CNN-DNN; adapters for timm, torchvision
+and MONAI networks (:mod:`ddcnn.models.external`) and pretrained weights files (:mod:`ddcnn.models.pretrained`).
 
 Plain ``nn.Module``s: no Lightning or Hydra here.
 """

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ddcnn import registry
-from ddcnn.context import Context, build_augment, count_parameters, subdomain_seed
+from ddcnn.context import Context, build_augment, count_parameters, subdomain_seed, weights_meta
 from ddcnn.data.datamodule import Batches, PreparedBatches
 from ddcnn.engine.common import predict_logits, save_net, save_predictions
 from ddcnn.engine.train import FitResult, fit
@@ -139,6 +139,7 @@ def finish_stage(
         "context": execution_context(device, num_devices, threads_by_design=threads_by_design),
         "slurm": slurm_info(),
         "data": ctx.data.describe(),
+        **weights_meta(net),  # the pretrained weights file it started from (model.weights), if any
         **extra,
     }
     meta["generation"] = run_generation(ctx.cfg)

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from ddcnn.context import Context, data_store
 from ddcnn.data.sources import NOT_IDENTITY, source_identity
-from ddcnn.rundir import PROB_FILES, result_settings
+from ddcnn.rundir import PROB_FILES, network_identity, result_settings
 from ddcnn.runtime import run_generation, source_hash
 from ddcnn.stages.common import curve_settings
 from ddcnn.store import Entry, Store, StoreError
@@ -77,7 +77,7 @@ def stage_depends(ctx: Context, stage: str, device) -> dict:
         "format": REUSE_FORMAT,
         "stage": stage,
         "settings": settings,
-        "network": OmegaConf.to_container(cfg.get("global_model") or cfg.model, resolve=True),
+        "network": network_identity(OmegaConf.to_container(cfg.get("global_model") or cfg.model, resolve=True)),
         "curves": {"enabled": curves["enabled"], "points": curves["points"]},
         "data_files": source_identity({k: v for k, v in spec.items() if k not in NOT_IDENTITY}),
         "device_kind": device_kind(device),
