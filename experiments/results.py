@@ -45,15 +45,15 @@ What it does, in order:
 **The training rule, one for every 2D training** (local nets, out-of-fold local nets, global CNN, end to end,
 transfer, global transfer, global DDP): an epoch improves only when its validation accuracy beats the best before it
 by more than ``--min-delta`` = 0.002 (``engine.min_delta``); the same absolute threshold drives the plateau schedule
-(``ReduceLROnPlateau``, ``threshold_mode: abs``), which multiplies the learning rate by ``--lr-drop`` = 0.2 once
-``--lr-patience`` = 0 epochs in a row have passed without improvement; early stopping ends a training after
-``--patience`` = 2 epochs without improvement (at least the schedule's patience + 2, so the rate has dropped twice
-before a training stops), not before ``--min-epochs`` (default half the cap, rounded up: ``engine.min_epochs``, passed
-where the engine has the setting), capped at ``--epochs`` = 15; the weights kept are the best epoch's. Every coarse
-DNN stops the same way after ``coarse.patience`` epochs of its own. AdrenalMNIST3D keeps its recipe's cosine schedule
-over 12 epochs and is never cut short (``engine.patience=null``). 2D sizes: ``--train-subset`` = 3000 training images,
-``--val-fraction`` = 0.05 of the training set for validation, ``--test-subset`` = 2000 test images, ``--batch-size`` =
-64, ``--oof-folds`` = 3.
+(``ReduceLROnPlateau``, ``threshold_mode: abs``), which multiplies the learning rate by ``--lr-drop`` = 0.2 after
+more than ``--lr-patience`` = 0 epochs in a row without improvement; early stopping ends a training after
+``--patience`` = 2 epochs without improvement (at least the schedule's patience + 2, so the rate has dropped before a
+training stops: twice at these defaults), not before ``--min-epochs`` (default half the cap, rounded up:
+``engine.min_epochs``, passed where the engine has the setting), capped at ``--epochs`` = 15; the weights kept are
+the best epoch's. Every coarse DNN stops the same way after ``coarse.patience`` epochs of its own. AdrenalMNIST3D
+keeps its recipe's cosine schedule over 12 epochs and is never cut short (``engine.patience=null``). 2D sizes:
+``--train-subset`` = 3000 training images, ``--val-fraction`` = 0.05 of the training set for validation,
+``--test-subset`` = 2000 test images, ``--batch-size`` = 64, ``--oof-folds`` = 3.
 
 **Cost.** The page may cost 10 CPU-hours. The measured cost of the committed page is in its header and in the README;
 the estimate of the page at the defaults, from the CPU seconds its runs recorded (:func:`estimate`: 5 seeds, the
@@ -750,7 +750,8 @@ def write_page(
         "engine has `engine.min_epochs`, not before that epoch), capped at `trainer.max_epochs` (all in each run's "
         "`config.yaml`; `engine.patience: null`: every epoch of the cap), and keeps the weights of its best epoch; "
         "every coarse DNN stops the same way after `coarse.patience` epochs. Where each training stopped is in its "
-        "`meta.json` (`stopped_epoch`) and its epochs in `logs/metrics.csv`, both in the run's snapshot "
+        "`meta.json` (`stopped_epoch` where early stopping ended it, `best_epoch` the epoch kept) and its epochs in "
+        "`logs/metrics.csv`, both in the run's snapshot "
         "(`results/runs/<run>/<stage>/`; runs snapshotted before these files were kept have neither). The "
         "learning-rate schedule of every training is the `scheduler` of its `config.yaml` (MNIST and Fashion-MNIST: "
         "the rate multiplied by `factor` once the validation accuracy has not improved by more than its `threshold` "
@@ -1249,8 +1250,9 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.seeds = [0] if args.tiny else list(SEEDS)
     if args.lr_drop and args.patience < args.lr_patience + 2:
         raise SystemExit(
-            f"results.py: --patience {args.patience} stops a training before the plateau schedule (--lr-patience "
-            f"{args.lr_patience}) has lowered the rate twice; give --patience {args.lr_patience + 2} or more."
+            f"results.py: --patience {args.patience} may stop a training before the plateau schedule (--lr-patience "
+            f"{args.lr_patience}) has lowered its rate: the protocol wants early stopping's patience at least the "
+            f"schedule's + 2; give --patience {args.lr_patience + 2} or more (or a smaller --lr-patience)."
         )
     if not 1 <= args.min_epochs <= args.epochs:
         raise SystemExit(f"results.py: --min-epochs {args.min_epochs} must be between 1 and --epochs {args.epochs}.")

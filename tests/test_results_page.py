@@ -35,10 +35,23 @@ def _page_and_manifest(out: Path) -> tuple[str, dict]:
 def test_tiny_page_holds_the_runs_figures(results, tiny):
     out, workdir = tiny
     page, manifest = _page_and_manifest(out)
-    # the header names the machine, threads, load, date, command and wall time
-    for label in ("machine", "torch threads", "load", "date", "command", "wall time"):
-        assert f"| {label}" in page
-    assert "python experiments/results.py --tiny" in page
+    # the header describes the training of the runs (from their records), then the invocation that wrote the page
+    for label in (
+        "machine of the runs",
+        "torch threads per training",
+        "load of the runs (1 min)",
+        "training dates",
+        "CPU",
+        "code",
+        "jobs",
+    ):
+        assert f"| {label} |" in page
+    machine = results._machine()
+    assert f"| machine of the runs | {machine['cpu']}, {machine['cores']} cores, {machine['system']} |" in page
+    # the first run of the dataset (it trains the global CNN) ran alone, the other in the --jobs 2 phase
+    assert "| jobs | timing runs: 1 with 1 at a time; accuracy runs: 1 with 2 at a time |" in page
+    assert "| runs trained by | `python experiments/results.py --tiny" in page
+    assert "| page written by | `python experiments/results.py --tiny" in page
     assert "Flagged rows:" in page
     assert all(line in page for line in results.flag_lines(workdir, sorted(manifest["runs"])))
     # two run directories (overlap 0 and 2), each with its fingerprint; the global CNN came from the store once
@@ -57,7 +70,14 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
     kinds = [t["kind"] for t in manifest["tables"]]
     assert kinds == ["glance", "report", "auc"]
     # the runs' own clock: from the first run's start to the last one's end
-    assert "| runs | 2 trained from " in page
+    assert "| training dates | 2 runs trained from " in page
+    # each run's snapshot carries where each of its trainings stopped, and its epochs
+    for name in manifest["runs"]:
+        snap = out / "results" / "runs" / name
+        for stage in ("global", "coarse", "local/00"):
+            assert "best_epoch" in json.loads((snap / stage / "meta.json").read_text())
+            assert (snap / stage / "meta.json").read_bytes() == (workdir / name / stage / "meta.json").read_bytes()
+        assert (snap / "global" / "logs" / "metrics.csv").read_text().startswith("epoch")
     # the CNN-DNN's accuracy of the first run, as the report rounds it, is on the page
     accuracy = manifest["runs"]["digits/2x2_o0_s0"]["methods"]["cnn_dnn_probs"]["accuracy"]
     assert f"| {100 * accuracy:.2f} |" in page
@@ -143,6 +163,11 @@ def test_the_committed_results_page_is_what_its_runs_wrote(results):
         pytest.skip("docs/results.md has not been generated yet (python experiments/results.py)")
     page, manifest = _page_and_manifest(docs)
     assert results.check_manifest(page, manifest, docs / "results" / "runs") == []
+    # and the README's, docs/methods.md's and the docstring's generated figures are what its runs give
+    assert results.check_blocks(manifest, docs / "results" / "runs") == []
+    readme = (REPO / "README.md").read_text()
+    _, block = readme.split(results._markers("summary")[0])
+    assert block.split(results._markers("summary")[1])[0].strip()
 
 
 def test_tiny_mode_never_writes_into_docs(results, capsys):
@@ -161,10 +186,14 @@ def test_a_later_invocation_restores_snapshotted_runs_instead_of_training_them(r
     assert not (saved / "results.md").exists()
     # a later session: the committed snapshot is all there is; one run had been started again and left half-done
     fresh = tmp_path / "runs"
-    (fresh / "digits" / "2x2_o0_s0" / "local").mkdir(parents=True)
+    half_done = fresh / "digits" / "2x2_o0_s0" / "local" / "00" / "last.ckpt"
+    half_done.parent.mkdir(parents=True)
+    half_done.write_bytes(b"a checkpoint of a training cut short")
     assert results.main(["--tiny", "--out", str(saved), "--workdir", str(fresh)]) == 0
     assert capsys.readouterr().out.count("restored from its snapshot") == 2
-    assert not (fresh / "digits" / "2x2_o0_s0" / "local").exists()  # the half-done training gave way, none ran
+    assert not half_done.exists()  # the half-done training gave way to the snapshot, none ran
+    local = fresh / "digits" / "2x2_o0_s0" / "local"
+    assert {p.name for p in local.rglob("*") if p.is_file()} == {"meta.json", "metrics.csv"}
     page, manifest = _page_and_manifest(saved)
     original_page, original = _page_and_manifest(out)
     assert {n: e["results_sha256"] for n, e in manifest["runs"].items()} == {
@@ -201,3 +230,72 @@ def test_git_keeps_the_snapshots_the_page_is_checked_against():
     for path in ("docs/results/runs/mnist/2x2_o0_s0/results.json", "docs/results/runs/a/b/plots/accuracy_vs_time.png"):
         check = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
         assert check.returncode == 1, f"git ignores {path}: see .gitignore"
+
+
+@pytest.mark.slow
+def test_a_rerun_with_other_flags_refuses_the_old_runs_or_retrains_them(results, tiny, tmp_path, capsys):
+    out, workdir = tiny
+    runs = tmp_path / "runs"
+    shutil.copytree(workdir, runs, symlinks=True)
+    before = {p: p.read_bytes() for p in runs.rglob("results.json")}
+    again = tmp_path / "out"
+    # another epoch cap over runs made with one epoch: refused before anything trains, naming the flag and the fix
+    with pytest.raises(SystemExit) as refused:
+        results.main(["--tiny", "--out", str(again), "--workdir", str(runs), "--epochs", "2"])
+    message = str(refused.value)
+    assert "trainer.max_epochs: 1 -> 2" in message and "--retrain" in message and "--workdir" in message
+    assert {p: p.read_bytes() for p in runs.rglob("results.json")} == before
+    assert not (again / "results.md").exists()
+    # --retrain trains them again under the planned command, and the page publishes only those
+    assert results.main(["--tiny", "--out", str(again), "--workdir", str(runs), "--epochs", "2", "--retrain"]) == 0
+    assert capsys.readouterr().out.count("--retrain: training it again") == 2
+    page, manifest = _page_and_manifest(again)
+    for name in manifest["runs"]:
+        record = json.loads((runs / name / "experiment_run.json").read_text())
+        assert "trainer.max_epochs=2" in record["command"] and "--epochs 2" in record["invocation"]
+        assert (runs / name / "results.json").read_bytes() != before[runs / name / "results.json"]
+    assert results.check_manifest(page, manifest, again / "results" / "runs") == []
+
+
+def test_the_recorded_and_planned_commands_differ_by_flag(results):
+    recorded = "ddcnn-train a=1 'scheduler={x:1}' store.root=/m1/store b=2 hydra.run.dir=d/r"
+    assert results.command_differences(recorded, "ddcnn-train a=1 'scheduler={x:1}' b=2 hydra.run.dir=d/r") == []
+    assert results.command_differences(recorded, "ddcnn-train a=2 b=2 c=3 hydra.run.dir=d/r") == [
+        "a: 1 -> 2",
+        "c: (not set) -> 3",
+        "scheduler: {x:1} -> (not set)",
+    ]
+
+
+def test_timing_runs_come_first_per_seed_alone(results):
+    args = results._resolve(results._parser().parse_args(["--seeds", "0", "1"]))
+    specs = results.run_specs(results.plan(args), args.seeds)
+    order = results.phases(specs)
+    assert [phase for phase, _ in order] == ["timing", "accuracy"] * 2
+    timing, accuracy = order[0][1], order[1][1]
+    # the first run of each dataset trains its global CNN and DDP (the others copy them from the store)
+    assert [s.name for s in timing] == ["mnist/2x2_o0_s0", "fashion_mnist/2x2_o0_s0", "adrenal3d/2x2x2_s0"]
+    assert len(accuracy) == 6 and all(s.seed == 0 for s in accuracy)
+    assert sorted(s.name for _, runs in order for s in runs) == sorted(s.name for s in specs)
+
+
+def test_the_recipe_shares_one_threshold_and_keeps_the_cosine_schedule_whole(results):
+    args = results._resolve(results._parser().parse_args([]))
+    assert args.seeds == [0, 1, 2, 3, 4] and args.min_epochs == 8 and args.train_subset == results.TRAIN_SUBSET
+    mnist, _, adrenal = results.plan(args)
+    (scheduler,) = [o for o in mnist.overrides if o.startswith("scheduler=")]
+    assert "threshold:0.002,threshold_mode:abs" in scheduler and "patience:0" in scheduler
+    assert "engine.min_delta=0.002" in mnist.overrides and "engine.patience=2" in mnist.overrides
+    assert ("engine.min_epochs=8" in mnist.overrides) == results._engine_has("min_epochs")
+    assert "engine.patience=null" in adrenal.overrides and not any("scheduler" in o for o in adrenal.overrides)
+    with pytest.raises(SystemExit, match=r"--patience 2 .*--lr-patience 1.* give --patience 3 or more"):
+        results._resolve(results._parser().parse_args(["--lr-patience", "1"]))
+
+
+def test_check_names_a_docstring_default_that_is_not_the_scripts(results, monkeypatch):
+    docs = REPO / "docs"
+    manifest = json.loads((docs / "results_manifest.json").read_text())
+    root = docs / "results" / "runs"
+    assert results.check_blocks(manifest, root) == []
+    monkeypatch.setattr(results, "__doc__", results.__doc__.replace("``--epochs`` = 15", "``--epochs`` = 20"))
+    assert results.check_blocks(manifest, root) == ["the script's docstring says --epochs = 20, its default is 15"]
