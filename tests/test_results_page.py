@@ -299,3 +299,40 @@ def test_check_names_a_docstring_default_that_is_not_the_scripts(results, monkey
     assert results.check_blocks(manifest, root) == []
     monkeypatch.setattr(results, "__doc__", results.__doc__.replace("``--epochs`` = 15", "``--epochs`` = 20"))
     assert results.check_blocks(manifest, root) == ["the script's docstring says --epochs = 20, its default is 15"]
+
+
+@pytest.mark.slow
+def test_the_equal_devices_table_compares_ddp_with_the_cnn_dnn_on_as_many_devices(results, tiny, tmp_path):
+    out, _ = tiny
+    page, manifest = _page_and_manifest(out)
+    root = tmp_path / "runs"
+    shutil.copytree(out / "results" / "runs", root)
+    names = sorted(manifest["runs"])
+    assert results.devices_lines(root, names) == []  # runs without the projection: no table
+    for name, ddp in zip(names, (30.0, 50.0), strict=True):  # as ddcnn-report's protocol writes it
+        path = root / name / "results.json"
+        data = json.loads(path.read_text())
+        data["projected_time_s_by_devices"] = {"1": 40.0, "2": 25.0, "4": 12.5}
+        data["time_s"]["global_ddp"] = ddp
+        data["devices"] = {"global_ddp": 2}
+        path.write_text(json.dumps(data))
+    lines = results.devices_lines(root, names)
+    assert lines[0] == results.DEVICES_HEAD
+    rows = [line.split(" | ") for line in lines[2:]]
+    # per configuration (overlap 0 and 2, one seed each) one row per device count: 1, 2 and N = 4
+    assert [(r[1], r[2], r[4]) for r in rows] == [("2x2", "0", "1"), ("2x2", "0", "2"), ("2x2", "0", "4")] + [
+        ("2x2", "2", "1"),
+        ("2x2", "2", "2"),
+        ("2x2", "2", "4"),
+    ]
+    on_two = rows[1]
+    assert on_two[6:9] == ["30.0", "25.0", "1.20x (paired over 1 seed(s)) |"]
+    assert rows[0][6] == "-" and rows[2][6] == "-"  # DDP ran on 2 devices only
+    assert rows[4][6:8] == ["50.0", "25.0"]
+    # on the page the table is checked like every other: recomputed from the runs
+    manifest["tables"].append({"kind": "devices", "dataset": "digits", "runs": names, "lines": lines})
+    with_table = page + "\n" + "\n".join(lines) + "\n"
+    problems = results.check_manifest(with_table, manifest, root)  # the edited results.json differ from the manifest's
+    assert problems and all("SHA-256" in p or "figures differ" in p for p in problems)
+    altered = with_table.replace(lines[3], lines[3].replace("30.0", "20.0"))
+    assert any("in no table the runs give" in p for p in results.check_manifest(altered, manifest, root))
