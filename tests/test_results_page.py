@@ -20,7 +20,7 @@ def results():
 
 @pytest.fixture(scope="module")
 def tiny(results, tmp_path_factory):
-    """The tiny mode, run once, its two runs at once: (output folder, run directories)."""
+    """The tiny mode, run once with --jobs 2 (its timing run alone, then the other): (output, run directories)."""
     base = tmp_path_factory.mktemp("results")
     out, workdir = base / "out", base / "runs"
     assert results.main(["--tiny", "--out", str(out), "--workdir", str(workdir), "--jobs", "2"]) == 0
@@ -59,7 +59,7 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
     for name, entry in manifest["runs"].items():
         assert entry["fingerprint"] == json.loads((workdir / name / "fingerprint.json").read_text())["fingerprint"]
         assert entry["methods"]["cnn_dnn_probs"]["accuracy"] > 0
-    # run side by side, one trained the global CNN and the other waited for it in the store and copied it
+    # the timing run trained the global CNN, the other run (accuracy phase) copied it from the store
     reused = ["reused_from" in json.loads((workdir / n / "global" / "meta.json").read_text()) for n in manifest["runs"]]
     assert sorted(reused) == [False, True]
     # each run's own CPU time and commit, the page's code line saying they are one code's
