@@ -1037,9 +1037,9 @@ def estimate(root: Path, args: argparse.Namespace) -> dict[str, float]:
     Per run: its CPU less the DDP it trained (2 processes: twice its training clock and start-up), times the ratio of
     training images (2D; training time and the predictions on the training split grow with it, start-up and the
     fixed validation and test splits do not, so this errs high), times :data:`EPOCH_FACTOR_2D` for 2D runs made
-    before ``engine.min_epochs``, times the cap over the epochs its global CNN ran for AdrenalMNIST3D runs made with
-    early stopping; plus one DDP per dataset and seed (reused by its other runs); averaged per seed and multiplied by
-    the seeds of ``args``.
+    without ``engine.min_epochs`` (the protocol's minimum epochs, which the page runs with once the engine has it),
+    times the cap over the epochs its global CNN ran for AdrenalMNIST3D runs made with early stopping; plus one DDP
+    per dataset and seed (reused by its other runs); averaged per seed and multiplied by the seeds of ``args``.
     """
     per_seed: dict[str, dict[int, float]] = {}
     ddp: dict[str, list[float]] = {}
@@ -1057,7 +1057,8 @@ def estimate(root: Path, args: argparse.Namespace) -> dict[str, float]:
         factor = 1.0
         if data.get("train_subset"):  # 2D
             factor *= (args.train_subset or 57000) / data["train_subset"]
-            factor *= 1.0 if engine.get("min_epochs") is not None else EPOCH_FACTOR_2D
+            if engine.get("min_epochs") is None:  # a run made before the protocol's minimum epochs
+                factor *= EPOCH_FACTOR_2D
         elif engine.get("patience") is not None:
             epochs = max((res.get("curves") or {}).get("global", {}).get("epoch") or [1])
             factor *= (cfg.get("trainer") or {}).get("max_epochs", epochs) / epochs
