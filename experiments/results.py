@@ -547,12 +547,31 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _by_devices(run) -> dict[int, float]:
+    """The run's CNN-DNN projected time per device count (``projected_time_s_by_devices``; a key ``"N"`` is its
+    number of sub-domains)."""
+    times = run.results.get("projected_time_s_by_devices") or {}
+    counts = {
+        key: int(key) if str(key).isdigit() else math.prod(run.grid)
+        for key in times
+        if key == "N" or str(key).isdigit()
+    }
+    return {counts[key]: float(value) for key, value in times.items() if key in counts and value is not None}
+
+
+def _ddp(run) -> tuple[int, float] | None:
+    """The devices and the training time of the run's global DDP, if it has one."""
+    time_s = (run.results.get("time_s") or {}).get("global_ddp")
+    devices = (run.results.get("devices") or {}).get("global_ddp")
+    return (int(devices), float(time_s)) if time_s is not None and devices else None
+
+
 def devices_lines(root: Path, names: list[str]) -> list[str]:
     """The equal-devices table of the runs ``names`` (one dataset): per configuration and device count P, the global
     CNN on one device, DDP really run on P devices (where the run has it) and the CNN-DNN projected on P devices
     (``results.json`` ``projected_time_s_by_devices``: its local nets placed on P devices from their recorded times),
-    means over the seeds. Empty when no run has the projection (runs of an older ddcnn)."""
-    runs = [r for r in _load_runs(root, names) if r.results.get("projected_time_s_by_devices")]
+    means over the seeds, and DDP's time over the CNN-DNN's paired by seed. Empty when no run has the projection."""
+    runs = [r for r in _load_runs(root, names) if _by_devices(r)]
     if not runs:
         return []
     groups: dict[tuple, list] = {}
@@ -560,30 +579,13 @@ def devices_lines(root: Path, names: list[str]) -> list[str]:
         groups.setdefault((run.backbone, run.grid_label, run.overlap_label), []).append(run)
     lines = [DEVICES_HEAD, "|" + "---|" * (DEVICES_HEAD.count("|") - 1)]
     for (backbone, grid, overlap), group in groups.items():
-        counts = sorted({int(p) for run in group for p in run.results["projected_time_s_by_devices"]})
-        for devices in counts:
-            projected = [
-                float(t)
-                for run in group
-                if (t := run.results["projected_time_s_by_devices"].get(str(devices))) is not None
-            ]
-            single = [float(t) for run in group if (t := (run.results.get("time_s") or {}).get("global")) is not None]
-            ddp = [
-                float(run.results["time_s"]["global_ddp"])
-                for run in group
-                if (run.results.get("time_s") or {}).get("global_ddp") is not None
-                and int((run.results.get("devices") or {}).get("global_ddp", 0)) == devices
-            ]
-            pairs = [
-                float(run.results["time_s"]["global_ddp"])
-                / float(run.results["projected_time_s_by_devices"][str(devices)])
-                for run in group
-                if (run.results.get("time_s") or {}).get("global_ddp") is not None
-                and int((run.results.get("devices") or {}).get("global_ddp", 0)) == devices
-                and run.results["projected_time_s_by_devices"].get(str(devices))
-            ]
+        single = [float(t) for run in group if (t := (run.results.get("time_s") or {}).get("global")) is not None]
+        for devices in sorted({p for run in group for p in _by_devices(run)}):
+            projected = {run.seed: t for run in group if (t := _by_devices(run).get(devices)) is not None}
+            ddp = {run.seed: d[1] for run in group if (d := _ddp(run)) is not None and d[0] == devices}
+            pairs = [ddp[seed] / projected[seed] for seed in ddp if projected.get(seed)]
             cells = [backbone, grid, overlap, str(len(group)), str(devices)]
-            for values in (single, ddp, projected):
+            for values in (single, list(ddp.values()), list(projected.values())):
                 mean = _mean(values)
                 cells.append("-" if mean is None else f"{mean:.1f}")
             mean = _mean(pairs)
