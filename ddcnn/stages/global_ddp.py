@@ -28,9 +28,9 @@ STAGE = "global_ddp"
 
 
 def run(ctx: Context, device=None) -> dict:
-    num_devices = ddp_devices(ctx.cfg)
-    if check_srun_ddp(num_devices) is not None:  # every srun task joins one training: no one-process decision
-        return global_cnn.run(ctx, device, stage=STAGE, num_devices=num_devices)
     if (done := skip(ctx, STAGE)) is not None:
         return done
+    num_devices = ddp_devices(ctx.cfg)
+    if check_srun_ddp(num_devices) is not None:  # every srun task joins one training: no one-process decision
+        return global_cnn.train_stage(ctx, device, STAGE, num_devices, {})
     return reuse.run(ctx, STAGE, device, lambda extra: global_cnn.train_stage(ctx, device, STAGE, num_devices, extra))
