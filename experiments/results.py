@@ -6,6 +6,7 @@
     python experiments/results.py --snapshot          # keep the finished runs of an unfinished invocation (commit them)
     python experiments/results.py --write             # refill the generated blocks of the docs from the committed page
     python experiments/results.py --estimate [flags]  # the CPU the page would cost at these flags
+    python experiments/results.py --rewrite           # the page again from its snapshots, with today's report code
 
 What it does, in order:
 
@@ -89,6 +90,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -688,6 +690,16 @@ def runs_summary(root: Path, names: list[str]) -> dict:
     }
 
 
+def runs_overrides(root: Path, names: list[str]) -> str:
+    """The ``ddcnn-train`` overrides that the runs ``names`` share, as their records give them (each run's grid,
+    overlap, seed and folders left out)."""
+    own = ("decomposition=", "decomposition.overlap=", "seed=", "hydra.run.dir=")
+    commands = [
+        shlex.split(_portable(json.loads((root / n / "experiment_run.json").read_text())["command"]))[1:] for n in names
+    ]
+    return " ".join(t for t in commands[0] if not t.startswith(own) and all(t in c for c in commands[1:]))
+
+
 def training_header(root: Path, names: list[str], meta: dict[str, str]) -> list[str]:
     """The page's header table: the training of its runs (machine, load, dates, CPU, commits, jobs, the invocations
     that trained them), then the invocation that wrote the page, which may have only reused them."""
@@ -774,9 +786,10 @@ def write_page(
         ((data_name, lines),) = tables.items()
         slug = _slug(data_name)
         written = (report_dir / f"{slug}.md").read_text().splitlines()
-        if [line for line in written if line.startswith("|")] != lines:
+        # the report's table comes first; the paired differences (ddcnn.report.compare.paired_markdown) follow it
+        if [line for line in written if line.startswith("|")][: len(lines)] != lines:
             raise RuntimeError(f"ddcnn-report's table of {data_name} differs from the one recomputed from the runs")
-        overrides = " ".join(dataset.overrides)
+        overrides = runs_overrides(workdir, ds_names)
         page += [
             f"## {dataset.title}",
             "",
@@ -1236,6 +1249,12 @@ def _parser() -> argparse.ArgumentParser:
         "committed page (docs) and its runs; trains nothing",
     )
     parser.add_argument(
+        "--rewrite",
+        action="store_true",
+        help="only write OUT's page again from its snapshotted runs with today's report code (after a change of "
+        "ddcnn-report's tables); trains nothing, each run as it was recorded",
+    )
+    parser.add_argument(
         "--estimate", action="store_true", help="only print the CPU estimate of the page at these flags (module doc)"
     )
     return parser
@@ -1262,6 +1281,53 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def spec_of(name: str, datasets: dict[str, Dataset]) -> RunSpec:
+    """The plan entry of a run directory name (``mnist/4x4_o2_s1``, ``adrenal3d/2x2x2_s0``; :attr:`RunSpec.name`)."""
+    key, rest = name.split("/", 1)
+    parts = rest.split("_")
+    overlap = int(parts[1][1:]) if len(parts) == 3 else None
+    return RunSpec(datasets[key], parts[0], overlap, int(parts[-1][1:]))
+
+
+def rewrite(out: Path, command: str) -> int:
+    """Write ``OUT/results.md`` and its manifest again from the snapshots of its runs (``OUT/results/runs``), with
+    today's ``ddcnn-report``: no run is trained, each keeps its record; ``--check`` then compares the page with them."""
+    manifest = json.loads((out / MANIFEST).read_text())
+    names = list(manifest["runs"])
+    tiny = _resolve(_parser().parse_args(["--tiny"]))
+    full = _resolve(_parser().parse_args([]))
+    datasets = {d.key: d for d in (*plan(tiny), *plan(full))}
+    specs = [spec_of(name, datasets) for name in names]
+    used = list(dict.fromkeys(s.dataset for s in specs))
+    start = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        for name in names:
+            shutil.copytree(out / ASSETS / "runs" / name, workdir / name)
+        records = [json.loads((workdir / n / "experiment_run.json").read_text()) for n in names]
+        threads = str(records[0].get("threads", 1))
+        is_tiny = all(s.dataset.key == "digits" for s in specs)
+        report(specs, workdir, int(threads), plots=not is_tiny)
+        meta = {
+            "commit": _git_commit(),
+            "command": command,
+            "written": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "wall_s": f"{time.time() - start:.0f}",
+            "threads": threads,
+        }
+        page, manifest = write_page(used, specs, workdir, out, meta, is_tiny)
+        manifest["workdir"] = str(out / ASSETS / "runs")
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        problems = check_manifest(page, manifest, out / ASSETS / "runs")
+    if not problems and out == (ROOT / "docs").resolve():
+        write_blocks(manifest, out / ASSETS / "runs")
+    print(
+        f"results.py: {out / PAGE} written again from {len(names)} snapshotted runs"
+        + (f"; CHECK FAILED: {problems}" if problems else "")
+    )
+    return 1 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.tiny and not (args.check or args.estimate) and args.out is None:
@@ -1280,6 +1346,8 @@ def main(argv: list[str] | None = None) -> int:
         changed = write_blocks(manifest, out / ASSETS / "runs")
         print(f"results.py: generated blocks rewritten in {', '.join(changed) or 'no file (all current)'}")
         return 0
+    if args.rewrite:
+        return rewrite(out, " ".join(["python experiments/results.py", *(argv if argv is not None else sys.argv[1:])]))
     args = _resolve(args)
     if args.estimate:
         print(estimate_text(ROOT / "docs" / ASSETS / "runs", args))

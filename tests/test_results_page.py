@@ -345,3 +345,27 @@ def test_the_equal_devices_table_compares_ddp_with_the_cnn_dnn_on_as_many_device
     assert results.check_manifest(with_table, only, root) == []
     altered = with_table.replace(lines[3], lines[3].replace("30.0", "20.0"))
     assert any("in no table the runs give" in p for p in results.check_manifest(altered, only, root))
+
+
+@pytest.mark.slow
+def test_rewrite_writes_the_page_again_from_its_snapshots_without_training(results, tiny, tmp_path, capsys):
+    out, _ = tiny
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    page, manifest = _page_and_manifest(out)
+    assert results.main(["--rewrite", "--out", str(copy)]) == 0
+    assert "written again from 2 snapshotted runs" in capsys.readouterr().out
+    again, rewritten = _page_and_manifest(copy)
+    # the same runs, untouched, and the same tables; only the line of the invocation that wrote the page differs
+    assert {n: e["results_sha256"] for n, e in rewritten["runs"].items()} == {
+        n: e["results_sha256"] for n, e in manifest["runs"].items()
+    }
+    assert [t["lines"] for t in rewritten["tables"]] == [t["lines"] for t in manifest["tables"]]
+    changed = [line for line in again.splitlines() if line not in page.splitlines()]
+    assert len(changed) == 1 and changed[0].startswith("| page written by | `python experiments/results.py --rewrite")
+    assert "| runs trained by | `python experiments/results.py --tiny" in again
+    assert results.main(["--check", "--out", str(copy)]) == 0
+    # the section's command line is the runs' recorded one
+    record = json.loads((copy / "results" / "runs" / "digits" / "2x2_o0_s0" / "experiment_run.json").read_text())
+    (line,) = [line for line in again.splitlines() if line.startswith("Runs: `ddcnn-train ")]
+    assert "trainer.max_epochs=1" in line and "trainer.max_epochs=1" in record["command"] and "seed=" not in line
