@@ -1,61 +1,80 @@
 """The results page: ``docs/results.md`` regenerated from scratch by one command, with a manifest that checks it.
 
-    DDCNN_DATA=../shared/data python experiments/results.py --jobs 2   # the real page (hours; one run per core)
+    DDCNN_DATA=../shared/data python experiments/results.py --jobs 2   # the real page (hours; see the cost below)
     python experiments/results.py --tiny --out /tmp/results --workdir /tmp/results/runs  # CI's few-second version
-    python experiments/results.py --check [--out docs] [--root DIR]                      # page == what the runs wrote
+    python experiments/results.py --check [--out docs] [--root DIR]   # page and generated blocks == what the runs wrote
     python experiments/results.py --snapshot          # keep the finished runs of an unfinished invocation (commit them)
+    python experiments/results.py --write             # refill the generated blocks of the docs from the committed page
+    python experiments/results.py --estimate [flags]  # the CPU the page would cost at these flags
+    python experiments/results.py --rewrite           # the page again from its snapshots, with today's report code
 
 What it does, in order:
 
-1. **Runs** every training of the plan with ``ddcnn-train`` (one subprocess per run directory, ``--jobs`` at once in
-   plan order, ``OMP_NUM_THREADS=1`` unless ``--threads``; each run records its own CPU time and the commit it ran
-   at, and the page names every commit its runs were trained at): MNIST and Fashion-MNIST with ``vgg_small`` local
-   nets and global CNN, grids 2x2 and 4x4, overlap 0 and 2, seeds 0, 1, 2, ``methods=all`` (every method of the
-   registry: the CNN-DNN on probabilities and logits, the stacker, the out-of-fold and validation-fit coarse DNNs,
-   end to end, transfer, global transfer, global DDP on 2 CPU processes); AdrenalMNIST3D 28^3
-   (``experiment=adrenal3d``: 2x2x2, overlap 8, its 12-epoch cosine recipe, checkpoint by validation loss) over the
-   same seeds with the default methods. A run directory that holds ``results.json`` is reused, so an interrupted
-   invocation resumes where it stopped (and ``ddcnn-train`` itself resumes a half-finished run from its stages'
-   checkpoints). Each finished run is snapshotted at once under ``OUT/results/runs/`` (``--snapshot`` does it for
-   the finished runs of a workdir), and a run whose run directory is gone but whose snapshot is there is restored
-   from it, not trained again: commit the snapshots of an unfinished invocation and a later one, on another machine,
-   trains only the rest. The global CNN does not depend on the decomposition: the store (``store.reuse``, under
-   ``WORKDIR/store``) trains it once per dataset and seed and copies it into the other runs.
+1. **Runs** every training of the plan with ``ddcnn-train`` (one subprocess per run directory, ``OMP_NUM_THREADS=1``
+   unless ``--threads``; each run records its CPU time, the commit it ran at, the machine, the invocation and how many
+   runs shared the cores with it): MNIST and Fashion-MNIST with ``vgg_small`` local nets and global CNN, grids 2x2
+   and 4x4, overlap 0 and 2, ``methods=all`` (every method of the registry: the CNN-DNN on probabilities and logits,
+   the stacker, the out-of-fold and validation-fit coarse DNNs, end to end, transfer, global transfer, global DDP on
+   2 CPU processes); AdrenalMNIST3D 28^3 (``experiment=adrenal3d``: 2x2x2, overlap 8, checkpoint by validation loss)
+   with the default methods; seeds ``--seeds`` (default 0 to 4: ``--seeds`` = 5 seeds). The global CNN and the
+   global DDP do not depend on the decomposition: the store (``store.reuse``, under ``WORKDIR/store``) trains each
+   once per dataset and seed and copies it into the other runs. Per seed, the **timing runs** come first: the first
+   run of each dataset, which trains the global CNN, the DDP and its own local nets, runs with ``--timing-jobs`` = 1
+   run at a time, alone on the machine; then the **accuracy runs** (the other grids and overlaps) with ``--jobs`` at
+   once (``--jobs 2``: one per core). A run directory that holds ``results.json`` of the planned command is reused,
+   so an interrupted invocation resumes where it stopped (and ``ddcnn-train`` itself resumes a half-finished run from
+   its stages' checkpoints); one of another command (say ``--epochs 20`` over runs made with 15) is refused, naming
+   the flag, unless ``--retrain`` trains it again. Each finished run is snapshotted at once under
+   ``OUT/results/runs/`` (``--snapshot`` does it for the finished runs of a workdir), and a run whose run directory
+   is gone but whose snapshot of the planned command is there is restored from it, not trained again: commit the
+   snapshots of an unfinished invocation and a later one, on another machine, trains only the rest.
 2. **Reports** them with ``ddcnn-report`` (tables with accuracy mean ± std over the seeds, times, speedup, speedup at
    equal accuracy; plots) into ``WORKDIR/report``.
-3. **Writes** ``OUT/results.md`` (the page: machine, threads, load, date, command and wall time in its header; the
-   report's table of each dataset; its plots and each configuration's accuracy-versus-time curves, copied under
-   ``OUT/results/``; the AdrenalMNIST3D AUC beside MedMNIST's published 3D baselines), a snapshot of every run's
-   ``results.json``, ``config.yaml`` and ``fingerprint.json`` under ``OUT/results/runs/``, and
-   ``OUT/results_manifest.json``: every run directory, its fingerprint and the SHA-256 of its ``results.json``, the
-   figures the page took from it, and every table line of the page. :func:`check_manifest` recomputes each table
-   from the run directories with the report's own code and fails on any line of the page that differs.
+3. **Writes** ``OUT/results.md`` (the page: its header describes the training of its runs, from their records:
+   machine, load, the span from the first start to the last end, CPU seconds, commits, jobs, the invocations that
+   trained them, then the invocation that wrote the page; the report's table of each dataset; the equal-devices table
+   where the runs have ``projected_time_s_by_devices``; its plots and each configuration's accuracy-versus-time
+   curves, copied under ``OUT/results/``; the AdrenalMNIST3D AUC beside MedMNIST's published 3D baselines), a
+   snapshot of every run (``results.json``, ``config.yaml``, ``fingerprint.json``, ``experiment_run.json``, and each
+   stage's ``meta.json`` and ``logs/metrics.csv``) under ``OUT/results/runs/``, and ``OUT/results_manifest.json``:
+   every run directory, its fingerprint and the SHA-256 of its ``results.json``, the figures the page took from it,
+   and every table line of the page. :func:`check_manifest` recomputes each table from the run directories with the
+   report's own code and fails on any line of the page that differs. Writing ``docs`` also refills the generated
+   blocks of ``README.md``, ``docs/methods.md`` and this docstring (:data:`BLOCKS`), which ``--check`` compares with
+   what the runs give, as it compares every ``--flag`` = value of this docstring with the parser's default.
 
-**The training rule, one for every method.** Every training (local nets, out-of-fold local nets, global CNN, end to
-end, transfer, global transfer, global DDP, AdrenalMNIST3D's included) stops once its monitored validation metric has
-not improved for ``--patience`` = 2 epochs (``engine.patience``), capped at ``--epochs`` = 15 (``trainer.max_epochs``;
-AdrenalMNIST3D: its recipe's 12), and keeps the weights of its best epoch (``engine.monitor``: validation accuracy;
-AdrenalMNIST3D: validation loss, its recipe); every coarse DNN stops the same way after ``coarse.patience`` = 3 epochs
-of its own. The page states the rule and each run's ``meta.json`` records where each training stopped. The 2D
-trainings multiply their learning rate by ``--lr-drop`` = 0.2 after every epoch without improvement
-(``ReduceLROnPlateau``, the ``scheduler`` of each run's ``config.yaml``; AdrenalMNIST3D keeps its cosine recipe): with
-a constant rate (AdamW, 2e-3) the validation accuracy of the MNIST global CNN went 0.87, 0.65, 0.91, 0.89, 0.84 over
-epochs 1-5, so the patience ended it at epoch 5 with 91.3% test accuracy, an unconverged baseline below every
-combiner of the local nets (first invocation, 2026-12-02, stopped for it): a noisy epoch now makes the step smaller
-rather than ending the training. A smaller step also makes the validation accuracy creep by one or two images of
-3000 for many epochs at a vanishing rate (seen: a local net to the 15-epoch cap on +0.06 points), so for the 2D
-trainings an epoch counts as an improvement only by more than ``--min-delta`` = 0.002 (``engine.min_delta``: 6 of the
-3000 validation images, a third of the accuracy's sampling error there); the weights kept are still the best epoch's.
+**The training rule, one for every 2D training** (local nets, out-of-fold local nets, global CNN, end to end,
+transfer, global transfer, global DDP): an epoch improves only when its validation accuracy beats the best before it
+by more than ``--min-delta`` = 0.002 (``engine.min_delta``); the same absolute threshold drives the plateau schedule
+(``ReduceLROnPlateau``, ``threshold_mode: abs``), which multiplies the learning rate by ``--lr-drop`` = 0.2 after
+more than ``--lr-patience`` = 0 epochs in a row without improvement; early stopping ends a training after
+``--patience`` = 2 epochs without improvement (at least the schedule's patience + 2, so the rate has dropped before a
+training stops: twice at these defaults), not before ``--min-epochs`` (default half the cap, rounded up:
+``engine.min_epochs``, passed where the engine has the setting), capped at ``--epochs`` = 15; the weights kept are
+the best epoch's. Every coarse DNN stops the same way after ``coarse.patience`` epochs of its own. AdrenalMNIST3D
+keeps its recipe's cosine schedule over 12 epochs and is never cut short (``engine.patience=null``). 2D sizes:
+``--train-subset`` = 3000 training images, ``--val-fraction`` = 0.05 of the training set for validation,
+``--test-subset`` = 2000 test images, ``--batch-size`` = 64, ``--oof-folds`` = 3.
 
-**CPU time** (the 2-core development machine, AMD EPYC, one torch thread per training, ``--jobs 2``, 2026-12-02;
-each run's ``experiment_run.json`` has its own): the 27 runs of the page took 12189 s CPU, 3.4 of the 10 CPU-hours
-the page may cost (MNIST 5082 s, Fashion-MNIST 6248 s, AdrenalMNIST3D 860 s; one run 266-760 s, the 4x4 overlap-2
-runs the dearest), and 1.97 h wall from the first run's start to the last one's end. On another machine of the same
-kind, under a second job's load, the same runs had taken about twice the CPU (MNIST 2x2 overlap 0, seed 0: 858 s
-against 386 s here): read the figures as this machine's. With the earlier constant-rate recipe (cap 10, no
-``min_delta``) seed 0 of the plan had taken 7615 s CPU there. An invocation stopped part-way is simply started
-again, also on a fresh machine from the committed snapshots (step 1), and the page names the commits its runs were
-trained at and the span of their wall clock.
+**Cost.** The page may cost 10 CPU-hours. The measured cost of the committed page is in its header and in the README;
+the estimate of the page at the defaults, from the CPU seconds its runs recorded (:func:`estimate`: 5 seeds, the
+global CNN and the DDP trained once per dataset and seed, 2D runs of the earlier recipe scaled by
+:data:`EPOCH_FACTOR_2D` for the minimum epochs, AdrenalMNIST3D runs to all 12 epochs, the 2D CPU proportional to the
+training images, which errs high), chose the training set: the largest step of 1000 images under the budget (which
+``--check`` checks).
+
+<!-- results.py:estimate begin (generated by experiments/results.py; --check compares) -->
+- at the defaults, 5 seeds, 3000 training images per 2D dataset: about 32951 s CPU (9.2 CPU-hours; adrenal3d 4535 s,
+  fashion_mnist 15502 s, mnist 12914 s);
+- with ``--train-subset 2000``: 5 seeds, 2000 training images per 2D dataset: about 23479 s CPU (6.5 CPU-hours;
+  adrenal3d 4535 s, fashion_mnist 10334 s, mnist 8609 s).
+- with ``--train-subset 4000``: 5 seeds, 4000 training images per 2D dataset: about 42423 s CPU (11.8 CPU-hours;
+  adrenal3d 4535 s, fashion_mnist 20669 s, mnist 17219 s).
+<!-- results.py:estimate end -->
+
+Read them as the development machine's (2 cores, one torch thread per training): on another machine of the same kind,
+under a second job's load, the same runs had taken about twice the CPU. An invocation stopped part-way is simply
+started again, also on a fresh machine from the committed snapshots (step 1).
 """
 
 from __future__ import annotations
@@ -66,10 +85,13 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -87,6 +109,9 @@ PAGE, MANIFEST, ASSETS = "results.md", "results_manifest.json", "results"
 SNAPSHOT_FILES = ("results.json", "config.yaml", "fingerprint.json", "experiment_run.json")
 # Also kept, so that a run restored from its snapshot gives the page what the run directory gave it.
 SNAPSHOT_EXTRA = ("plots/accuracy_vs_time.png",)
+# And of every stage (local/<i>/, global/, ..., local_oof/<fold>/<i>/): where its training stopped and why (meta.json)
+# and its epoch-by-epoch log (logs/metrics.csv), so that what the page says of each training can be checked.
+SNAPSHOT_STAGE_FILES = ("meta.json", "logs/metrics.csv")
 # The figures of each results.json methods row that the page's tables are made of.
 ROW_FIELDS = (
     "accuracy",
@@ -143,25 +168,43 @@ class RunSpec:
         return [*self.dataset.overrides, *grid, f"seed={self.seed}", *common]
 
 
+def _engine_has(setting: str) -> bool:
+    """Whether this checkout's engine has ``engine.<setting>`` (``conf/engine/default.yaml``)."""
+    from omegaconf import OmegaConf
+
+    return setting in OmegaConf.load(ROOT / "conf" / "engine" / "default.yaml")
+
+
+def recipe(args: argparse.Namespace) -> list[str]:
+    """The training rule of every 2D training (module doc): early stopping after ``--patience`` epochs without an
+    improvement by more than ``--min-delta``, not before ``--min-epochs``, capped at ``--epochs``, and the plateau
+    schedule that counts improvements by the same absolute threshold."""
+    rule = [
+        f"trainer.max_epochs={args.epochs}",
+        f"engine.patience={args.patience}",
+        f"engine.min_delta={args.min_delta}",
+    ]
+    if _engine_has("min_epochs"):  # the engine's own default is half the cap; stated here so the command shows it
+        rule.append(f"engine.min_epochs={args.min_epochs}")
+    if args.lr_drop:
+        rule.append(
+            "scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_partial_:true,mode:max,"
+            f"factor:{args.lr_drop},patience:{args.lr_patience},threshold:{args.min_delta},threshold_mode:abs}}"
+        )
+    return rule
+
+
 def plan(args: argparse.Namespace) -> list[Dataset]:
     """The datasets of the page (``--tiny``: one small dataset, one epoch, the default methods)."""
-    rule = [f"engine.patience={args.patience}"]  # the page's one early-stopping rule (module doc)
     if args.tiny:
-        tiny = ["data=digits", "model=vgg_tiny", "trainer.max_epochs=1", *rule, "methods=default", "report.plots=false"]
+        tiny = ["data=digits", "model=vgg_tiny", *recipe(args), "methods=default", "report.plots=false"]
         tiny += ["methods.enabled.coarse_alt=false", "methods.enabled.coarse_val=false", "report.curves.enabled=false"]
         if args.train_subset:
             tiny.append(f"data.train_subset={args.train_subset}")
         return [Dataset("digits", "Digits (tiny mode)", tuple(tiny), ("2x2",), (0, 2), auc_table=True)]
     subset = [f"data.train_subset={args.train_subset}"] if args.train_subset else []
     subset += [f"data.test_subset={args.test_subset}"] if args.test_subset else []
-    two_d = ["model=vgg_small", "methods=all", f"trainer.max_epochs={args.epochs}", *rule, *subset]
-    if args.min_delta:  # an improvement is one by more than this (module doc)
-        two_d.append(f"engine.min_delta={args.min_delta}")
-    if args.lr_drop:  # the learning rate divided after every epoch without improvement (module doc)
-        two_d.append(
-            "scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_partial_:true,mode:max,"
-            f"factor:{args.lr_drop},patience:0}}"
-        )
+    two_d = ["model=vgg_small", "methods=all", *recipe(args), *subset]
     two_d += [f"data.val_fraction={args.val_fraction}", f"data.batch_size={args.batch_size}"]
     two_d += [f"report.curves.points={args.curve_points}", f"methods.local_oof.folds={args.oof_folds}"]
     datasets = {
@@ -169,10 +212,11 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
         "fashion_mnist": Dataset(
             "fashion_mnist", "Fashion-MNIST", ("experiment=fashion_mnist", *two_d), ("2x2", "4x4"), (0, 2)
         ),
+        # Its recipe's cosine schedule over 12 epochs, never cut short: no early stopping (engine.patience=null).
         "adrenal3d": Dataset(
             "adrenal3d",
             "AdrenalMNIST3D 28³",
-            ("experiment=adrenal3d", "methods=default", *rule),
+            ("experiment=adrenal3d", "methods=default", "engine.patience=null"),
             ("2x2x2",),
             (None,),
             auc_table=True,
@@ -188,6 +232,23 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
 def run_specs(datasets: list[Dataset], seeds: list[int]) -> list[RunSpec]:
     # Seed-major: the first pass gives one seed of everything (a usable page if time runs out).
     return [RunSpec(d, g, o, s) for s in seeds for d in datasets for g in d.grids for o in d.overlaps]
+
+
+def phases(specs: list[RunSpec]) -> list[tuple[str, list[RunSpec]]]:
+    """The order of the runs: per seed, first its timing runs, then the rest.
+
+    The timing run of a dataset and seed is its first run: it trains the global CNN and the global DDP (2 processes),
+    which every other run of that dataset and seed copies from the store, and its own local nets, so it runs with
+    ``--timing-jobs`` (default 1: alone, its clocks not shared with another training). The other runs train only
+    decomposition-dependent stages and may share the cores (``--jobs``).
+    """
+    ordered: list[tuple[str, list[RunSpec]]] = []
+    for seed in dict.fromkeys(s.seed for s in specs):
+        mine = [s for s in specs if s.seed == seed]
+        first = {s.dataset.key: s for s in reversed(mine)}
+        timing = [s for s in mine if first[s.dataset.key] is s]
+        ordered += [("timing", timing), ("accuracy", [s for s in mine if s not in timing])]
+    return [(phase, runs) for phase, runs in ordered if runs]
 
 
 # --- running ------------------------------------------------------------------------------------------------------
@@ -242,7 +303,13 @@ def save_snapshot(run_dir: Path, snapshot: Path) -> None:
     partial = snapshot.with_name(snapshot.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    for file in (*SNAPSHOT_FILES, *SNAPSHOT_EXTRA):
+    stage_files = [
+        p.relative_to(run_dir).as_posix()
+        for name in SNAPSHOT_STAGE_FILES
+        for p in sorted(run_dir.rglob(Path(name).name))
+        if p.relative_to(run_dir).as_posix().endswith(name) and p.parent != run_dir
+    ]
+    for file in (*SNAPSHOT_FILES, *SNAPSHOT_EXTRA, *stage_files):
         if (run_dir / file).is_file():
             (partial / file).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(run_dir / file, partial / file)
@@ -250,29 +317,94 @@ def save_snapshot(run_dir: Path, snapshot: Path) -> None:
     partial.rename(snapshot)
 
 
+def planned_command(spec: RunSpec, workdir: Path) -> str:
+    """The ``ddcnn-train`` command line of ``spec`` as its ``experiment_run.json`` records it."""
+    overrides = spec.overrides(workdir)
+    return "ddcnn-train " + " ".join(shlex.quote(o) for o in overrides) + f" hydra.run.dir={spec.name}"
+
+
+def command_differences(recorded: str, planned: str) -> list[str]:
+    """The overrides in which a run's recorded command and the planned one differ (``key: recorded -> planned``),
+    the store's folder left out (:func:`_portable`)."""
+
+    def settings(command: str) -> dict[str, str]:
+        parts = shlex.split(_portable(command))[1:]
+        return dict(part.split("=", 1) if "=" in part else (part, "") for part in parts)
+
+    old, new = settings(recorded), settings(planned)
+    return [
+        f"{key}: {old.get(key, '(not set)')} -> {new.get(key, '(not set)')}"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key)
+    ]
+
+
+def stale_runs(specs: list[RunSpec], workdir: Path) -> dict[str, list[str]]:
+    """The finished run directories of ``specs`` under ``workdir`` that were trained with another command than the
+    one planned now (another ``--epochs``, say): per run, how they differ."""
+    stale = {}
+    for spec in specs:
+        record = workdir / spec.name / "experiment_run.json"
+        if _finished(workdir / spec.name):
+            differ = command_differences(
+                json.loads(record.read_text()).get("command", ""), planned_command(spec, workdir)
+            )
+            if differ:
+                stale[spec.name] = differ
+    return stale
+
+
+def stale_message(stale: dict[str, list[str]], workdir: Path) -> str:
+    name, differ = next(iter(stale.items()))
+    return (
+        f"results.py: {len(stale)} finished run(s) under --workdir {workdir} were trained with other settings than "
+        f"this invocation plans, e.g. {name}: {'; '.join(differ)}. Their results would be published under this "
+        "command: add --retrain to train them again with the planned settings, give another --workdir, or run with "
+        "the flags they were made with (each run's command is in its experiment_run.json)."
+    )
+
+
 def train(
-    spec: RunSpec, workdir: Path, threads: int, timeout_s: float | None, log, snapshots: Path | None = None
+    spec: RunSpec,
+    workdir: Path,
+    threads: int,
+    timeout_s: float | None,
+    log,
+    snapshots: Path | None = None,
+    retrain: bool = False,
+    context: dict | None = None,
 ) -> dict:
-    """Train one run directory (or reuse it when it holds ``results.json``, or restore it from its snapshot under
-    ``snapshots`` when only that is left: a committed, unfinished invocation); its record (times, command). A run
-    trained here is snapshotted under ``snapshots`` at once, so that committing ``OUT/results/runs`` keeps it."""
+    """Train one run directory (or reuse it when it holds ``results.json`` of the planned command, or restore it from
+    its snapshot under ``snapshots`` when only that is left: a committed, unfinished invocation); its record (times,
+    command, ``context``: the invocation, its jobs, the machine). A run trained here is snapshotted under
+    ``snapshots`` at once, so that committing ``OUT/results/runs`` keeps it.
+
+    A finished run directory or snapshot of another command is never passed off as one of the planned command: a
+    snapshot is trained again, a run directory too with ``retrain`` and refused (:func:`stale_message`) without it.
+    """
     run_dir = workdir / spec.name
     record_file = run_dir / "experiment_run.json"
-    if (run_dir / "results.json").is_file() and record_file.is_file():
+    command = planned_command(spec, workdir)
+    if _finished(run_dir):
         record = json.loads(record_file.read_text())
-        log(f"{spec.name}: finished earlier ({record.get('wall_s', 0):.0f} s wall), reused")
-        return record
-    overrides = spec.overrides(workdir)
-    command = "ddcnn-train " + " ".join(shlex.quote(o) for o in overrides) + f" hydra.run.dir={spec.name}"
+        differ = command_differences(record.get("command", ""), command)
+        if not differ:
+            log(f"{spec.name}: finished earlier ({record.get('wall_s', 0):.0f} s wall), reused")
+            return record
+        if not retrain:
+            raise SystemExit(stale_message({spec.name: differ}, workdir))
+        log(f"{spec.name}: trained earlier with other settings ({'; '.join(differ)}); --retrain: training it again")
+        shutil.rmtree(run_dir)
     if snapshots is not None and _finished(snapshots / spec.name):
         saved = json.loads((snapshots / spec.name / "experiment_run.json").read_text())
-        if _portable(saved.get("command", "")) == _portable(command):
+        differ = command_differences(saved.get("command", ""), command)
+        if not differ:
             shutil.rmtree(run_dir, ignore_errors=True)  # a half-finished training of it: the snapshot is finished
             shutil.copytree(snapshots / spec.name, run_dir)
             log(f"{spec.name}: restored from its snapshot {snapshots / spec.name} (trained at {saved.get('commit')})")
             return saved
-        log(f"{spec.name}: its snapshot was run with other settings ({saved.get('command')}); training it again")
-    cmd = [*_entry("ddcnn-train"), *overrides, f"hydra.run.dir={run_dir}"]
+        log(f"{spec.name}: its snapshot was run with other settings ({'; '.join(differ)}); training it again")
+    cmd = [*_entry("ddcnn-train"), *spec.overrides(workdir), f"hydra.run.dir={run_dir}"]
     run_dir.mkdir(parents=True, exist_ok=True)
     load_before, started = _loadavg(), time.time()
     with open(run_dir.parent / f"{run_dir.name}.log", "a") as out:
@@ -291,6 +423,7 @@ def train(
         "load_before": load_before,
         "load_after": _loadavg(),
         "threads": threads,
+        **(context or {}),
     }
     record_file.write_text(json.dumps(record, indent=1) + "\n")
     if snapshots is not None:
@@ -406,6 +539,63 @@ def glance_lines(root: Path, names: list[str]) -> list[str]:
     return lines
 
 
+DEVICES_HEAD = (
+    "| backbone | grid | overlap | seeds | devices P | global CNN on 1 device (s) | global CNN, DDP on P devices (s) "
+    "| CNN-DNN projected on P devices (s) | CNN-DNN speedup over DDP on P devices |"
+)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _by_devices(run) -> dict[int, float]:
+    """The run's CNN-DNN projected time per device count (``projected_time_s_by_devices``; a key ``"N"`` is its
+    number of sub-domains)."""
+    times = run.results.get("projected_time_s_by_devices") or {}
+    counts = {
+        key: int(key) if str(key).isdigit() else math.prod(run.grid)
+        for key in times
+        if key == "N" or str(key).isdigit()
+    }
+    return {counts[key]: float(value) for key, value in times.items() if key in counts and value is not None}
+
+
+def _ddp(run) -> tuple[int, float] | None:
+    """The devices and the training time of the run's global DDP, if it has one."""
+    time_s = (run.results.get("time_s") or {}).get("global_ddp")
+    devices = (run.results.get("devices") or {}).get("global_ddp")
+    return (int(devices), float(time_s)) if time_s is not None and devices else None
+
+
+def devices_lines(root: Path, names: list[str]) -> list[str]:
+    """The equal-devices table of the runs ``names`` (one dataset): per configuration and device count P, the global
+    CNN on one device, DDP really run on P devices (where the run has it) and the CNN-DNN projected on P devices
+    (``results.json`` ``projected_time_s_by_devices``: its local nets placed on P devices from their recorded times),
+    means over the seeds, and DDP's time over the CNN-DNN's paired by seed. Empty when no run has the projection."""
+    runs = [r for r in _load_runs(root, names) if _by_devices(r)]
+    if not runs:
+        return []
+    groups: dict[tuple, list] = {}
+    for run in sorted(runs, key=lambda r: (r.backbone, math.prod(r.grid), r.grid, r.overlap, r.seed)):
+        groups.setdefault((run.backbone, run.grid_label, run.overlap_label), []).append(run)
+    lines = [DEVICES_HEAD, "|" + "---|" * (DEVICES_HEAD.count("|") - 1)]
+    for (backbone, grid, overlap), group in groups.items():
+        single = [float(t) for run in group if (t := (run.results.get("time_s") or {}).get("global")) is not None]
+        for devices in sorted({p for run in group for p in _by_devices(run)}):
+            projected = {run.seed: t for run in group if (t := _by_devices(run).get(devices)) is not None}
+            ddp = {run.seed: d[1] for run in group if (d := _ddp(run)) is not None and d[0] == devices}
+            pairs = [ddp[seed] / projected[seed] for seed in ddp if projected.get(seed)]
+            cells = [backbone, grid, overlap, str(len(group)), str(devices)]
+            for values in (single, list(ddp.values()), list(projected.values())):
+                mean = _mean(values)
+                cells.append("-" if mean is None else f"{mean:.1f}")
+            mean = _mean(pairs)
+            cells.append("-" if mean is None else f"{mean:.2f}x (paired over {len(pairs)} seed(s))")
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def run_figures(run_dir: Path) -> dict:
     """What the page takes from one run directory: each method's row figures and the speedups at equal accuracy."""
     results = json.loads((run_dir / "results.json").read_text())
@@ -468,6 +658,84 @@ def _threads(root: Path, names: list[str]) -> str:
     return ", ".join(sorted(threads)) or "unknown"
 
 
+def runs_summary(root: Path, names: list[str]) -> dict:
+    """What the runs ``names`` under ``root`` recorded of their training (``experiment_run.json``): count, CPU
+    seconds, first start and last end, machines, load, commits, jobs, the invocations that trained them."""
+    records = {n: json.loads((root / n / "experiment_run.json").read_text()) for n in names}
+    starts = {n: datetime.fromisoformat(r["started"]) for n, r in records.items()}
+    first = min(starts.values())
+    last = max(starts[n].timestamp() + r["wall_s"] for n, r in records.items())
+    loads = [float(r[k].split()[0]) for r in records.values() for k in ("load_before", "load_after") if r.get(k)]
+    machines = sorted(
+        {f"{m['cpu']}, {m['cores']} cores, {m['system']}" for r in records.values() if (m := r.get("machine"))}
+    )
+    jobs: dict[str, dict[int, int]] = {}
+    for r in records.values():
+        if "jobs" in r:
+            counts = jobs.setdefault(r.get("phase", "all"), {})
+            counts[r["jobs"]] = counts.get(r["jobs"], 0) + 1
+    return {
+        "records": records,
+        "runs": len(records),
+        "cpu_s": sum(r["cpu_s"] for r in records.values()),
+        "first": first,
+        "last_end": datetime.fromtimestamp(last, timezone.utc),
+        "span_h": (last - first.timestamp()) / 3600,
+        "machines": machines,
+        "unrecorded_machine": sum("machine" not in r for r in records.values()),
+        "load": (min(loads), max(loads)) if loads else None,
+        "jobs": jobs,
+        "unrecorded_jobs": sum("jobs" not in r for r in records.values()),
+        "invocations": sorted({r["invocation"] for r in records.values() if r.get("invocation")}),
+    }
+
+
+def runs_overrides(root: Path, names: list[str]) -> str:
+    """The ``ddcnn-train`` overrides that the runs ``names`` share, as their records give them (each run's grid,
+    overlap, seed and folders left out)."""
+    own = ("decomposition=", "decomposition.overlap=", "seed=", "hydra.run.dir=")
+    commands = [
+        shlex.split(_portable(json.loads((root / n / "experiment_run.json").read_text())["command"]))[1:] for n in names
+    ]
+    return " ".join(t for t in commands[0] if not t.startswith(own) and all(t in c for c in commands[1:]))
+
+
+def training_header(root: Path, names: list[str], meta: dict[str, str]) -> list[str]:
+    """The page's header table: the training of its runs (machine, load, dates, CPU, commits, jobs, the invocations
+    that trained them), then the invocation that wrote the page, which may have only reused them."""
+    runs = runs_summary(root, names)
+    n = runs["runs"]
+    machine = "; ".join(runs["machines"]) or "not recorded"
+    if runs["machines"] and runs["unrecorded_machine"]:
+        machine += f" ({runs['unrecorded_machine']} run(s) did not record theirs)"
+    load = runs["load"]
+    jobs = "; ".join(
+        f"{phase} runs: " + ", ".join(f"{count} with {j} at a time" for j, count in sorted(counts.items()))
+        for phase, counts in sorted(runs["jobs"].items(), key=lambda item: item[0] != "timing")
+    )
+    if runs["unrecorded_jobs"]:
+        jobs = (jobs + "; " if jobs else "") + f"{runs['unrecorded_jobs']} run(s) did not record theirs"
+    trained_by = ", ".join(f"`{c}`" for c in runs["invocations"]) or "not recorded"
+    return [
+        "| | |",
+        "|---|---|",
+        f"| machine of the runs | {machine} |",
+        f"| torch threads per training | {_threads(root, names)} (`OMP_NUM_THREADS={meta['threads']}`) |",
+        "| load of the runs (1 min) | "
+        + (f"{load[0]:.2f} to {load[1]:.2f} at their starts and ends" if load else "not recorded")
+        + " (each run's in `results/runs/*/experiment_run.json`) |",
+        f"| training dates | {n} runs trained from {runs['first']:%Y-%m-%d %H:%M} to {runs['last_end']:%Y-%m-%d %H:%M} "
+        f"UTC: {runs['span_h']:.2f} h from the first start to the last end |",
+        f"| CPU | {runs['cpu_s']:.0f} s over the {n} runs (user + sys of their `ddcnn-train` processes, as each run "
+        "recorded it) |",
+        f"| code | {_commits_line(meta['commit'], runs['records'])} |",
+        f"| jobs | {jobs} |",
+        f"| runs trained by | {trained_by} |",
+        f"| page written by | `{meta['command']}` at {meta['written']} in {meta['wall_s']} s (runs it found finished "
+        "were reused) |",
+    ]
+
+
 def write_page(
     datasets: list[Dataset], specs: list[RunSpec], workdir: Path, out: Path, meta: dict[str, str], tiny: bool
 ) -> tuple[str, dict]:
@@ -480,27 +748,7 @@ def write_page(
     for name in names:
         (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
         save_snapshot(workdir / name, snapshot / name)
-    records = {n: json.loads((workdir / n / "experiment_run.json").read_text()) for n in names}
-    cpu_s = sum(r["cpu_s"] for r in records.values())
-    first = min(datetime.fromisoformat(r["started"]) for r in records.values())
-    last = max(datetime.fromisoformat(r["started"]).timestamp() + r["wall_s"] for r in records.values())
-    last_end = datetime.fromtimestamp(last, timezone.utc)
-    head = [
-        "| | |",
-        "|---|---|",
-        f"| machine | {meta['cpu']}, {meta['cores']} cores, {meta['system']} |",
-        f"| torch threads per training | {_threads(workdir, names)} (`OMP_NUM_THREADS={meta['threads']}`) |",
-        f"| load (1/5/15 min) | start {meta['load_start']}, end {meta['load_end']}; per run in `results/runs/*/"
-        "experiment_run.json` |",
-        f"| date | {meta['started']} to {meta['finished']} (this invocation; each run's own start in its "
-        "`experiment_run.json`) |",
-        f"| runs | {len(names)} trained from {first:%Y-%m-%d %H:%M} to {last_end:%Y-%m-%d %H:%M} UTC: "
-        f"{(last - first.timestamp()) / 3600:.2f} h from the first start to the last end |",
-        f"| code | {_commits_line(meta['commit'], records)} |",
-        f"| command | `{meta['command']}` |",
-        f"| wall time | {meta['wall_s']} s for this invocation; {cpu_s:.0f} s CPU over the {len(names)} runs "
-        f"(user + sys of their `ddcnn-train` processes, as each run recorded it) |",
-    ]
+    head = training_header(workdir, names, meta)
     page = [
         "# Results: the CNN-DNN and its method family against the global CNN",
         "",
@@ -512,17 +760,22 @@ def write_page(
         "",
         "**Training rule, one for every method.** Every training (local nets, out-of-fold local nets, global CNN, end"
         " to end, transfer, global transfer, global DDP) stops once its monitored validation metric "
-        "(`engine.monitor`) has not improved (by more than `engine.min_delta`) for `engine.patience` epochs, capped "
-        "at `trainer.max_epochs` (all in each run's `config.yaml`), and keeps the weights of its best epoch; every "
-        "coarse DNN stops the same way after `coarse.patience` epochs. Where each training stopped is in its "
-        "`meta.json` (`stopped_epoch`). The learning-rate schedule of every training is the `scheduler` of its "
-        "`config.yaml` (MNIST and Fashion-MNIST: the rate multiplied by `factor` after every epoch without "
-        "improvement, so that one noisy epoch makes the step smaller rather than ending the training).",
+        "(`engine.monitor`) has not improved by more than `engine.min_delta` for `engine.patience` epochs (where the "
+        "engine has `engine.min_epochs`, not before that epoch), capped at `trainer.max_epochs` (all in each run's "
+        "`config.yaml`; `engine.patience: null`: every epoch of the cap), and keeps the weights of its best epoch; "
+        "every coarse DNN stops the same way after `coarse.patience` epochs. Where each training stopped is in its "
+        "`meta.json` (`stopped_epoch` where early stopping ended it, `best_epoch` the epoch kept) and its epochs in "
+        "`logs/metrics.csv`, both in the run's snapshot "
+        "(`results/runs/<run>/<stage>/`; runs snapshotted before these files were kept have neither). The "
+        "learning-rate schedule of every training is the `scheduler` of its `config.yaml` (MNIST and Fashion-MNIST: "
+        "the rate multiplied by `factor` once the validation accuracy has not improved by more than its `threshold` "
+        "for more than `patience` epochs, so that one noisy epoch makes the step smaller rather than ending the "
+        "training).",
         "",
         "Each run's settings are its `config.yaml` in `results/runs/<run>/`; the command of each is in its "
         "`experiment_run.json`. Accuracy: mean ± sample standard deviation over the seeds. Times: training clocks of "
-        "the stages (process start-up and warm-up excluded), on the machine above while it ran other jobs too: read "
-        "them and the speedups as rough.",
+        "the stages (process start-up and warm-up excluded), on the machine above; the jobs line says which runs "
+        "shared its cores, and each stage's `context` in its `meta.json` what ran beside it.",
         "",
     ]
     manifest_tables: list[dict] = []
@@ -536,7 +789,7 @@ def write_page(
         # the report's table comes first; the paired differences (ddcnn.report.compare.paired_markdown) follow it
         if [line for line in written if line.startswith("|")][: len(lines)] != lines:
             raise RuntimeError(f"ddcnn-report's table of {data_name} differs from the one recomputed from the runs")
-        overrides = " ".join(dataset.overrides)
+        overrides = runs_overrides(workdir, ds_names)
         page += [
             f"## {dataset.title}",
             "",
@@ -567,6 +820,16 @@ def write_page(
             manifest_tables.append(
                 {"kind": "auc", "dataset": data_name, "runs": ds_names, "published": dataset.published, "lines": lines}
             )
+        lines = devices_lines(workdir, ds_names)
+        if lines:
+            page += [
+                "Equal devices: every time against the same device count P (the CNN-DNN's N local nets placed on P "
+                "devices from their recorded times; DDP really run on P processes):",
+                "",
+                *lines,
+                "",
+            ]
+            manifest_tables.append({"kind": "devices", "dataset": data_name, "runs": ds_names, "lines": lines})
         page += ["Flagged rows:", "", *flag_lines(workdir, ds_names), ""]
         figures = []
         for png in sorted(report_dir.glob(f"{slug}_*.png")):
@@ -639,6 +902,8 @@ def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
             recomputed = report_lines(root, table["runs"]).get(table["dataset"])
         elif table["kind"] == "glance":
             recomputed = glance_lines(root, table["runs"])
+        elif table["kind"] == "devices":
+            recomputed = devices_lines(root, table["runs"])
         else:
             published = tuple((str(n), float(a)) for n, a in table.get("published", ()))
             recomputed = auc_lines(root, table["runs"], published)
@@ -664,38 +929,311 @@ def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
     return problems
 
 
+# --- generated blocks of the docs, and the cost estimate -----------------------------------------------------------
+# Markdown files (and this script's docstring) whose description of the page is generated from its runs: the text
+# between the markers is written by the page's invocation and by --write, and compared by --check.
+BLOCKS = (("README.md", "summary"), ("docs/methods.md", "recipe"), ("experiments/results.py", "estimate"))
+CPU_BUDGET_S = 10 * 3600  # what the page may cost (issue 31)
+# Assumed for runs of the recipe before engine.min_epochs (no stop before half the cap): a 2D training ran ~25% fewer
+# epochs than it does now (the committed page's global CNNs stopped at epochs 7-15 of 15, its local nets mostly
+# earlier; meta.json was not snapshotted then, so this is a judgement, not a measurement).
+EPOCH_FACTOR_2D = 1.25
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- results.py:{name} begin (generated by experiments/results.py; --check compares) -->", (
+        f"<!-- results.py:{name} end -->"
+    )
+
+
+def _dataset_of(name: str) -> str:
+    return name.split("/")[0]
+
+
+def _paired_means(root: Path, names: list[str], other: str) -> list[float]:
+    """Per configuration (backbone, grid, overlap) of the runs ``names``: the CNN-DNN minus ``other`` in accuracy
+    points, the mean over the seeds of the paired differences."""
+    groups: dict[tuple, list[float]] = {}
+    for run in _load_runs(root, names):
+        acc = {r["key"]: float(r["accuracy"]) for r in run.rows}
+        key = _cnn_dnn_key(run)
+        if key in acc and other in acc:
+            groups.setdefault((run.backbone, run.grid_label, run.overlap_label), []).append(
+                100 * (acc[key] - acc[other])
+            )
+    return [sum(d) / len(d) for d in groups.values()]
+
+
+def _span(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:+.2f}" if round(low, 2) == round(high, 2) else f"{low:+.2f} to {high:+.2f}"
+
+
+def _by_dataset(manifest: dict) -> dict[str, list[str]]:
+    datasets: dict[str, list[str]] = {}
+    for name in manifest["runs"]:
+        datasets.setdefault(_dataset_of(name), []).append(name)
+    return datasets
+
+
+def summary_block(manifest: dict, root: Path) -> list[str]:
+    """README's lines on the committed page: what it ran, what it cost, and the CNN-DNN's paired differences."""
+    names = sorted(manifest["runs"])
+    runs = runs_summary(root, names)
+    parts = []
+    for group in _by_dataset(manifest).values():
+        seeds = sorted({json.loads((root / n / "results.json").read_text()).get("seed", 0) for n in group})
+        global_cnn = _paired_means(root, group, "global")
+        mean_prob = _paired_means(root, group, "mean_prob")
+        configs = len(group) // max(1, len(seeds))
+        parts.append(
+            f"{_dataset_of(group[0])} ({configs} configuration(s) x {len(seeds)} seeds): {_span(global_cnn)} "
+            f"against the global CNN, {_span(mean_prob)} against the mean probability"
+        )
+    return [
+        f"The committed page: {runs['runs']} runs, {runs['cpu_s'] / 3600:.1f} CPU-hours, {runs['span_h']:.1f} h from "
+        f"the first run's start to the last one's end ({'; '.join(runs['machines']) or 'machine not recorded'}). "
+        "The CNN-DNN minus the other method in test-accuracy points, paired by seed and averaged over the seeds of "
+        "each grid and overlap (the range over them): " + "; ".join(parts) + ". The page's tables give each spread.",
+    ]
+
+
+def _config(root: Path, name: str) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(root / name / "config.yaml"), resolve=False)
+
+
+def _schedule(cfg: dict) -> str:
+    node = cfg.get("scheduler") or {}
+    target = str(node.get("_target_", "none")).rsplit(".", 1)[-1]
+    if target == "ReduceLROnPlateau":
+        threshold = (
+            f", threshold {node['threshold']} ({node.get('threshold_mode', 'rel')})" if "threshold" in node else ""
+        )
+        return f"ReduceLROnPlateau (factor {node.get('factor')}, patience {node.get('patience')}{threshold})"
+    return target
+
+
+def recipe_block(manifest: dict, root: Path) -> list[str]:
+    """docs/methods.md's lines on the committed page's recipe and cost, read from its runs' config.yaml and
+    experiment_run.json."""
+    lines = []
+    for key, group in _by_dataset(manifest).items():
+        cfg = _config(root, group[0])
+        engine, data, trainer = cfg.get("engine") or {}, cfg.get("data") or {}, cfg.get("trainer") or {}
+        seeds = sorted({int(_config(root, n).get("seed", 0)) for n in group})
+        cpu = [json.loads((root / n / "experiment_run.json").read_text())["cpu_s"] for n in group]
+        stop = (
+            "every epoch of the cap"
+            if engine.get("patience") is None
+            else f"patience {engine['patience']}, min_delta {engine.get('min_delta')}"
+            + (f", min_epochs {engine['min_epochs']}" if engine.get("min_epochs") is not None else "")
+        )
+        sizes = f"train_subset {data.get('train_subset') or 'all'}, val_fraction {data.get('val_fraction')}, "
+        sizes += f"test_subset {data.get('test_subset') or 'all'}, batch {data.get('batch_size')}"
+        lines.append(
+            f"- `{key}`: {len(group)} runs, seeds {seeds[0]}-{seeds[-1]}; cap {trainer.get('max_epochs')} epochs, "
+            f"{stop}, monitor {engine.get('monitor')}; schedule {_schedule(cfg)}; {sizes}; "
+            f"{sum(cpu):.0f} s CPU (a run {min(cpu):.0f}-{max(cpu):.0f} s)."
+        )
+    runs = runs_summary(root, sorted(manifest["runs"]))
+    lines.append(
+        f"- In all: {runs['runs']} runs, {runs['cpu_s']:.0f} s CPU ({runs['cpu_s'] / CPU_BUDGET_S:.0%} of the "
+        f"{CPU_BUDGET_S // 3600} CPU-hours allowed), {runs['span_h']:.2f} h from the first run's start to the last "
+        "one's end."
+    )
+    return lines
+
+
+def estimate(root: Path, args: argparse.Namespace) -> dict[str, float]:
+    """CPU seconds of the page at ``args``, per dataset, from the recorded CPU of the runs under ``root``.
+
+    Per run: its CPU less the DDP it trained (2 processes: twice its training clock and start-up), times the ratio of
+    training images (2D; training time and the predictions on the training split grow with it, start-up and the
+    fixed validation and test splits do not, so this errs high), times :data:`EPOCH_FACTOR_2D` for 2D runs made
+    without ``engine.min_epochs`` (the protocol's minimum epochs, which the page runs with once the engine has it),
+    times the cap over the epochs its global CNN ran for AdrenalMNIST3D runs made with early stopping; plus one DDP
+    per dataset and seed (reused by its other runs); averaged per seed and multiplied by the seeds of ``args``.
+    """
+    per_seed: dict[str, dict[int, float]] = {}
+    ddp: dict[str, list[float]] = {}
+    for record in sorted(root.glob("*/*/experiment_run.json")):
+        run_dir = record.parent
+        name = run_dir.relative_to(root).as_posix()
+        key = _dataset_of(name)
+        if key not in args.datasets:
+            continue
+        cfg, res = _config(root, name), json.loads((run_dir / "results.json").read_text())
+        engine, data = cfg.get("engine") or {}, cfg.get("data") or {}
+        times, startup = res.get("time_s") or {}, res.get("startup_s") or {}
+        trained_ddp = times.get("global_ddp") is not None and "global_ddp" not in (res.get("reused") or {})
+        ddp_cpu = 2 * (times["global_ddp"] + startup.get("global_ddp", 0)) if trained_ddp else 0.0
+        factor = 1.0
+        if data.get("train_subset"):  # 2D
+            factor *= (args.train_subset or 57000) / data["train_subset"]
+            if engine.get("min_epochs") is None:  # a run made before the protocol's minimum epochs
+                factor *= EPOCH_FACTOR_2D
+        elif engine.get("patience") is not None:
+            epochs = max((res.get("curves") or {}).get("global", {}).get("epoch") or [1])
+            factor *= (cfg.get("trainer") or {}).get("max_epochs", epochs) / epochs
+        cpu = json.loads(record.read_text())["cpu_s"]
+        seed = int(cfg.get("seed", 0))
+        per_seed.setdefault(key, {})
+        per_seed[key][seed] = per_seed[key].get(seed, 0.0) + (cpu - ddp_cpu) * factor
+        if trained_ddp:
+            ddp.setdefault(key, []).append(ddp_cpu * factor)
+    seeds = len(args.seeds)
+    return {
+        key: seeds * (sum(costs.values()) / len(costs) + (_mean(ddp.get(key, [])) or 0.0))
+        for key, costs in per_seed.items()
+    }
+
+
+def estimate_text(root: Path, args: argparse.Namespace) -> str:
+    cost = estimate(root, args)
+    total = sum(cost.values())
+    each = ", ".join(f"{key} {value:.0f} s" for key, value in cost.items())
+    return (
+        f"{len(args.seeds)} seeds, {args.train_subset} training images per 2D dataset: about {total:.0f} s CPU "
+        f"({total / 3600:.1f} CPU-hours; {each})"
+    )
+
+
+def estimate_block(manifest: dict, root: Path) -> list[str]:
+    """The docstring's estimate: the default flags, and the train sizes around them, from the page's runs."""
+    args = _resolve(_parser().parse_args([]))
+    lines = [f"- at the defaults, {estimate_text(root, args)};"]
+    for size in (TRAIN_SUBSET - TRAIN_STEP, TRAIN_SUBSET + TRAIN_STEP):
+        args.train_subset = size
+        lines.append(f"- with ``--train-subset {size}``: {estimate_text(root, args)}.")
+    return lines
+
+
+def _generated(name: str, manifest: dict, root: Path) -> list[str]:
+    """The lines of block ``name``, wrapped at the docs' 120 columns (a list item's continuation indented)."""
+    lines = {"summary": summary_block, "recipe": recipe_block, "estimate": estimate_block}[name](manifest, root)
+    wrapped = []
+    for line in lines:
+        indent = "  " if line.startswith("- ") else ""
+        wrapped += textwrap.wrap(line, 120, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False)
+    return wrapped
+
+
+def _fill(text: str, name: str, lines: list[str]) -> str | None:
+    begin, end = _markers(name)
+    if begin not in text or end not in text:
+        return None
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return head + begin + "\n" + "\n".join(lines) + "\n" + end + tail
+
+
+def write_blocks(manifest: dict, root: Path) -> list[str]:
+    """Rewrite every generated block (:data:`BLOCKS`) from the page's manifest and runs; the files changed."""
+    changed = []
+    for file, name in BLOCKS:
+        path = ROOT / file
+        text = path.read_text()
+        filled = _fill(text, name, _generated(name, manifest, root))
+        if filled is not None and filled != text:
+            path.write_text(filled)
+            changed.append(file)
+    return changed
+
+
+def check_blocks(manifest: dict, root: Path) -> list[str]:
+    """The generated blocks (:data:`BLOCKS`) that are missing or differ from what the page's runs give, and the
+    docstring's flag defaults that differ from the parser's."""
+    problems = []
+    for file, name in BLOCKS:
+        text = (ROOT / file).read_text()
+        filled = _fill(text, name, _generated(name, manifest, root))
+        if filled is None:
+            problems.append(f"{file}: no generated block {name!r} (its markers {_markers(name)[0]} ... are gone)")
+        elif filled != text:
+            problems.append(f"{file}: the block {name!r} is not what the page's runs give: run results.py --write")
+    args = _resolve(_parser().parse_args([]))
+    fits = sum(estimate(root, args).values()) <= CPU_BUDGET_S
+    args.train_subset = TRAIN_SUBSET + TRAIN_STEP
+    if not fits or sum(estimate(root, args).values()) <= CPU_BUDGET_S:
+        problems.append(
+            f"--train-subset's default {TRAIN_SUBSET} is no longer the largest step of {TRAIN_STEP} images whose "
+            f"estimate fits {CPU_BUDGET_S} s CPU (python experiments/results.py --estimate --train-subset N): choose "
+            "TRAIN_SUBSET again"
+        )
+    defaults = vars(_resolve(_parser().parse_args([])))
+    for flag, value in re.findall(r"``--([a-z-]+)`` = ([0-9][0-9.]*)", __doc__ or ""):
+        default = defaults.get(flag.replace("-", "_"))
+        if isinstance(default, list):
+            default = len(default)
+        if default is None or float(value) != float(default):
+            problems.append(f"the script's docstring says --{flag} = {value}, its default is {default}")
+    return problems
+
+
 # --- command line ----------------------------------------------------------------------------------------------------
+TRAIN_SUBSET = 3000  # training images per 2D dataset by default (module doc: what 10 CPU-hours buy)
+TRAIN_STEP = 1000  # the steps in which the default was chosen
+SEEDS = (0, 1, 2, 3, 4)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="experiments/results.py", description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="the few-second version for CI (digits, 1 epoch, 1 seed)")
     parser.add_argument("--out", type=Path, help="where results.md, its manifest and results/ go (default: docs)")
     parser.add_argument("--workdir", type=Path, help="the run directories (default: runs/results)")
     parser.add_argument("--datasets", nargs="+", default=["mnist", "fashion_mnist", "adrenal3d"])
-    parser.add_argument("--seeds", type=int, nargs="+", help="default: 0 1 2 (--tiny: 0)")
-    parser.add_argument("--train-subset", type=int, help="training images per 2D dataset (default: 2000; 0 = all)")
+    parser.add_argument("--seeds", type=int, nargs="+", help=f"default: {' '.join(map(str, SEEDS))} (--tiny: 0)")
+    parser.add_argument(
+        "--train-subset", type=int, help=f"training images per 2D dataset (default: {TRAIN_SUBSET}; 0 = all)"
+    )
     parser.add_argument("--test-subset", type=int, default=2000, help="test images per 2D dataset (0 = all 10000)")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of the 2D training sets for validation")
-    parser.add_argument("--epochs", type=int, default=15, help="epoch cap of every 2D training (trainer.max_epochs)")
+    parser.add_argument(
+        "--epochs", type=int, help="epoch cap of every 2D training (trainer.max_epochs; default 15, --tiny: 1)"
+    )
+    parser.add_argument(
+        "--min-epochs",
+        type=int,
+        help="2D trainings: no early stop before this epoch (engine.min_epochs, passed where the engine has it; "
+        "default: half of --epochs, rounded up)",
+    )
     parser.add_argument(
         "--min-delta",
         type=float,
         default=0.002,
-        help="2D trainings: an epoch improves only by more than this validation accuracy (engine.min_delta)",
+        help="2D trainings: an epoch improves only by more than this validation accuracy, for early stopping, "
+        "selection and the plateau schedule alike (engine.min_delta, the scheduler's absolute threshold)",
     )
     parser.add_argument(
         "--lr-drop",
         type=float,
         default=0.2,
-        help="2D trainings: multiply the learning rate by this after every epoch whose validation accuracy did not "
-        "improve (ReduceLROnPlateau; 0 = a constant rate)",
+        help="2D trainings: multiply the learning rate by this after --lr-patience + 1 epochs in a row without "
+        "improvement (ReduceLROnPlateau; 0 = a constant rate)",
     )
-    parser.add_argument("--patience", type=int, default=2, help="early stopping of every training (engine.patience)")
+    parser.add_argument("--lr-patience", type=int, default=0, help="the plateau schedule's patience (its p)")
+    parser.add_argument(
+        "--patience", type=int, default=2, help="early stopping of every 2D training (engine.patience >= p + 2)"
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="batch of every 2D full-image training")
     parser.add_argument("--oof-folds", type=int, default=3, help="k of the out-of-fold coarse DNN's local nets")
     parser.add_argument("--curve-points", type=int, default=4, help="test evaluations per training for the curves")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training")
-    parser.add_argument("--jobs", type=int, default=1, help="ddcnn-train runs at once (e.g. one per core)")
+    parser.add_argument("--jobs", type=int, default=1, help="accuracy runs at once (e.g. one per core)")
+    parser.add_argument(
+        "--timing-jobs",
+        type=int,
+        default=1,
+        help="timing runs at once (the first run of each dataset and seed, which trains the global CNN and DDP)",
+    )
     parser.add_argument("--run-timeout", type=float, help="seconds after which one ddcnn-train is killed")
+    parser.add_argument(
+        "--retrain",
+        action="store_true",
+        help="train again the finished runs of WORKDIR whose command is not the planned one (else refused)",
+    )
     parser.add_argument(
         "--snapshot",
         action="store_true",
@@ -704,65 +1242,167 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--check", action="store_true", help="only check OUT's page against its manifest and runs")
     parser.add_argument("--root", type=Path, help="with --check: the run directories (default: OUT/results/runs)")
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="only rewrite the generated blocks of README.md, docs/methods.md and this script's docstring from the "
+        "committed page (docs) and its runs; trains nothing",
+    )
+    parser.add_argument(
+        "--rewrite",
+        action="store_true",
+        help="only write OUT's page again from its snapshotted runs with today's report code (after a change of "
+        "ddcnn-report's tables); trains nothing, each run as it was recorded",
+    )
+    parser.add_argument(
+        "--estimate", action="store_true", help="only print the CPU estimate of the page at these flags (module doc)"
+    )
     return parser
+
+
+def _resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """The defaults that depend on other flags, and the checks of the training rule."""
+    if args.epochs is None:
+        args.epochs = 1 if args.tiny else 15
+    if args.min_epochs is None:
+        args.min_epochs = math.ceil(args.epochs / 2)
+    if args.train_subset is None and not args.tiny:
+        args.train_subset = TRAIN_SUBSET
+    if args.seeds is None:
+        args.seeds = [0] if args.tiny else list(SEEDS)
+    if args.lr_drop and args.patience < args.lr_patience + 2:
+        raise SystemExit(
+            f"results.py: --patience {args.patience} may stop a training before the plateau schedule (--lr-patience "
+            f"{args.lr_patience}) has lowered its rate: the protocol wants early stopping's patience at least the "
+            f"schedule's + 2; give --patience {args.lr_patience + 2} or more (or a smaller --lr-patience)."
+        )
+    if not 1 <= args.min_epochs <= args.epochs:
+        raise SystemExit(f"results.py: --min-epochs {args.min_epochs} must be between 1 and --epochs {args.epochs}.")
+    return args
+
+
+def spec_of(name: str, datasets: dict[str, Dataset]) -> RunSpec:
+    """The plan entry of a run directory name (``mnist/4x4_o2_s1``, ``adrenal3d/2x2x2_s0``; :attr:`RunSpec.name`)."""
+    key, rest = name.split("/", 1)
+    parts = rest.split("_")
+    overlap = int(parts[1][1:]) if len(parts) == 3 else None
+    return RunSpec(datasets[key], parts[0], overlap, int(parts[-1][1:]))
+
+
+def rewrite(out: Path, command: str) -> int:
+    """Write ``OUT/results.md`` and its manifest again from the snapshots of its runs (``OUT/results/runs``), with
+    today's ``ddcnn-report``: no run is trained, each keeps its record; ``--check`` then compares the page with them."""
+    manifest = json.loads((out / MANIFEST).read_text())
+    names = list(manifest["runs"])
+    tiny = _resolve(_parser().parse_args(["--tiny"]))
+    full = _resolve(_parser().parse_args([]))
+    datasets = {d.key: d for d in (*plan(tiny), *plan(full))}
+    specs = [spec_of(name, datasets) for name in names]
+    used = list(dict.fromkeys(s.dataset for s in specs))
+    start = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        for name in names:
+            shutil.copytree(out / ASSETS / "runs" / name, workdir / name)
+        records = [json.loads((workdir / n / "experiment_run.json").read_text()) for n in names]
+        threads = str(records[0].get("threads", 1))
+        is_tiny = all(s.dataset.key == "digits" for s in specs)
+        report(specs, workdir, int(threads), plots=not is_tiny)
+        meta = {
+            "commit": _git_commit(),
+            "command": command,
+            "written": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "wall_s": f"{time.time() - start:.0f}",
+            "threads": threads,
+        }
+        page, manifest = write_page(used, specs, workdir, out, meta, is_tiny)
+        manifest["workdir"] = str(out / ASSETS / "runs")
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        problems = check_manifest(page, manifest, out / ASSETS / "runs")
+    if not problems and out == (ROOT / "docs").resolve():
+        write_blocks(manifest, out / ASSETS / "runs")
+    print(
+        f"results.py: {out / PAGE} written again from {len(names)} snapshotted runs"
+        + (f"; CHECK FAILED: {problems}" if problems else "")
+    )
+    return 1 if problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.tiny and not args.check and args.out is None:
+    if args.tiny and not (args.check or args.estimate) and args.out is None:
         _parser().error("--tiny needs --out: its page must never replace docs/results.md")
     out = (args.out or ROOT / "docs").resolve()
     if args.check:
         manifest = json.loads((out / MANIFEST).read_text())
-        problems = check_manifest((out / PAGE).read_text(), manifest, args.root or out / ASSETS / "runs")
-        print("\n".join(problems) or f"{out / PAGE}: every table line is what the runs wrote")
+        root = args.root or out / ASSETS / "runs"
+        problems = check_manifest((out / PAGE).read_text(), manifest, root)
+        if out == (ROOT / "docs").resolve():
+            problems += check_blocks(manifest, root)
+        print("\n".join(problems) or f"{out / PAGE}: every table line and generated figure is what the runs wrote")
         return 1 if problems else 0
-    if args.train_subset is None and not args.tiny:
-        args.train_subset = 2000
-    seeds = args.seeds if args.seeds is not None else ([0] if args.tiny else [0, 1, 2])
+    if args.write:
+        manifest = json.loads((out / MANIFEST).read_text())
+        changed = write_blocks(manifest, out / ASSETS / "runs")
+        print(f"results.py: generated blocks rewritten in {', '.join(changed) or 'no file (all current)'}")
+        return 0
+    if args.rewrite:
+        return rewrite(out, " ".join(["python experiments/results.py", *(argv if argv is not None else sys.argv[1:])]))
+    args = _resolve(args)
+    if args.estimate:
+        print(estimate_text(ROOT / "docs" / ASSETS / "runs", args))
+        return 0
     workdir = (args.workdir or ROOT / "runs" / ("results_tiny" if args.tiny else "results")).resolve()
     datasets = plan(args)
-    specs = run_specs(datasets, seeds)
+    specs = run_specs(datasets, args.seeds)
     if args.snapshot:
         done = [s.name for s in specs if _finished(workdir / s.name)]
         for name in done:
             save_snapshot(workdir / name, out / ASSETS / "runs" / name)
         print(f"results.py: {len(done)} of {len(specs)} runs finished, snapshotted into {out / ASSETS / 'runs'}")
         return 0
+    stale = stale_runs(specs, workdir)
+    if stale and not args.retrain:
+        raise SystemExit(stale_message(stale, workdir))
     given = argv if argv is not None else sys.argv[1:]
     command = "python experiments/results.py " + " ".join(shlex.quote(a) for a in given)
-    start, load_start = time.time(), _loadavg()
-    print(f"results.py: {len(specs)} runs into {workdir}, page into {out} (load {load_start})", flush=True)
+    start = time.time()
+    print(f"results.py: {len(specs)} runs into {workdir}, page into {out} (load {_loadavg()})", flush=True)
 
     def log(message: str) -> None:
         print(f"[{time.time() - start:7.0f} s] {message}", flush=True)
 
-    def one(numbered: tuple[int, RunSpec]) -> None:
-        i, spec = numbered
-        record = train(spec, workdir, args.threads, args.run_timeout, log, out / ASSETS / "runs")
-        log(f"{i}/{len(specs)} {spec.name}: {record['wall_s']:.0f} s wall, {record['cpu_s']:.0f} s CPU")
+    for phase, runs in phases(specs):
+        jobs = max(1, args.timing_jobs if phase == "timing" else args.jobs)
+        context = {"invocation": command.strip(), "phase": phase, "jobs": jobs, "machine": _machine()}
 
-    # --jobs runs at once, in plan order (the global CNN of a dataset and seed is trained by the first run that needs
-    # it; a run started beside it waits for it in the store, then copies it).
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        list(pool.map(one, enumerate(specs, 1)))
+        def one(spec: RunSpec, context: dict = context) -> None:
+            record = train(
+                spec, workdir, args.threads, args.run_timeout, log, out / ASSETS / "runs", args.retrain, context
+            )
+            log(
+                f"{specs.index(spec) + 1}/{len(specs)} {spec.name}: {record['wall_s']:.0f} s wall, "
+                f"{record['cpu_s']:.0f} s CPU"
+            )
+
+        # In plan order; a run started beside the one that trains its global CNN (or DDP) waits for it in the store.
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(one, runs))
     report(specs, workdir, args.threads, plots=not args.tiny)
     log("ddcnn-report done")
     out.mkdir(parents=True, exist_ok=True)
     (out / ASSETS).mkdir(exist_ok=True)
     meta = {
-        **_machine(),
-        "threads": str(args.threads),
-        "load_start": load_start,
-        "load_end": _loadavg(),
-        "started": datetime.fromtimestamp(start, timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "finished": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": _git_commit(),
         "command": command,
+        "written": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_s": f"{time.time() - start:.0f}",
+        "threads": str(args.threads),
     }
     page, manifest = write_page(datasets, specs, workdir, out, meta, args.tiny)
     problems = check_manifest(page, manifest, workdir)
+    if not problems and out == (ROOT / "docs").resolve():
+        log(f"generated blocks rewritten in {write_blocks(manifest, out / ASSETS / 'runs') or 'no file'}")
     log(f"wrote {out / PAGE} and {out / MANIFEST}" + (f"; CHECK FAILED: {problems}" if problems else ""))
     return 1 if problems else 0
 

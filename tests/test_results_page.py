@@ -20,7 +20,7 @@ def results():
 
 @pytest.fixture(scope="module")
 def tiny(results, tmp_path_factory):
-    """The tiny mode, run once, its two runs at once: (output folder, run directories)."""
+    """The tiny mode, run once with --jobs 2 (its timing run alone, then the other): (output, run directories)."""
     base = tmp_path_factory.mktemp("results")
     out, workdir = base / "out", base / "runs"
     assert results.main(["--tiny", "--out", str(out), "--workdir", str(workdir), "--jobs", "2"]) == 0
@@ -35,10 +35,23 @@ def _page_and_manifest(out: Path) -> tuple[str, dict]:
 def test_tiny_page_holds_the_runs_figures(results, tiny):
     out, workdir = tiny
     page, manifest = _page_and_manifest(out)
-    # the header names the machine, threads, load, date, command and wall time
-    for label in ("machine", "torch threads", "load", "date", "command", "wall time"):
-        assert f"| {label}" in page
-    assert "python experiments/results.py --tiny" in page
+    # the header describes the training of the runs (from their records), then the invocation that wrote the page
+    for label in (
+        "machine of the runs",
+        "torch threads per training",
+        "load of the runs (1 min)",
+        "training dates",
+        "CPU",
+        "code",
+        "jobs",
+    ):
+        assert f"| {label} |" in page
+    machine = results._machine()
+    assert f"| machine of the runs | {machine['cpu']}, {machine['cores']} cores, {machine['system']} |" in page
+    # the first run of the dataset (it trains the global CNN) ran alone, the other in the --jobs 2 phase
+    assert "| jobs | timing runs: 1 with 1 at a time; accuracy runs: 1 with 2 at a time |" in page
+    assert "| runs trained by | `python experiments/results.py --tiny" in page
+    assert "| page written by | `python experiments/results.py --tiny" in page
     assert "Flagged rows:" in page
     assert all(line in page for line in results.flag_lines(workdir, sorted(manifest["runs"])))
     # two run directories (overlap 0 and 2), each with its fingerprint; the global CNN came from the store once
@@ -46,7 +59,7 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
     for name, entry in manifest["runs"].items():
         assert entry["fingerprint"] == json.loads((workdir / name / "fingerprint.json").read_text())["fingerprint"]
         assert entry["methods"]["cnn_dnn_probs"]["accuracy"] > 0
-    # run side by side, one trained the global CNN and the other waited for it in the store and copied it
+    # the timing run trained the global CNN, the other run (accuracy phase) copied it from the store
     reused = ["reused_from" in json.loads((workdir / n / "global" / "meta.json").read_text()) for n in manifest["runs"]]
     assert sorted(reused) == [False, True]
     # each run's own CPU time and commit, the page's code line saying they are one code's
@@ -55,9 +68,21 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
     assert "(every run) |" in page
     # the report's table and the AUC table, each line on the page
     kinds = [t["kind"] for t in manifest["tables"]]
-    assert kinds == ["glance", "report", "auc"]
+    # and the equal-devices table where the runs' results.json project the CNN-DNN on P devices (today's report does)
+    projected = all(
+        "projected_time_s_by_devices" in json.loads((workdir / n / "results.json").read_text())
+        for n in manifest["runs"]
+    )
+    assert kinds == ["glance", "report", "auc"] + (["devices"] if projected else [])
     # the runs' own clock: from the first run's start to the last one's end
-    assert "| runs | 2 trained from " in page
+    assert "| training dates | 2 runs trained from " in page
+    # each run's snapshot carries where each of its trainings stopped, and its epochs
+    for name in manifest["runs"]:
+        snap = out / "results" / "runs" / name
+        for stage in ("global", "coarse", "local/00"):
+            assert "best_epoch" in json.loads((snap / stage / "meta.json").read_text())
+            assert (snap / stage / "meta.json").read_bytes() == (workdir / name / stage / "meta.json").read_bytes()
+        assert (snap / "global" / "logs" / "metrics.csv").read_text().startswith("epoch")
     # the CNN-DNN's accuracy of the first run, as the report rounds it, is on the page
     accuracy = manifest["runs"]["digits/2x2_o0_s0"]["methods"]["cnn_dnn_probs"]["accuracy"]
     assert f"| {100 * accuracy:.2f} |" in page
@@ -143,6 +168,11 @@ def test_the_committed_results_page_is_what_its_runs_wrote(results):
         pytest.skip("docs/results.md has not been generated yet (python experiments/results.py)")
     page, manifest = _page_and_manifest(docs)
     assert results.check_manifest(page, manifest, docs / "results" / "runs") == []
+    # and the README's, docs/methods.md's and the docstring's generated figures are what its runs give
+    assert results.check_blocks(manifest, docs / "results" / "runs") == []
+    readme = (REPO / "README.md").read_text()
+    _, block = readme.split(results._markers("summary")[0])
+    assert block.split(results._markers("summary")[1])[0].strip()
 
 
 def test_tiny_mode_never_writes_into_docs(results, capsys):
@@ -161,10 +191,14 @@ def test_a_later_invocation_restores_snapshotted_runs_instead_of_training_them(r
     assert not (saved / "results.md").exists()
     # a later session: the committed snapshot is all there is; one run had been started again and left half-done
     fresh = tmp_path / "runs"
-    (fresh / "digits" / "2x2_o0_s0" / "local").mkdir(parents=True)
+    half_done = fresh / "digits" / "2x2_o0_s0" / "local" / "00" / "last.ckpt"
+    half_done.parent.mkdir(parents=True)
+    half_done.write_bytes(b"a checkpoint of a training cut short")
     assert results.main(["--tiny", "--out", str(saved), "--workdir", str(fresh)]) == 0
     assert capsys.readouterr().out.count("restored from its snapshot") == 2
-    assert not (fresh / "digits" / "2x2_o0_s0" / "local").exists()  # the half-done training gave way, none ran
+    assert not half_done.exists()  # the half-done training gave way to the snapshot, none ran
+    local = fresh / "digits" / "2x2_o0_s0" / "local"
+    assert {p.name for p in local.rglob("*") if p.is_file()} == {"meta.json", "metrics.csv"}
     page, manifest = _page_and_manifest(saved)
     original_page, original = _page_and_manifest(out)
     assert {n: e["results_sha256"] for n, e in manifest["runs"].items()} == {
@@ -201,3 +235,137 @@ def test_git_keeps_the_snapshots_the_page_is_checked_against():
     for path in ("docs/results/runs/mnist/2x2_o0_s0/results.json", "docs/results/runs/a/b/plots/accuracy_vs_time.png"):
         check = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
         assert check.returncode == 1, f"git ignores {path}: see .gitignore"
+
+
+@pytest.mark.slow
+def test_a_rerun_with_other_flags_refuses_the_old_runs_or_retrains_them(results, tiny, tmp_path, capsys):
+    out, workdir = tiny
+    runs = tmp_path / "runs"
+    shutil.copytree(workdir, runs, symlinks=True)
+    before = {p: p.read_bytes() for p in runs.rglob("results.json")}
+    again = tmp_path / "out"
+    # another epoch cap over runs made with one epoch: refused before anything trains, naming the flag and the fix
+    with pytest.raises(SystemExit) as refused:
+        results.main(["--tiny", "--out", str(again), "--workdir", str(runs), "--epochs", "2"])
+    message = str(refused.value)
+    assert "trainer.max_epochs: 1 -> 2" in message and "--retrain" in message and "--workdir" in message
+    assert {p: p.read_bytes() for p in runs.rglob("results.json")} == before
+    assert not (again / "results.md").exists()
+    # --retrain trains them again under the planned command, and the page publishes only those
+    assert results.main(["--tiny", "--out", str(again), "--workdir", str(runs), "--epochs", "2", "--retrain"]) == 0
+    assert capsys.readouterr().out.count("--retrain: training it again") == 2
+    page, manifest = _page_and_manifest(again)
+    for name in manifest["runs"]:
+        record = json.loads((runs / name / "experiment_run.json").read_text())
+        assert "trainer.max_epochs=2" in record["command"] and "--epochs 2" in record["invocation"]
+        assert (runs / name / "results.json").read_bytes() != before[runs / name / "results.json"]
+    assert results.check_manifest(page, manifest, again / "results" / "runs") == []
+
+
+def test_the_recorded_and_planned_commands_differ_by_flag(results):
+    recorded = "ddcnn-train a=1 'scheduler={x:1}' store.root=/m1/store b=2 hydra.run.dir=d/r"
+    assert results.command_differences(recorded, "ddcnn-train a=1 'scheduler={x:1}' b=2 hydra.run.dir=d/r") == []
+    assert results.command_differences(recorded, "ddcnn-train a=2 b=2 c=3 hydra.run.dir=d/r") == [
+        "a: 1 -> 2",
+        "c: (not set) -> 3",
+        "scheduler: {x:1} -> (not set)",
+    ]
+
+
+def test_timing_runs_come_first_per_seed_alone(results):
+    args = results._resolve(results._parser().parse_args(["--seeds", "0", "1"]))
+    specs = results.run_specs(results.plan(args), args.seeds)
+    order = results.phases(specs)
+    assert [phase for phase, _ in order] == ["timing", "accuracy"] * 2
+    timing, accuracy = order[0][1], order[1][1]
+    # the first run of each dataset trains its global CNN and DDP (the others copy them from the store)
+    assert [s.name for s in timing] == ["mnist/2x2_o0_s0", "fashion_mnist/2x2_o0_s0", "adrenal3d/2x2x2_s0"]
+    assert len(accuracy) == 6 and all(s.seed == 0 for s in accuracy)
+    assert sorted(s.name for _, runs in order for s in runs) == sorted(s.name for s in specs)
+
+
+def test_the_recipe_shares_one_threshold_and_keeps_the_cosine_schedule_whole(results):
+    args = results._resolve(results._parser().parse_args([]))
+    assert args.seeds == [0, 1, 2, 3, 4] and args.min_epochs == 8 and args.train_subset == results.TRAIN_SUBSET
+    mnist, _, adrenal = results.plan(args)
+    (scheduler,) = [o for o in mnist.overrides if o.startswith("scheduler=")]
+    assert "threshold:0.002,threshold_mode:abs" in scheduler and "patience:0" in scheduler
+    assert "engine.min_delta=0.002" in mnist.overrides and "engine.patience=2" in mnist.overrides
+    assert ("engine.min_epochs=8" in mnist.overrides) == results._engine_has("min_epochs")
+    assert "engine.patience=null" in adrenal.overrides and not any("scheduler" in o for o in adrenal.overrides)
+    with pytest.raises(SystemExit, match=r"--patience 2 .*--lr-patience 1.* give --patience 3 or more"):
+        results._resolve(results._parser().parse_args(["--lr-patience", "1"]))
+
+
+def test_check_names_a_docstring_default_that_is_not_the_scripts(results, monkeypatch):
+    docs = REPO / "docs"
+    manifest = json.loads((docs / "results_manifest.json").read_text())
+    root = docs / "results" / "runs"
+    assert results.check_blocks(manifest, root) == []
+    monkeypatch.setattr(results, "__doc__", results.__doc__.replace("``--epochs`` = 15", "``--epochs`` = 20"))
+    assert results.check_blocks(manifest, root) == ["the script's docstring says --epochs = 20, its default is 15"]
+
+
+@pytest.mark.slow
+def test_the_equal_devices_table_compares_ddp_with_the_cnn_dnn_on_as_many_devices(results, tiny, tmp_path):
+    out, _ = tiny
+    _, manifest = _page_and_manifest(out)
+    root = tmp_path / "runs"
+    shutil.copytree(out / "results" / "runs", root)
+    names = sorted(manifest["runs"])
+    for name in names:  # runs of a ddcnn before the projection: no table
+        path = root / name / "results.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "projected_time_s_by_devices": None}))
+    assert results.devices_lines(root, names) == []
+    for name, ddp in zip(names, (30.0, 50.0), strict=True):  # as the evaluate stage writes it
+        path = root / name / "results.json"
+        data = json.loads(path.read_text())
+        last = "4" if name.endswith("o0_s0") else "N"  # N: the run's number of sub-domains, 4
+        data["projected_time_s_by_devices"] = {"1": 40.0, "2": 25.0, last: 12.5}
+        data["time_s"]["global_ddp"] = ddp
+        data["devices"] = {"global_ddp": 2}
+        path.write_text(json.dumps(data))
+    lines = results.devices_lines(root, names)
+    assert lines[0] == results.DEVICES_HEAD
+    rows = [line.split(" | ") for line in lines[2:]]
+    # per configuration (overlap 0 and 2, one seed each) one row per device count: 1, 2 and N = 4
+    assert [(r[1], r[2], r[4]) for r in rows] == [("2x2", "0", "1"), ("2x2", "0", "2"), ("2x2", "0", "4")] + [
+        ("2x2", "2", "1"),
+        ("2x2", "2", "2"),
+        ("2x2", "2", "4"),
+    ]
+    on_two = rows[1]
+    assert on_two[6:9] == ["30.0", "25.0", "1.20x (paired over 1 seed(s)) |"]
+    assert rows[0][6] == "-" and rows[2][6] == "-"  # DDP ran on 2 devices only
+    assert rows[4][6:8] == ["50.0", "25.0"]
+    # on a page the table is checked like every other: recomputed from the runs
+    table = {"kind": "devices", "dataset": "digits", "runs": names, "lines": lines}
+    only = {"format": results.MANIFEST_FORMAT, "runs": {}, "header_lines": [], "tables": [table]}
+    with_table = "\n".join(lines) + "\n"
+    assert results.check_manifest(with_table, only, root) == []
+    altered = with_table.replace(lines[3], lines[3].replace("30.0", "20.0"))
+    assert any("in no table the runs give" in p for p in results.check_manifest(altered, only, root))
+
+
+@pytest.mark.slow
+def test_rewrite_writes_the_page_again_from_its_snapshots_without_training(results, tiny, tmp_path, capsys):
+    out, _ = tiny
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    page, manifest = _page_and_manifest(out)
+    assert results.main(["--rewrite", "--out", str(copy)]) == 0
+    assert "written again from 2 snapshotted runs" in capsys.readouterr().out
+    again, rewritten = _page_and_manifest(copy)
+    # the same runs, untouched, and the same tables; only the line of the invocation that wrote the page differs
+    assert {n: e["results_sha256"] for n, e in rewritten["runs"].items()} == {
+        n: e["results_sha256"] for n, e in manifest["runs"].items()
+    }
+    assert [t["lines"] for t in rewritten["tables"]] == [t["lines"] for t in manifest["tables"]]
+    changed = [line for line in again.splitlines() if line not in page.splitlines()]
+    assert len(changed) == 1 and changed[0].startswith("| page written by | `python experiments/results.py --rewrite")
+    assert "| runs trained by | `python experiments/results.py --tiny" in again
+    assert results.main(["--check", "--out", str(copy)]) == 0
+    # the section's command line is the runs' recorded one
+    record = json.loads((copy / "results" / "runs" / "digits" / "2x2_o0_s0" / "experiment_run.json").read_text())
+    (line,) = [line for line in again.splitlines() if line.startswith("Runs: `ddcnn-train ")]
+    assert "trainer.max_epochs=1" in line and "trainer.max_epochs=1" in record["command"] and "seed=" not in line

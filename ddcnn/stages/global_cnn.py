@@ -31,11 +31,12 @@ def run(ctx: Context, device=None, stage: str = "global", num_devices: int = 1) 
     if (done := skip(ctx, stage)) is not None:
         return done
     if registry.get(stage).reusable and num_devices == 1:
-        return reuse.run(ctx, stage, device, lambda extra: _train(ctx, device, stage, num_devices, extra))
-    return _train(ctx, device, stage, num_devices, {})
+        return reuse.run(ctx, stage, device, lambda extra: train_stage(ctx, device, stage, num_devices, extra))
+    return train_stage(ctx, device, stage, num_devices, {})
 
 
-def _train(ctx: Context, device, stage: str, num_devices: int, extra: dict) -> dict:
+def train_stage(ctx: Context, device, stage: str, num_devices: int, extra: dict) -> dict:
+    """Train the global CNN into folder ``stage`` of the run directory (no store), ``extra`` added to its meta.json."""
     launcher = None
     if num_devices > 1:
         # One task per device: DDP across the tasks of this srun step (refused with the fix when they do not match).

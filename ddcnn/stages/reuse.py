@@ -1,9 +1,10 @@
-"""One training per settings for the stages that do not depend on the decomposition (the global CNN), shared by the
-runs of a sweep through the store (:mod:`ddcnn.store`).
+"""One training per settings for the stages that do not depend on the decomposition (the global CNN on one device and
+with DDP), shared by the runs of a sweep through the store (:mod:`ddcnn.store`).
 
 A sweep such as ``-m decomposition=2x2,4x4 seed=0,1`` has four runs but only two global CNNs to train: the global
 CNN sees full images, so its result depends on the data, the model, the recipe and the seed, never on the grid, the
-overlap or the coarse DNN. With ``store.reuse=true`` (the default) a stage whose registry entry is ``reusable``:
+overlap or the coarse DNN. With ``store.reuse=true`` (the default) a stage whose registry entry is ``reusable`` (and
+``global_ddp`` when this process spawns its ranks, its ``methods.global_ddp`` settings part of the key):
 
 - finds its finished folder in the store under a key of everything it depends on (:func:`stage_depends`) and
   copies it into the run (every file checked against its sha256, ``meta.json`` and ``done`` last), with
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from ddcnn.context import Context, data_store
+from ddcnn.context import Context, data_store, ddp_devices
 from ddcnn.data.sources import NOT_IDENTITY, source_identity
 from ddcnn.rundir import PROB_FILES, network_identity, result_settings
 from ddcnn.runtime import run_generation, source_hash
@@ -73,7 +74,7 @@ def stage_depends(ctx: Context, stage: str, device) -> dict:
         settings.pop(key, None)
     spec = OmegaConf.to_container(cfg.data.source, resolve=True)
     curves = curve_settings(cfg)
-    return {
+    depends = {
         "format": REUSE_FORMAT,
         "stage": stage,
         "settings": settings,
@@ -83,6 +84,9 @@ def stage_depends(ctx: Context, stage: str, device) -> dict:
         "device_kind": device_kind(device),
         "source": source_hash(),
     }
+    if stage == "global_ddp":  # the devices it trains on (methods.global_ddp, dropped above with the methods)
+        depends["num_devices"] = ddp_devices(cfg)
+    return depends
 
 
 def _replace(store: Store, entry: Entry) -> None:

@@ -94,6 +94,54 @@ def test_runs_that_differ_in_the_decomposition_train_the_global_cnn_once(make_cf
     assert replaced.info["run_dir"] == str((tmp_path / "b").resolve())
 
 
+def _ddp_key(*overrides: str) -> str:
+    from types import SimpleNamespace
+
+    from ddcnn.stages.reuse import stage_depends
+
+    cfg = compose_config(["methods.enabled.global_ddp=true", *overrides], Path("/tmp/unused-run"))
+    return Store.key("global_ddp", stage_depends(SimpleNamespace(cfg=cfg), "global_ddp", "cpu"))
+
+
+def test_the_ddp_key_holds_its_devices_and_not_the_decomposition():
+    base = _ddp_key()
+    assert _ddp_key("methods.global_ddp.num_devices=4") != base  # another device count: another training
+    assert _ddp_key("methods.global_ddp.num_devices=2") == base  # the default, spelled out
+    assert _ddp_key("seed=1") != base and _ddp_key("trainer.max_epochs=2") != base
+    assert _ddp_key("decomposition=4x4", "decomposition.overlap=1", "coarse.max_epochs=5") == base
+    assert _ddp_key() != _key()  # never the one-device global CNN's entry
+
+
+@pytest.mark.slow
+def test_runs_that_differ_in_the_decomposition_train_global_ddp_once(make_cfg, tmp_path):
+    store = tmp_path / "store"
+
+    def ddp(run: str, *overrides: str) -> dict:
+        cfg = make_cfg(
+            "stage=global_ddp",
+            "methods.enabled.global_ddp=true",
+            "store.reuse=true",
+            f"store.root={store}",
+            *overrides,
+            run_dir=tmp_path / run,
+        )
+        return train(cfg)["global_ddp"]
+
+    first = ddp("a", "decomposition.grid=[1,2]")
+    again = ddp("b", "decomposition.grid=[2,2]", "decomposition.overlap=1")
+    assert "reused_from" not in first and first["num_devices"] == 2
+    (entry,) = Store(store).entries("global_ddp")
+    assert again["reused_from"]["key"] == entry.key == first["published"]["key"]
+    assert again["time_s"] == first["time_s"] and again["num_devices"] == 2
+    for name in FILES:  # the same DDP network, predictions and log: a copy
+        assert (tmp_path / "b" / "global_ddp" / name).read_bytes() == (
+            tmp_path / "a" / "global_ddp" / name
+        ).read_bytes()
+    assert not Store(store).entries("global")  # the one-device global CNN was not trained, nor stored
+    other_seed = ddp("c", "seed=1")
+    assert "reused_from" not in other_seed and len(Store(store).entries("global_ddp")) == 2
+
+
 def test_a_setting_that_changes_the_global_cnn_trains_it_again(make_cfg, tmp_path):
     store = tmp_path / "store"
     base = _global(make_cfg, tmp_path / "a", store)
