@@ -369,12 +369,25 @@ def early_stop_due(epoch: int, best_epoch: int, patience: int | None, min_epochs
     return epoch - best_epoch >= patience and epoch + 1 >= min_epochs
 
 
-# The convergence test (docs/protocol.md, "Convergence"): how many epochs it needs to judge, how much the training loss
-# may still fall over the last 3 epochs of a training the budget ended, and how high a decaying learning rate may
-# still be then, as a fraction of its start.
+# The convergence test (docs/protocol.md, "Convergence"): the epochs it needs to judge, the training loss trend it
+# reads (the mean of the last 3 epochs against the mean of the 3 before them: one epoch's loss under a constant rate
+# moves by tens of percent from batch noise alone), how much that mean may still fall, and how high a scheduled
+# learning rate may still be when the budget ends, as a fraction of its start.
 JUDGE_EPOCHS = 3
+LOSS_WINDOW = 3
 LOSS_STILL_FALLING = 0.01
 LR_STILL_HIGH = 0.1
+
+
+def _loss_trend(losses: list[Any]) -> float | None:
+    """The relative change of the mean training loss of the last ``LOSS_WINDOW`` epochs against the mean of the as
+    many epochs before them (fewer in a shorter training, at least 1 each); ``None`` when unknown."""
+    w = min(LOSS_WINDOW, len(losses) // 2)
+    if w < 1 or any(v is None or not math.isfinite(float(v)) for v in losses[-2 * w :]):
+        return None
+    before = sum(float(v) for v in losses[-2 * w : -w]) / w
+    last = sum(float(v) for v in losses[-w:]) / w
+    return (last - before) / before if before > 0 else None
 
 
 def convergence(
@@ -382,36 +395,34 @@ def convergence(
 ) -> dict[str, Any]:
     """Whether a training converged, from its per-epoch ``history`` (rows with ``train_loss`` and ``lr``), what ended
     it (``early_stopping``, ``budget``), the epochs early stopping had to wait for and whether its learning rate
-    followed a schedule.
+    followed a schedule (docs/protocol_convergence.md says why this test).
 
-    Not converged (one short reason each): fewer than 3 epochs (too short to judge); stopped before ``min_epochs``;
-    the budget ended it while its training loss still fell by more than 1% over its last 3 epochs; the budget ended
-    it while a scheduled learning rate was still above 10% of its start. Converged otherwise, e.g. a training that
-    early stopping ended after ``min_epochs``. docs/protocol_convergence.md says why.
+    Not converged (one short reason each): fewer than 3 epochs (too short to judge); stopped by early stopping before
+    ``min_epochs``; ended by the budget with a scheduled learning rate still above 10% of its start; ended by the
+    budget at a constant rate while its training loss still fell: the mean of its last 3 epochs more than 1% below
+    the mean of the 3 before. Converged otherwise: early stopping ended it after ``min_epochs``, or the budget ended
+    it with its schedule decayed (below 10% of its start) or its loss flat at a constant rate.
 
     Returns:
         ``{"converged", "reasons", "epochs", "min_epochs", "stopped_by", "lr_ratio", "train_loss_change_last3"}``:
         ``lr_ratio`` is the last epoch's learning rate over the first's, ``train_loss_change_last3`` the relative
-        change of the training loss from the first to the last of the last 3 epochs (``None`` when unknown).
+        change of the mean training loss of the last 3 epochs against the 3 before them (fewer when shorter;
+        ``None`` when unknown).
     """
     epochs = len(history)
-    losses = [row.get("train_loss") for row in history]
-    change = None
-    if epochs >= JUDGE_EPOCHS and None not in losses[-JUDGE_EPOCHS:]:
-        first, last = float(losses[-JUDGE_EPOCHS]), float(losses[-1])
-        change = (last - first) / abs(first) if first != 0 and math.isfinite(first) else None
+    change = _loss_trend([row.get("train_loss") for row in history])
     lrs = [row.get("lr") for row in history]
     lr_ratio = float(lrs[-1]) / float(lrs[0]) if epochs and None not in (lrs[0], lrs[-1]) and lrs[0] > 0 else None
     reasons = []
     if epochs < JUDGE_EPOCHS:
         reasons.append(f"too short to judge: {epochs} epoch(s), fewer than {JUDGE_EPOCHS}")
-    if stopped_by == "early_stopping" and epochs < min_epochs:
+    elif stopped_by == "early_stopping" and epochs < min_epochs:
         reasons.append(f"stopped after {epochs} epochs, before min_epochs={min_epochs}")
-    if stopped_by == "budget":
-        if change is not None and change < -LOSS_STILL_FALLING:
-            reasons.append(f"budget ended while the training loss still fell {-change:.1%} over the last 3 epochs")
-        if scheduled and lr_ratio is not None and lr_ratio > LR_STILL_HIGH * (1 + 1e-9):
+    elif stopped_by == "budget" and scheduled:
+        if lr_ratio is not None and lr_ratio > LR_STILL_HIGH * (1 + 1e-9):
             reasons.append(f"budget ended with the learning rate still at {lr_ratio:.0%} of its start")
+    elif stopped_by == "budget" and change is not None and change < -LOSS_STILL_FALLING:
+        reasons.append(f"budget ended while the training loss still fell ({change:+.1%} over the last 3 epochs)")
     return {
         "converged": not reasons,
         "reasons": reasons,

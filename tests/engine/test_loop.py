@@ -390,13 +390,13 @@ def test_convergence_flags_a_training_stopped_on_a_noisy_split_and_not_one_run_t
     # Full-batch L-BFGS on a logistic regression whose optimum is finite (labels the inputs cannot separate): the
     # loss is flat when the budget ends.
     gen = torch.Generator().manual_seed(1)
-    x = {s: torch.rand(120, N, K, generator=gen) for s in ("train", "val")}
-    y = {s: torch.randint(K, (120,), generator=gen) for s in x}
+    x = {s: torch.rand(600, N, K, generator=gen) for s in ("train", "val")}
+    y = {s: torch.randint(K, (600,), generator=gen) for s in x}
     linear = {"net": CoarseMLP(N, K, hidden=()), "batch_size": None, "scheduler": None, "optimizer": LBFGS}
-    flat = _fit(tmp_path / "flat", data=(x, y), max_epochs=6, **linear)
+    flat = _fit(tmp_path / "flat", data=(x, y), max_epochs=8, **linear)
     record = flat.convergence
-    assert record["converged"] is True and record["reasons"] == [] and record["stopped_by"] == "budget"
-    assert record["epochs"] == 6 and record["lr_ratio"] == 1.0 and abs(record["train_loss_change_last3"]) < 1e-3
+    assert record["converged"] is True and record["reasons"] == [] and record["stopped_by"] == "budget", record
+    assert record["epochs"] == 8 and record["lr_ratio"] == 1.0 and abs(record["train_loss_change_last3"]) < 1e-3
     # Three epochs of AdamW from scratch: the budget ends while the loss still falls.
     short = _fit(tmp_path / "short", max_epochs=3, scheduler=None)
     record = short.convergence
@@ -404,8 +404,11 @@ def test_convergence_flags_a_training_stopped_on_a_noisy_split_and_not_one_run_t
     assert record["reasons"][0].startswith("budget ended while the training loss still fell")
     # A cosine schedule over more epochs than the budget (T_max 30 for 4 epochs): the rate is still high.
     cosine = _fit(tmp_path / "cosine", max_epochs=4, scheduler={**COSINE, "T_max": 30})
-    assert any("learning rate still at" in reason for reason in cosine.convergence["reasons"])
+    assert cosine.convergence["reasons"] == ["budget ended with the learning rate still at 98% of its start"]
     assert cosine.convergence["lr_ratio"] > 0.9
+    # One annealed over its budget ends converged, though its loss falls to the end as its rate comes down.
+    annealed = _fit(tmp_path / "annealed", max_epochs=6, scheduler=COSINE).convergence
+    assert annealed["converged"] is True and annealed["lr_ratio"] == pytest.approx((1 + math.cos(5 * math.pi / 6)) / 2)
 
 
 def test_a_checkpoint_of_other_settings_or_of_lightnings_trainer_is_refused_with_what_to_do(tmp_path):
