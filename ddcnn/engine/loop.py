@@ -328,7 +328,11 @@ def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
 
 def shard_order(order: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rank ``rank``'s share of one epoch's sample order under DDP: every ``world``-th sample, padded by wrapping
-    around so that every rank has the same number (as torch's ``DistributedSampler``); the order itself outside."""
+    around so that every rank has the same number (as torch's ``DistributedSampler``); the order itself outside.
+
+    The ranks' batches together are then one device's batches, so DDP takes one device's steps (to rounding; tested
+    in float64), except that the up to ``world - 1`` wrapped samples count twice in an epoch's last batch when the
+    training split does not divide by ``world``, and that dropout draws its masks per rank."""
     if world <= 1:
         return order
     total = -(-len(order) // world) * world
@@ -372,10 +376,13 @@ def early_stop_due(epoch: int, best_epoch: int, patience: int | None, min_epochs
 # The convergence test (docs/protocol.md, "Convergence"): the epochs it needs to judge, the training loss trend it
 # reads (the mean of the last 3 epochs against the mean of the 3 before them: one epoch's loss under a constant rate
 # moves by tens of percent from batch noise alone), how much that mean may still fall, and how high a scheduled
-# learning rate may still be when the budget ends, as a fraction of its start.
+# learning rate may still be when the budget ends, as a fraction of its start. Below LOSS_FLOOR x ln K (the loss of a
+# uniform guess over K classes) the training data are fit almost exactly: a loss falling from 5e-4 to 3e-4 by then
+# is no sign of a training that needs more epochs.
 JUDGE_EPOCHS = 3
 LOSS_WINDOW = 3
 LOSS_STILL_FALLING = 0.01
+LOSS_FLOOR = 0.01
 LR_STILL_HIGH = 0.1
 
 
@@ -391,7 +398,11 @@ def _loss_trend(losses: list[Any]) -> float | None:
 
 
 def convergence(
-    history: list[Mapping[str, Any]], stopped_by: str, min_epochs: int = 0, scheduled: bool = False
+    history: list[Mapping[str, Any]],
+    stopped_by: str,
+    min_epochs: int = 0,
+    scheduled: bool = False,
+    num_classes: int | None = None,
 ) -> dict[str, Any]:
     """Whether a training converged, from its per-epoch ``history`` (rows with ``train_loss`` and ``lr``), what ended
     it (``early_stopping``, ``budget``), the epochs early stopping had to wait for and whether its learning rate
@@ -400,8 +411,9 @@ def convergence(
     Not converged (one short reason each): fewer than 3 epochs (too short to judge); stopped by early stopping before
     ``min_epochs``; ended by the budget with a scheduled learning rate still above 10% of its start; ended by the
     budget at a constant rate while its training loss still fell: the mean of its last 3 epochs more than 1% below
-    the mean of the 3 before. Converged otherwise: early stopping ended it after ``min_epochs``, or the budget ended
-    it with its schedule decayed (below 10% of its start) or its loss flat at a constant rate.
+    the mean of the 3 before, and above 1% of ``ln num_classes`` (below it, the training data are fit almost exactly).
+    Converged otherwise: early stopping ended it after ``min_epochs``, or the budget ended it with its schedule decayed
+    (below 10% of its start) or its loss flat (or near zero) at a constant rate.
 
     Returns:
         ``{"converged", "reasons", "epochs", "min_epochs", "stopped_by", "lr_ratio", "train_loss_change_last3"}``:
@@ -410,7 +422,11 @@ def convergence(
         ``None`` when unknown).
     """
     epochs = len(history)
-    change = _loss_trend([row.get("train_loss") for row in history])
+    losses = [row.get("train_loss") for row in history]
+    change = _loss_trend(losses)
+    recent = [float(v) for v in losses[-LOSS_WINDOW:] if v is not None]
+    floor = LOSS_FLOOR * math.log(max(int(num_classes), 2)) if num_classes else 0.0
+    fit_exactly = bool(recent) and sum(recent) / len(recent) < floor
     lrs = [row.get("lr") for row in history]
     lr_ratio = float(lrs[-1]) / float(lrs[0]) if epochs and None not in (lrs[0], lrs[-1]) and lrs[0] > 0 else None
     reasons = []
@@ -421,7 +437,7 @@ def convergence(
     elif stopped_by == "budget" and scheduled:
         if lr_ratio is not None and lr_ratio > LR_STILL_HIGH * (1 + 1e-9):
             reasons.append(f"budget ended with the learning rate still at {lr_ratio:.0%} of its start")
-    elif stopped_by == "budget" and change is not None and change < -LOSS_STILL_FALLING:
+    elif stopped_by == "budget" and change is not None and change < -LOSS_STILL_FALLING and not fit_exactly:
         reasons.append(f"budget ended while the training loss still fell ({change:+.1%} over the last 3 epochs)")
     return {
         "converged": not reasons,
@@ -1053,7 +1069,7 @@ class _Training:
             compile_time_s=compile_time_s,
             min_epochs=self.min_epochs,
             stopped_by=stopped_by,
-            convergence=convergence(history, stopped_by, self.min_epochs, scheduled=bool(self.scheduler)),
+            convergence=convergence(history, stopped_by, self.min_epochs, bool(self.scheduler), num_classes),
         )
 
 

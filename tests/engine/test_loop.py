@@ -406,6 +406,20 @@ def test_convergence_flags_a_training_stopped_on_a_noisy_split_and_not_one_run_t
     cosine = _fit(tmp_path / "cosine", max_epochs=4, scheduler={**COSINE, "T_max": 30})
     assert cosine.convergence["reasons"] == ["budget ended with the learning rate still at 98% of its start"]
     assert cosine.convergence["lr_ratio"] > 0.9
+    # The loss trend reads 3-epoch means (one epoch's loss is noisy at a constant rate) and stops mattering once the
+    # training data are fit almost exactly (mean loss below 1% of ln K).
+    from ddcnn.engine.loop import convergence
+
+    def rows(losses):
+        return [{"train_loss": v, "lr": 0.01} for v in losses]
+
+    noisy = convergence(rows([1.0, 0.4, 0.25, 0.20, 0.30, 0.30, 0.20, 0.25]), "budget")  # 0.30 -> 0.25: flat
+    assert noisy["converged"] is True and noisy["train_loss_change_last3"] == pytest.approx(0.0, abs=1e-12)
+    falling = convergence(rows([1.0, 0.4, 0.30, 0.20, 0.15, 0.12, 0.10]), "budget")
+    assert falling["converged"] is False and falling["train_loss_change_last3"] == pytest.approx(0.37 / 0.9 - 1)
+    interpolating = rows([0.5, 0.1, 0.01, 0.002, 0.001, 0.0005])
+    assert convergence(interpolating, "budget", num_classes=10)["converged"] is True
+    assert convergence(interpolating, "budget")["converged"] is False
     # One annealed over its budget ends converged, though its loss falls to the end as its rate comes down.
     annealed = _fit(tmp_path / "annealed", max_epochs=6, scheduler=COSINE).convergence
     assert annealed["converged"] is True and annealed["lr_ratio"] == pytest.approx((1 + math.cos(5 * math.pi / 6)) / 2)
