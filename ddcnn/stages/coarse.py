@@ -303,7 +303,7 @@ def fit_coarse(
     return CoarseFit(net, result, kept, plan, report)
 
 
-def _convergence(fitted: CoarseFit) -> dict:
+def _convergence(fitted: CoarseFit, coarse: Mapping) -> dict:
     """``finish_stage``'s convergence record of the coarse DNN, from the fit that gave the kept weights: the loop's
     (AdamW with ``coarse.patience``; no minimum of epochs), the linear path's L-BFGS solve, or none for the averaging
     combiner (nothing fitted: converged)."""
@@ -312,7 +312,8 @@ def _convergence(fitted: CoarseFit) -> dict:
         return {"convergence": fitted.result.convergence, "advice_names": names | {"plateau": ""}}
     if fitted.kept == "linear":
         linear = fitted.report["linear"]
-        record = logistic_convergence(linear["path"], linear["l2"])
+        max_iter = int(_setting(coarse.get("linear") or {}, "max_iter", 200))
+        record = logistic_convergence(linear["path"], linear["l2"], max_iter)
         return {"convergence": record, "advice_names": {"epochs": "coarse.linear.max_iter"}}
     record = {"converged": True, "reasons": [], "epochs": 0, "min_epochs": 0, "stopped_by": "no_fit"}
     return {"convergence": record | {"lr_ratio": None, "train_loss_change_last3": None}}
@@ -458,7 +459,7 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
             fit_on=fit_on,
             coarse_net=spec,
             fit=fitted.report,
-            **_convergence(fitted),
+            **_convergence(fitted, coarse),
         )
     log.info(
         "%s (on %s): test acc %.4f in %.1f s (kept: %s)",

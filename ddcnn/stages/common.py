@@ -166,19 +166,23 @@ def finish_stage(
     return meta
 
 
-def logistic_convergence(path: list[dict], l2: float) -> dict:
+def logistic_convergence(path: list[dict], l2: float, max_iter: int) -> dict:
     """The convergence record (:func:`ddcnn.engine.loop.convergence`'s keys) of a convex fit
-    (:func:`ddcnn.engine.convex.fit_logistic`): that of the selected L2 strength's L-BFGS solve, converged when it
-    reached its gradient tolerance (``stopped_by`` ``tolerance``), not when its iteration cap ended it
-    (``max_iter``). ``epochs`` counts its function evaluations."""
+    (:func:`ddcnn.engine.convex.fit_logistic`): that of the selected L2 strength's L-BFGS solve. Converged when the
+    solver stopped by its own criteria: its gradient tolerance (``stopped_by`` ``tolerance``) or no further change of
+    the objective or the weights before ``max_iter`` function evaluations (``no_change``); not converged when its
+    iteration cap ended it with the gradient above tolerance (``max_iter``). ``epochs`` counts its function
+    evaluations."""
     solve = next(entry for entry in path if entry["l2"] == l2)
-    converged = bool(solve["converged"])
+    evaluations = int(solve["iterations"])
+    stopped_by = "tolerance" if solve["converged"] else "no_change" if evaluations < int(max_iter) else "max_iter"
+    reasons = [] if stopped_by != "max_iter" else [f"L-BFGS hit its iteration cap ({max_iter}) at L2 {l2:g}"]
     return {
-        "converged": converged,
-        "reasons": [] if converged else [f"L-BFGS hit its iteration cap before its gradient tolerance (L2 {l2:g})"],
-        "epochs": int(solve["iterations"]),
+        "converged": not reasons,
+        "reasons": reasons,
+        "epochs": evaluations,
         "min_epochs": 0,
-        "stopped_by": "tolerance" if converged else "max_iter",
+        "stopped_by": stopped_by,
         "lr_ratio": None,
         "train_loss_change_last3": None,
     }

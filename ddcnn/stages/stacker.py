@@ -82,7 +82,7 @@ def run(ctx: Context, device=None) -> dict:
             coarse_net=spec,
             l2=fit.l2,
             path=fit.path,
-            convergence=logistic_convergence(fit.path, fit.l2),
+            convergence=logistic_convergence(fit.path, fit.l2, int(settings.get("max_iter") or 200)),
             advice_names={"epochs": "methods.stacker.max_iter"},
         )
     log.info("stacker (on %s): L2 %g, test acc %.4f in %.1f s", kind, fit.l2, meta["accuracy"]["test"], meta["time_s"])
