@@ -181,6 +181,9 @@ def _drop(container: dict, dotted: str) -> None:
 # Settings added after run directories were first recorded, with the value that behaves as before they existed: at
 # that value they are left out of the fingerprint, so existing run directories (and the store's keys) stay valid.
 NEUTRAL_SETTINGS = {"engine.min_delta": 0.0}
+# Settings that change nothing while another one is null (setting -> the one it needs): left out of the fingerprint
+# then, whatever their value (engine.min_epochs only delays early stopping, which engine.patience=null switches off).
+INERT_WITHOUT = {"engine.min_epochs": "engine.patience"}
 
 _SHA256: dict[tuple, str] = {}
 
@@ -220,8 +223,9 @@ def network_identity(spec: Mapping | None) -> Any:
 
 
 def result_settings(cfg: DictConfig | Mapping) -> dict:
-    """The part of the configuration that changes results (everything but :data:`NON_RESULT_KEYS`, and the settings
-    of :data:`NEUTRAL_SETTINGS` at their neutral value)."""
+    """The part of the configuration that changes results (everything but :data:`NON_RESULT_KEYS`, the settings
+    of :data:`NEUTRAL_SETTINGS` at their neutral value, and those of :data:`INERT_WITHOUT` while the setting they need
+    is null)."""
     if isinstance(cfg, DictConfig):
         data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     else:
@@ -234,6 +238,9 @@ def result_settings(cfg: DictConfig | Mapping) -> dict:
     flat = flatten(data)
     for key, neutral in NEUTRAL_SETTINGS.items():
         if key in flat and flat[key] == neutral:
+            _drop(data, key)
+    for key, needs in INERT_WITHOUT.items():
+        if key in flat and flat.get(needs) is None:
             _drop(data, key)
     return data
 

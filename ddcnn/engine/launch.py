@@ -9,7 +9,8 @@ and build its ``SLURMEnvironment``, which refuses a step started with ``srun -n 
 (:mod:`ddcnn.runtime`).
 
 The precision plugin is built here too, so that ``16-mixed`` means float16 autocast with a loss scaler on every
-device (Fabric, asked by name, silently runs ``bf16-mixed`` instead on CPU).
+device (Fabric, asked by name, silently runs ``bf16-mixed`` instead on CPU), and ``64-true`` keeps the network's
+outputs in float64 for the loss.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -37,7 +39,7 @@ from lightning_fabric import Fabric  # noqa: E402
 from lightning_fabric.plugins import Precision  # noqa: E402
 from lightning_fabric.plugins.environments import ClusterEnvironment, LightningEnvironment  # noqa: E402
 from lightning_fabric.plugins.environments.lightning import find_free_network_port  # noqa: E402
-from lightning_fabric.plugins.precision import MixedPrecision  # noqa: E402
+from lightning_fabric.plugins.precision import DoublePrecision, MixedPrecision  # noqa: E402
 from lightning_fabric.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
 
 __all__ = ["LAUNCHERS", "SrunEnvironment", "build_fabric", "precision_plugin", "rendezvous_port", "isolated_launch"]
@@ -158,10 +160,23 @@ class _TaskDDPStrategy(DDPStrategy):
         return self.parallel_devices[0]
 
 
+class _Float64(DoublePrecision):
+    """``64-true``: the network in float64, its inputs cast to float64, and its outputs left in float64 (Fabric's
+    plugin casts them back to float32), so that the loss is computed in the network's dtype."""
+
+    def convert_output(self, data: Any) -> Any:
+        return data
+
+
 def precision_plugin(precision: str, device: torch.device) -> Precision:
-    """Fabric's plugin for ``32-true``, ``bf16-mixed`` or ``16-mixed`` (with its loss scaler) on ``device``."""
+    """Fabric's plugin for ``32-true``, ``bf16-mixed``, ``16-mixed`` (with its loss scaler) or ``64-true`` on
+    ``device``."""
     if precision == "32-true":
         return Precision()
+    if precision == "64-true":
+        if device.type == "mps":
+            raise ValueError("trainer.precision=64-true: MPS has no float64; use device=cpu or a CUDA device for it.")
+        return _Float64()
     if precision == "bf16-mixed":
         if device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError(
@@ -172,7 +187,7 @@ def precision_plugin(precision: str, device: torch.device) -> Precision:
     if precision == "16-mixed":
         scaler = torch.amp.GradScaler(device.type)
         return MixedPrecision("16-mixed", device=device.type, scaler=scaler)
-    raise ValueError(f"precision must be 32-true, bf16-mixed or 16-mixed, got {precision!r}.")
+    raise ValueError(f"precision must be 32-true, bf16-mixed, 16-mixed or 64-true, got {precision!r}.")
 
 
 def build_fabric(
@@ -188,7 +203,7 @@ def build_fabric(
             ``cuda:i`` .. ``cuda:i+P-1``, or ``P`` CPU processes).
         num_devices: DDP ranks (``spawn``: processes to start; ``srun``: must be this step's task count).
         launcher: ``local`` (one device, this process), ``spawn`` or ``srun`` (DDP, see :data:`LAUNCHERS`).
-        precision: ``32-true``, ``bf16-mixed`` or ``16-mixed``.
+        precision: ``32-true``, ``bf16-mixed``, ``16-mixed`` or ``64-true``.
     """
     device = torch.device(device if device is not None else "cpu")
     if device.type == "cuda" and device.index is None:

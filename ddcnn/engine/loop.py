@@ -4,8 +4,9 @@ the optional methods, the DDP baseline) trains here.
 :func:`fit_batches` trains a classifier on a :class:`~ddcnn.data.datamodule.Batches` source with cross-entropy and
 selects its weights on validation. Fabric does what depends on where it runs (:mod:`ddcnn.engine.launch`): the device,
 DDP (spawned on this machine, or across the tasks of an ``srun`` step), the precision (``32-true``, ``bf16-mixed``,
-``16-mixed`` with a loss scaler) with ``backward`` and gradient clipping. The loop owns the order of the samples and
-everything a run directory promises:
+``16-mixed`` with a loss scaler, ``64-true``) with ``backward`` and gradient clipping. The loss is computed in the
+network's dtype (float32; float64 under ``64-true``; float32 for the half-precision outputs of autocast). The loop
+owns the order of the samples and everything a run directory promises:
 
 - **exact resume**: everything random depends only on ``(seed, epoch)``. Epoch ``e`` visits the permutation drawn
   from ``torch.Generator().manual_seed(seed * 100_003 + e)`` (under DDP every rank takes every world-th sample of it,
@@ -14,8 +15,11 @@ everything a run directory promises:
   atomically every ``checkpoint_every_s`` seconds of training or every ``checkpoint_every`` epochs, and after the last
   one) holds the weights, the optimizer, the schedule, the loss scaler, the best weights so far and the history, so a
   killed training resumes to exactly the weights an uninterrupted one reaches;
-- **selection on validation** (``monitor``, ``monitor_mode``): strictly better wins, ties keep the earlier epoch, NaN
-  never wins;
+- **one improvement rule** (:func:`improves`): an epoch improves when its monitored metric (``monitor``,
+  ``monitor_mode``) beats the kept epoch's by more than ``min_delta`` (absolute; 0: strictly better, ties keep the
+  earlier epoch); NaN never does. Selection keeps the last epoch that improved; early stopping counts the epochs since
+  it; ``ReduceLROnPlateau`` is built with the same rule (``mode``, ``threshold_mode="abs"``, ``threshold=min_delta``)
+  and its patience must be at least 2 below early stopping's;
 - ``logs/metrics.csv``: one row per epoch, every epoch once across a resume;
 - **one timing rule**: the training clock runs from the caller's ``start`` and adds the time of the earlier processes
   that worked on the training (carried in ``last.ckpt``). Left out of it, alike for every training: process start-up
@@ -38,11 +42,10 @@ What a fit may ask of the loop beyond plain mini-batch steps:
   ``divergence_restarts=0`` the fit raises :class:`Diverged`; with ``R > 0`` it starts again from the initial weights
   with every learning rate multiplied by ``divergence_lr_factor``, at most ``R`` times. The restarts are recorded in
   the result (``restarts``) and in ``last.ckpt``, so a resumed fit continues the same attempt;
-- **early stopping** (``patience``): the fit ends once the monitored metric has not improved for ``patience``
-  epochs (the selected weights are those of the best epoch, as always); the epoch it stopped after is in the result
-  (``stopped_epoch``) and in ``last.ckpt``. With ``min_delta`` > 0 an epoch counts as an improvement for early stopping
-  only when it beats the best epoch before it by more than ``min_delta`` (as Lightning's ``EarlyStopping``); the weights
-  kept are still those of the best epoch, however small its lead.
+- **early stopping** (``patience``, ``min_epochs``): the fit ends once ``patience`` epochs have passed since the kept
+  epoch, but not before ``min_epochs`` epochs have run; the epoch it stopped after is in the result (``stopped_epoch``)
+  and in ``last.ckpt``;
+- **a convergence record** (:func:`convergence`): whether the training converged, and why not, in the result.
 
 The loop reads every batch through the ``Batches`` protocol (``train_batch``, ``eval_batch``: on the device, ready for
 the network); it prepares no batch itself. The network is set up on the device in one place (:meth:`_Training.setup`)
@@ -84,7 +87,7 @@ from ddcnn.engine.gpu import (
     resolve_policy,
 )
 from ddcnn.engine.launch import LAUNCHERS, build_fabric, isolated_launch
-from ddcnn.engine.settings import MONITORS, PRECISIONS, num_batches
+from ddcnn.engine.settings import MONITORS, PRECISIONS, check_schedule, num_batches
 from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
 from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_text, is_space_or_permission
 
@@ -99,6 +102,10 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "scheduler_factory",
+    "improves",
+    "early_stop_due",
+    "convergence",
+    "convergence_advice",
     "torch_threads",
     "num_batches",
     "shard_order",
@@ -133,6 +140,7 @@ _RESUME_SETTINGS = (
     "divergence_restarts",
     "patience",
     "min_delta",
+    "min_epochs",
     "world_size",
     "precision",
     "accumulate_grad_batches",
@@ -185,6 +193,11 @@ class FitResult:
             ``data_placement`` (``device``, ``pinned`` or ``host``), ``prefetch``, ``profile_steps``.
         gpu_peak_memory_bytes: The peak GPU memory of the training (this rank's device), ``None`` off CUDA.
         compile_time_s: With ``compile``: the warm-up that compiled the network, outside ``fit_time_s``.
+        min_epochs: The epochs early stopping had to wait for (0: none).
+        stopped_by: What ended the training: ``early_stopping`` or ``budget`` (``max_epochs``); ``None`` for a
+            result that did not come from the loop.
+        convergence: Whether the training converged, and why not (:func:`convergence`); ``None`` for a result that
+            did not come from the loop.
     """
 
     net: nn.Module | None
@@ -207,6 +220,9 @@ class FitResult:
     engine: dict[str, Any] = field(default_factory=dict)
     gpu_peak_memory_bytes: int | None = None
     compile_time_s: float | None = None
+    min_epochs: int = 0
+    stopped_by: str | None = None
+    convergence: dict[str, Any] | None = None
 
 
 class Reporter(Protocol):
@@ -241,11 +257,14 @@ def build_optimizer(node: Any, params: Iterable[nn.Parameter]) -> torch.optim.Op
     return factory(params)
 
 
-def scheduler_factory(node: Any, max_epochs: int) -> Callable[[torch.optim.Optimizer], Any] | None:
+def scheduler_factory(
+    node: Any, max_epochs: int, plateau: Mapping[str, Any] | None = None
+) -> Callable[[torch.optim.Optimizer], Any] | None:
     """The learning-rate schedule of a Hydra ``_partial_`` node as ``optimizer -> LRScheduler``, or ``None``.
 
     ``None`` or an empty node means a constant rate. ``T_max: null`` (cosine annealing) becomes ``max_epochs``: every
-    training (local nets, coarse DNN, optional stages) anneals over its own epochs.
+    training (local nets, coarse DNN, optional stages) anneals over its own epochs. ``plateau``: the arguments a
+    ``ReduceLROnPlateau`` node gets (the loop's improvement rule: ``mode``, ``threshold_mode``, ``threshold``).
     """
     if not node:
         return None
@@ -254,15 +273,17 @@ def scheduler_factory(node: Any, max_epochs: int) -> Callable[[torch.optim.Optim
         spec = dict(spec)
         if "T_max" in spec and spec["T_max"] is None:
             spec["T_max"] = max_epochs
+        if plateau and str(spec.get("_target_", "")).rsplit(".", 1)[-1] == "ReduceLROnPlateau":
+            spec.update(plateau)
         spec = hydra.utils.instantiate(spec)
     return spec
 
 
 def build_scheduler(
-    node: Any, optimizer: torch.optim.Optimizer, max_epochs: int
+    node: Any, optimizer: torch.optim.Optimizer, max_epochs: int, plateau: Mapping[str, Any] | None = None
 ) -> torch.optim.lr_scheduler.LRScheduler | None:
     """The schedule of ``node`` (:func:`scheduler_factory`) on ``optimizer``, stepped once per epoch."""
-    factory = scheduler_factory(node, max_epochs)
+    factory = scheduler_factory(node, max_epochs, plateau)
     return None if factory is None else factory(optimizer)
 
 
@@ -307,7 +328,11 @@ def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
 
 def shard_order(order: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rank ``rank``'s share of one epoch's sample order under DDP: every ``world``-th sample, padded by wrapping
-    around so that every rank has the same number (as torch's ``DistributedSampler``); the order itself outside."""
+    around so that every rank has the same number (as torch's ``DistributedSampler``); the order itself outside.
+
+    The ranks' batches together are then one device's batches, so DDP takes one device's steps (to rounding; tested
+    in float64), except that the up to ``world - 1`` wrapped samples count twice in an epoch's last batch when the
+    training split does not divide by ``world``, and that dropout draws its masks per rank."""
     if world <= 1:
         return order
     total = -(-len(order) // world) * world
@@ -321,31 +346,131 @@ def _seed_global_rng(seed: int, device: torch.device) -> None:
             torch.cuda.manual_seed(seed)
 
 
-def _better(value: float | None, best: float | None, mode: str) -> bool:
-    """Strictly better than ``best`` (ties keep the earlier epoch, NaN never wins), as Lightning's ModelCheckpoint."""
+def improves(value: float | None, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
+    """The one improvement rule of a training: whether ``value`` of the monitored metric beats the reference ``best``
+    by more than ``min_delta`` (absolute, in the metric's units; ``mode`` ``max`` or ``min``). NaN never improves; any
+    number improves on no reference (``None``) or a NaN one.
+
+    Selection (the kept epoch is replaced only by an epoch that improves on it), early stopping (it counts the epochs
+    since the kept epoch) and ``ReduceLROnPlateau`` (built with ``threshold_mode="abs"``, ``threshold=min_delta``
+    and this ``mode``: its test ``value > best + threshold``, ``value < best - threshold``, is this one) use it
+    alike. With ``min_delta`` = 0 it is "strictly better": ties keep the earlier epoch, as Lightning's
+    ModelCheckpoint.
+    """
     if value is None or math.isnan(value):
         return False
     if best is None or math.isnan(best):
         return True
-    return value > best if mode == "max" else value < best
+    return value > best + min_delta if mode == "max" else value < best - min_delta
 
 
-def _plateaued(
-    history: list[Mapping[str, Any]], monitor: str, mode: str, patience: int | None, min_delta: float
-) -> bool:
-    """Early stopping: none of the last ``patience`` epochs of ``history`` beat the best epoch before them by more
-    than ``min_delta``. With ``min_delta`` = 0 that is "the best epoch is ``patience`` or more epochs back"."""
-    if patience is None or len(history) <= patience:
+def early_stop_due(epoch: int, best_epoch: int, patience: int | None, min_epochs: int, max_epochs: int) -> bool:
+    """Early stopping after ``epoch`` (0-based): ``patience`` epochs have passed since the kept epoch ``best_epoch``
+    (the last one that :func:`improves` on the kept one before it; ``-1``: none yet), at least ``min_epochs`` epochs
+    have run, and the budget is not over anyway."""
+    if patience is None or best_epoch < 0 or epoch >= max_epochs - 1:
         return False
-    before = [row.get(monitor) for row in history[:-patience]]
-    best = None
-    for value in before:
-        if _better(value, best, mode):
-            best = value
-    if best is None:
-        return False
-    sign = 1.0 if mode == "max" else -1.0
-    return not any(_better(row.get(monitor), best + sign * min_delta, mode) for row in history[-patience:])
+    return epoch - best_epoch >= patience and epoch + 1 >= min_epochs
+
+
+# The convergence test (docs/protocol.md, "Convergence"): the epochs it needs to judge, the training loss trend it
+# reads (the mean of the last 3 epochs against the mean of the 3 before them: one epoch's loss under a constant rate
+# moves by tens of percent from batch noise alone), how much that mean may still fall, and how high a scheduled
+# learning rate may still be when the budget ends, as a fraction of its start. Below LOSS_FLOOR x ln K (the loss of a
+# uniform guess over K classes) the training data are fit almost exactly: a loss falling from 5e-4 to 3e-4 by then
+# is no sign of a training that needs more epochs.
+JUDGE_EPOCHS = 3
+LOSS_WINDOW = 3
+LOSS_STILL_FALLING = 0.01
+LOSS_FLOOR = 0.01
+LR_STILL_HIGH = 0.1
+
+
+def _loss_trend(losses: list[Any]) -> float | None:
+    """The relative change of the mean training loss of the last ``LOSS_WINDOW`` epochs against the mean of the as
+    many epochs before them (fewer in a shorter training, at least 1 each); ``None`` when unknown."""
+    w = min(LOSS_WINDOW, len(losses) // 2)
+    if w < 1 or any(v is None or not math.isfinite(float(v)) for v in losses[-2 * w :]):
+        return None
+    before = sum(float(v) for v in losses[-2 * w : -w]) / w
+    last = sum(float(v) for v in losses[-w:]) / w
+    return (last - before) / before if before > 0 else None
+
+
+def convergence(
+    history: list[Mapping[str, Any]],
+    stopped_by: str,
+    min_epochs: int = 0,
+    scheduled: bool = False,
+    num_classes: int | None = None,
+) -> dict[str, Any]:
+    """Whether a training converged, from its per-epoch ``history`` (rows with ``train_loss`` and ``lr``), what ended
+    it (``early_stopping``, ``budget``), the epochs early stopping had to wait for and whether its learning rate
+    followed a schedule (docs/protocol_convergence.md says why this test).
+
+    Not converged (one short reason each): fewer than 3 epochs (too short to judge); stopped by early stopping before
+    ``min_epochs``; ended by the budget with a scheduled learning rate still above 10% of its start; ended by the
+    budget at a constant rate while its training loss still fell: the mean of its last 3 epochs more than 1% below
+    the mean of the 3 before, and above 1% of ``ln num_classes`` (below it, the training data are fit almost exactly).
+    Converged otherwise: early stopping ended it after ``min_epochs``, or the budget ended it with its schedule decayed
+    (below 10% of its start) or its loss flat (or near zero) at a constant rate.
+
+    Returns:
+        ``{"converged", "reasons", "epochs", "min_epochs", "stopped_by", "lr_ratio", "train_loss_change_last3"}``:
+        ``lr_ratio`` is the last epoch's learning rate over the first's, ``train_loss_change_last3`` the relative
+        change of the mean training loss of the last 3 epochs against the 3 before them (fewer when shorter;
+        ``None`` when unknown).
+    """
+    epochs = len(history)
+    losses = [row.get("train_loss") for row in history]
+    change = _loss_trend(losses)
+    recent = [float(v) for v in losses[-LOSS_WINDOW:] if v is not None]
+    floor = LOSS_FLOOR * math.log(max(int(num_classes), 2)) if num_classes else 0.0
+    fit_exactly = bool(recent) and sum(recent) / len(recent) < floor
+    lrs = [row.get("lr") for row in history]
+    lr_ratio = float(lrs[-1]) / float(lrs[0]) if epochs and None not in (lrs[0], lrs[-1]) and lrs[0] > 0 else None
+    reasons = []
+    if epochs < JUDGE_EPOCHS:
+        reasons.append(f"too short to judge: {epochs} epoch(s), fewer than {JUDGE_EPOCHS}")
+    elif stopped_by == "early_stopping" and epochs < min_epochs:
+        reasons.append(f"stopped after {epochs} epochs, before min_epochs={min_epochs}")
+    elif stopped_by == "budget" and scheduled:
+        if lr_ratio is not None and lr_ratio > LR_STILL_HIGH * (1 + 1e-9):
+            reasons.append(f"budget ended with the learning rate still at {lr_ratio:.0%} of its start")
+    elif stopped_by == "budget" and change is not None and change < -LOSS_STILL_FALLING and not fit_exactly:
+        reasons.append(f"budget ended while the training loss still fell ({change:+.1%} over the last 3 epochs)")
+    return {
+        "converged": not reasons,
+        "reasons": reasons,
+        "epochs": epochs,
+        "min_epochs": int(min_epochs),
+        "stopped_by": stopped_by,
+        "lr_ratio": lr_ratio,
+        "train_loss_change_last3": change,
+    }
+
+
+def convergence_advice(record: Mapping[str, Any], names: Mapping[str, str] | None = None) -> str:
+    """What to try for an unconverged training (:func:`convergence`). ``names`` maps ``epochs`` (the budget),
+    ``patience`` and ``min_epochs`` to the settings to name (default ``trainer.max_epochs``, ``engine.patience``,
+    ``engine.min_epochs``; ``min_epochs`` ``""`` when the training has none) and ``plateau`` to ``""`` where the
+    plateau scheduler is not an option."""
+    name = {"epochs": "trainer.max_epochs", "patience": "engine.patience", "min_epochs": "engine.min_epochs"}
+    name |= {"plateau": "yes", **(names or {})}
+    stopped_by, tips = record.get("stopped_by"), []
+    if stopped_by == "max_iter":
+        tips.append(f"more iterations ({name['epochs']})")
+    if stopped_by == "early_stopping" or record.get("epochs", 0) < JUDGE_EPOCHS:
+        larger = " or ".join(n for n in (name["patience"], name["min_epochs"]) if n)
+        tips.append(f"more epochs ({name['epochs']}), a larger {larger}")
+    if stopped_by == "budget":
+        tips.append(f"more epochs ({name['epochs']})")
+        if name["plateau"]:
+            tips.append(
+                f"{name['patience']} with the plateau scheduler (scheduler={{_target_:torch.optim.lr_scheduler."
+                f"ReduceLROnPlateau,_partial_:true,patience:0}}) so that the budget adapts"
+            )
+    return "; ".join(dict.fromkeys(tips)) or f"more epochs ({name['epochs']})"
 
 
 def _cpu_state(net: nn.Module) -> dict[str, torch.Tensor]:
@@ -356,6 +481,12 @@ def _csv_value(key: str, value: Any) -> Any:
     if value is None:
         return ""
     return int(value) if key in ("epoch", "step") else repr(float(value))
+
+
+def _loss_dtype(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in the dtype the loss is computed in: the network's own (float32; float64 under ``64-true``), float32
+    for the float16/bfloat16 outputs of an autocast region."""
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
 
 def _needs_closure(opt: torch.optim.Optimizer) -> bool:
@@ -460,6 +591,8 @@ class _Training:
 
     def eval_batch(self, split: str, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xb, yb = self.data.eval_batch(split, idx, self.fabric.device)
+        if self.precision == "64-true" and xb.is_floating_point():  # evaluation runs the plain module: no conversion
+            xb = xb.double()
         return (xb.contiguous(memory_format=self.format) if self.policy["channels_last"] else xb), yb
 
     def batches_ahead(self, batches: list[torch.Tensor], epoch: int) -> Iterator[tuple[torch.Tensor, tuple]]:
@@ -481,7 +614,21 @@ class _Training:
                 if "initial_lr" in group:
                     group["initial_lr"] = float(group["initial_lr"]) * lr_scale
         self.raw_opt = opt
-        self.sched = build_scheduler(self.scheduler, opt, self.max_epochs)
+        rule = {"mode": self.monitor_mode, "threshold_mode": "abs", "threshold": self.min_delta}
+        self.sched = build_scheduler(self.scheduler, opt, self.max_epochs, plateau=rule)
+        if isinstance(self.sched, torch.optim.lr_scheduler.ReduceLROnPlateau):  # also one a Python factory built
+            built = {key: getattr(self.sched, key) for key in rule}
+            if built != rule:
+                raise ValueError(
+                    f"the ReduceLROnPlateau scheduler counts an improvement by {built}, the loop's rule (selection, "
+                    f"early stopping) by {rule}: build it with those arguments (or pass it as a Hydra node, which "
+                    f"gets them)."
+                )
+            if self.patience is not None and self.patience < self.sched.patience + 2:
+                raise ValueError(
+                    f"patience={self.patience} with a ReduceLROnPlateau of patience {self.sched.patience}: early "
+                    f"stopping needs patience >= {self.sched.patience + 2}."
+                )
         self.opt = self.fabric.setup_optimizers(opt)
         self.closure_steps = _needs_closure(opt)
         if self.closure_steps and self.accumulate_grad_batches > 1:
@@ -519,7 +666,7 @@ class _Training:
             def closure() -> torch.Tensor:
                 opt.zero_grad(set_to_none=True)
                 logits = model(xb)
-                loss = F.cross_entropy(logits.float(), yb)
+                loss = F.cross_entropy(_loss_dtype(logits), yb)
                 fabric.backward(loss)
                 self.clip()
                 if not first:
@@ -531,7 +678,7 @@ class _Training:
         accumulate = self.accumulate_grad_batches
         with self.no_sync(not stepping):
             logits = model(xb)
-            loss = F.cross_entropy(logits.float(), yb)
+            loss = F.cross_entropy(_loss_dtype(logits), yb)
             fabric.backward(loss / accumulate if accumulate > 1 else loss)
         if stepping:
             self.clip()
@@ -552,7 +699,7 @@ class _Training:
             xb, yb = self.eval_batch(split, chunk)
             with fabric.autocast():
                 logits = module(xb)
-            sums[0] += F.cross_entropy(logits.float(), yb, reduction="sum").double()
+            sums[0] += F.cross_entropy(_loss_dtype(logits), yb, reduction="sum").double()
             sums[1] += (logits.argmax(-1) == yb).sum()
             sums[2] += len(yb)
         if fabric.world_size > 1:
@@ -580,7 +727,7 @@ class _Training:
             self.model.train()
             xb, yb = self.train_batch(idx, epoch)
             with self.no_sync(True):
-                loss = F.cross_entropy(self.model(xb).float(), yb)
+                loss = F.cross_entropy(_loss_dtype(self.model(xb)), yb)
                 fabric.backward(loss)
             self.opt.zero_grad(set_to_none=True)
             with torch.no_grad():
@@ -645,6 +792,7 @@ class _Training:
             "divergence_restarts": self.divergence_restarts,
             "patience": self.patience,
             "min_delta": self.min_delta or None,
+            "min_epochs": self.min_epochs if self.patience is not None and self.min_epochs > 0 else None,
             "world_size": world if world > 1 else None,
             "precision": self.precision if self.precision != "32-true" else None,
             "accumulate_grad_batches": self.accumulate_grad_batches if self.accumulate_grad_batches > 1 else None,
@@ -661,6 +809,7 @@ class _Training:
         with clock.outside("warmup"):  # the network on the device (the first use of a device pays for its context)
             # A 2D convnet's weights are 4D as its inputs are (5D: 3D); anything else has no channels-last format.
             weight_dims = max((p.dim() for p in self.net.parameters()), default=0)
+            self.net_dtype = next((p.dtype for p in self.net.parameters() if p.is_floating_point()), torch.float32)
             self.policy = resolve_policy(
                 fabric.device,
                 deterministic=self.deterministic,
@@ -836,7 +985,7 @@ class _Training:
                             extra = fabric.broadcast(extra, src=0)
                         row.update({k: v for k, v in (extra or {}).items() if k not in row})
                 history.append(row)
-                if _better(row[self.monitor], best_metric, self.monitor_mode):
+                if improves(row[self.monitor], best_metric, self.monitor_mode, self.min_delta):
                     best_state, best_metric, best_epoch = _cpu_state(self.module), row[self.monitor], epoch
                 if self.sched is not None:
                     if isinstance(self.sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -849,15 +998,14 @@ class _Training:
                     due = (epoch + 1) % self.checkpoint_every == 0
                 if world > 1:  # every rank follows rank 0's clock
                     due = bool(fabric.broadcast(due, src=0))
-                if _plateaued(history, self.monitor, self.monitor_mode, self.patience, self.min_delta) and (
-                    epoch < self.max_epochs - 1
-                ):
+                if early_stop_due(epoch, best_epoch, self.patience, self.min_epochs, self.max_epochs):
                     stopped_epoch = epoch  # the same on every rank: the monitored metric is the all-reduced one
                     if rank == 0:
                         log.debug(
-                            "%s: no improvement of %s for %d epochs, stopping after epoch %d",
+                            "%s: no improvement of %s by more than %g for %d epochs, stopping after epoch %d",
                             folder,
                             self.monitor,
+                            self.min_delta,
                             self.patience,
                             epoch,
                         )
@@ -894,6 +1042,9 @@ class _Training:
         self.module.load_state_dict(best_state)
         if self.policy["channels_last"]:  # the caller gets the network in the layout it handed over
             self.module.to(memory_format=torch.contiguous_format)
+        if self.precision == "64-true":  # and in the dtype it handed over (predictions, exports read it so)
+            self.module.to(self.net_dtype)
+        stopped_by = "early_stopping" if stopped_epoch is not None else "budget"
         left_out = clock.left_out
         return FitResult(
             net=self.module,
@@ -916,6 +1067,9 @@ class _Training:
             engine=engine,
             gpu_peak_memory_bytes=peak_memory_bytes(fabric.device),
             compile_time_s=compile_time_s,
+            min_epochs=self.min_epochs,
+            stopped_by=stopped_by,
+            convergence=convergence(history, stopped_by, self.min_epochs, bool(self.scheduler), num_classes),
         )
 
 
@@ -979,6 +1133,7 @@ def fit_batches(
     divergence_lr_factor: float = 0.1,
     patience: int | None = None,
     min_delta: float = 0.0,
+    min_epochs: int | None = None,
     start: float | None = None,
     write_best: bool = True,
     gpu: Mapping[str, Any] | None = None,
@@ -999,7 +1154,10 @@ def fit_batches(
             with a closure.
         max_epochs: Passes over the training samples.
         scheduler: A Hydra ``_partial_`` node ``optimizer -> LRScheduler`` (``T_max: null`` = ``max_epochs``) stepped
-            after every epoch, a callable, or ``None``. ``ReduceLROnPlateau`` is stepped with the monitored metric.
+            after every epoch, a callable, or ``None``. ``ReduceLROnPlateau`` is stepped with the monitored metric and
+            gets the loop's improvement rule (``mode`` = ``monitor_mode``, ``threshold_mode="abs"``,
+            ``threshold=min_delta``); a node or scheduler that says otherwise is refused, and so is ``patience`` below
+            its patience + 2.
         seed: Seeds the order of the samples and the dropout of every epoch, with the epoch index (default
             ``data.seed``).
         monitor: The metric that selects the returned weights: ``val_acc``, ``val_loss``, ``train_acc`` or
@@ -1014,8 +1172,9 @@ def fit_batches(
         launcher: ``local`` (one device in this process), ``spawn`` (DDP ranks started by this process; also with
             ``num_devices=1``, a one-rank DDP) or ``srun`` (DDP across the tasks of this ``srun`` step); default
             ``local`` for one device, ``spawn`` otherwise.
-        precision: ``32-true``, ``bf16-mixed`` (bfloat16 autocast) or ``16-mixed`` (float16 autocast with a loss
-            scaler whose state is in ``last.ckpt``), on any device.
+        precision: ``32-true``, ``bf16-mixed`` (bfloat16 autocast), ``16-mixed`` (float16 autocast with a loss
+            scaler whose state is in ``last.ckpt``), on any device, or ``64-true`` (the network and its inputs in
+            float64 during the training; it is handed back in its own dtype).
         gradient_clip_val: Clip the gradients before every step to this global 2-norm (``gradient_clip_algorithm``
             ``norm``) or each entry to ``[-v, v]`` (``value``); ``None``: no clipping.
         accumulate_grad_batches: Batches whose gradients add up to one optimizer step (the loss of each is divided by
@@ -1037,9 +1196,10 @@ def fit_batches(
             rates times ``divergence_lr_factor``, at most ``R`` times (see the module doc for the rule).
         divergence_factor: An epoch whose mean training loss exceeds this multiple of the initial loss diverged.
         divergence_lr_factor: What each restart multiplies the learning rates by.
-        patience: Stop once the monitored metric has not improved for this many epochs (``None``: train
-            ``max_epochs``).
-        min_delta: For early stopping, an improvement is one by more than this (in the monitored metric's units).
+        patience: Stop once this many epochs have passed since the kept epoch (``None``: train ``max_epochs``).
+        min_delta: An improvement (selection, early stopping, ``ReduceLROnPlateau``) is one by more than this, in the
+            monitored metric's units (:func:`improves`).
+        min_epochs: Early stopping never ends the fit before this many epochs (``None``: 0).
         start: ``time.perf_counter()`` at the start of the caller's stage, which the training time counts from
             (default: the call of this function).
         write_best: Also write ``best.ckpt`` with the selected weights at the end.
@@ -1081,7 +1241,7 @@ def fit_batches(
     if int(accumulate_grad_batches) < 1:
         raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches!r}.")
     if str(precision) not in PRECISIONS:
-        raise ValueError(f"precision must be 32-true, bf16-mixed or 16-mixed, got {precision!r}.")
+        raise ValueError(f"precision must be 32-true, bf16-mixed, 16-mixed or 64-true, got {precision!r}.")
     if log_every_n_steps is not None and int(log_every_n_steps) < 1:
         raise ValueError(f"log_every_n_steps must be >= 1 or null, got {log_every_n_steps!r}.")
     if limit_train_batches in (0, 0.0):
@@ -1094,6 +1254,16 @@ def fit_batches(
         raise ValueError(f"patience must be a positive number of epochs or null (no early stopping), got {patience!r}.")
     if not float(min_delta) >= 0.0:
         raise ValueError(f"min_delta must be >= 0 (in the units of the monitored metric), got {min_delta!r}.")
+    if min_epochs is not None and (isinstance(min_epochs, bool) or int(min_epochs) < 0):
+        raise ValueError(f"min_epochs must be a whole number of epochs >= 0 (or null: 0), got {min_epochs!r}.")
+    check_schedule(
+        scheduler,
+        patience=patience,
+        monitor_mode=monitor_mode,
+        min_delta=float(min_delta),
+        refuse_fixed=False,
+        names={"patience": "patience", "monitor_mode": "monitor_mode", "min_delta": "min_delta"},
+    )
     if float(divergence_factor) <= 1.0:
         raise ValueError(f"divergence_factor must be > 1, got {divergence_factor!r}.")
     if not 0.0 < float(divergence_lr_factor) < 1.0:
@@ -1139,6 +1309,7 @@ def fit_batches(
         divergence_lr_factor=float(divergence_lr_factor),
         patience=None if patience is None else int(patience),
         min_delta=float(min_delta),
+        min_epochs=int(min_epochs or 0),
         start=start,
         write_best=bool(write_best),
         threads=threads,

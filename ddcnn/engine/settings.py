@@ -6,12 +6,16 @@ through the same functions, so what is checked is what is used.
 
 Every key of ``conf/trainer`` and ``conf/engine`` changes what the loop does, or is refused with what to use instead:
 
-- ``trainer.max_epochs``, ``precision`` (``32-true``, ``bf16-mixed``, ``16-mixed``), ``deterministic``,
+- ``trainer.max_epochs``, ``precision`` (``32-true``, ``bf16-mixed``, ``16-mixed``, ``64-true``), ``deterministic``,
   ``enable_progress_bar``, ``log_every_n_steps`` (the training loss every n steps to TensorBoard/MLflow),
   ``gradient_clip_val`` (+ ``gradient_clip_algorithm``: ``norm`` or ``value``), ``limit_train_batches``,
   ``limit_val_batches`` and ``accumulate_grad_batches`` (given with ``+trainer.accumulate_grad_batches=2``);
-- ``engine.monitor``, ``monitor_mode``, ``patience`` and ``min_delta`` (early stopping of every training but the
-  coarse DNN's, which has ``coarse.patience``), ``num_devices``, ``checkpoint_every_s``;
+- ``engine.monitor``, ``monitor_mode``, ``min_delta`` (the one improvement rule of selection, early stopping and the
+  plateau scheduler), ``patience`` and ``min_epochs`` (early stopping of every training but the coarse DNN's, which
+  has ``coarse.patience``), ``num_devices``, ``checkpoint_every_s``;
+- the run's ``scheduler`` against early stopping (:func:`check_schedule`): with ``engine.patience`` only a constant
+  rate or ``ReduceLROnPlateau`` (a fixed-length schedule such as cosine annealing is never cut short), and the plateau
+  scheduler's patience at least 2 below ``engine.patience``;
 - the GPU policy (:mod:`ddcnn.engine.gpu`): ``engine.channels_last``, ``tf32``, ``cudnn_benchmark``,
   ``data_on_device`` (each ``auto``, ``true`` or ``false``), ``device_data_fraction``, and the opt-ins ``compile`` and
   ``profile_steps``;
@@ -36,6 +40,9 @@ __all__ = [
     "trainer_settings",
     "engine_settings",
     "check_training_settings",
+    "check_schedule",
+    "schedule_kind",
+    "default_min_epochs",
     "check_srun_ddp",
     "num_batches",
 ]
@@ -48,6 +55,8 @@ PRECISIONS = {
     "bf16": "bf16-mixed",
     "16-mixed": "16-mixed",
     "16": "16-mixed",
+    "64-true": "64-true",
+    "64": "64-true",
 }
 # The metrics a training can select its weights on.
 MONITORS = ("train_loss", "train_acc", "val_loss", "val_acc")
@@ -69,6 +78,7 @@ ENGINE_KEYS = (
     "monitor_mode",
     "patience",
     "min_delta",
+    "min_epochs",
     "num_devices",
     "checkpoint_every_s",
     "channels_last",
@@ -178,8 +188,8 @@ def trainer_settings(cfg: DictConfig | Mapping) -> dict:
     key = str(precision).lower() if precision is not None else "32-true"
     if key not in PRECISIONS:
         raise ValueError(
-            f"trainer.precision={precision!r} is not one the loop runs: use 32-true, bf16-mixed (bf16 autocast) or "
-            f"16-mixed (float16 autocast with a loss scaler)."
+            f"trainer.precision={precision!r} is not one the loop runs: use 32-true, bf16-mixed (bf16 autocast), "
+            f"16-mixed (float16 autocast with a loss scaler) or 64-true (float64 weights and arithmetic)."
         )
     out["precision"] = PRECISIONS[key]
     if out["enable_progress_bar"] not in (None, True, False):
@@ -217,8 +227,9 @@ def _switch(value: Any, what: str) -> str | bool:
 
 
 def engine_settings(cfg: DictConfig | Mapping) -> dict:
-    """``cfg.engine`` checked, with defaults: monitor, monitor_mode, patience, num_devices, checkpoint_every_s and the
-    GPU policy (``auto`` switches decided from the device by :func:`ddcnn.engine.gpu.resolve_policy`)."""
+    """``cfg.engine`` checked, with defaults: monitor, monitor_mode, patience, min_delta, min_epochs (``None``: half
+    the training's epochs, :func:`default_min_epochs`), num_devices, checkpoint_every_s and the GPU policy (``auto``
+    switches decided from the device by :func:`ddcnn.engine.gpu.resolve_policy`)."""
     given = _container(cfg.get("engine"))
     if given.get("loop") is not None:
         raise ValueError(_LOOP_GONE.format(value=given["loop"]))
@@ -228,6 +239,7 @@ def engine_settings(cfg: DictConfig | Mapping) -> dict:
         "monitor_mode": str(given.get("monitor_mode", "max")),
         "patience": given.get("patience"),
         "min_delta": given.get("min_delta", 0.0),
+        "min_epochs": given.get("min_epochs"),
         "num_devices": _positive_int(given.get("num_devices", 1) or 1, "engine.num_devices"),
         "checkpoint_every_s": given.get("checkpoint_every_s", 30.0),
     }
@@ -250,6 +262,12 @@ def engine_settings(cfg: DictConfig | Mapping) -> dict:
             f"best one by more than this, in engine.monitor's units; 0 = any improvement), got {delta!r}."
         )
     out["min_delta"] = float(delta)
+    least = out["min_epochs"]
+    if least is not None and (isinstance(least, bool) or not isinstance(least, int) or least < 1):
+        raise ValueError(
+            f"engine.min_epochs must be a whole number of epochs >= 1 (early stopping never ends a training before "
+            f"it) or null (half of the training's epochs, rounded up), got {least!r}."
+        )
     every = out["checkpoint_every_s"]
     if every is None:
         every = 0.0
@@ -279,11 +297,106 @@ def engine_settings(cfg: DictConfig | Mapping) -> dict:
     return out
 
 
+def default_min_epochs(min_epochs: int | None, max_epochs: int) -> int:
+    """The epochs a training runs before early stopping may end it: ``engine.min_epochs``, or half of its
+    ``max_epochs`` rounded up when that is ``None``; never more than ``max_epochs``."""
+    return min(int(max_epochs), -(-int(max_epochs) // 2) if min_epochs is None else int(min_epochs))
+
+
+# The learning-rate schedule that adapts to the training (the one early stopping may end).
+PLATEAU = "ReduceLROnPlateau"
+
+
+def schedule_kind(node: Any) -> str:
+    """What a ``scheduler`` setting is: ``constant`` (none), ``plateau`` (``ReduceLROnPlateau``: the rate drops when
+    the monitored metric stops improving), ``fixed`` (any other Hydra node: a schedule laid out over the epochs, e.g.
+    cosine annealing) or ``callable`` (a factory passed from Python; the loop checks what it builds)."""
+    if not node:
+        return "constant"
+    if not isinstance(node, Mapping | DictConfig):
+        return "callable"
+    target = str(_container(node).get("_target_") or "")
+    return "plateau" if target.rsplit(".", 1)[-1] == PLATEAU else "fixed"
+
+
+def check_schedule(
+    node: Any,
+    *,
+    patience: int | None,
+    monitor_mode: str,
+    min_delta: float,
+    refuse_fixed: bool = True,
+    names: Mapping[str, str] | None = None,
+) -> str:
+    """Refuse a learning-rate schedule that disagrees with early stopping and selection; returns its
+    :func:`schedule_kind`.
+
+    - ``ReduceLROnPlateau`` takes the one improvement rule of the loop (:func:`ddcnn.engine.loop.improves`): ``mode``
+      = ``monitor_mode``, ``threshold_mode="abs"``, ``threshold`` = ``min_delta``. The loop sets them; a scheduler
+      node that sets them otherwise is refused. With early stopping, ``patience`` >= the scheduler's patience + 2:
+      the training sees the lowered rate for at least two epochs before it may stop (one to drop, one to improve).
+    - ``refuse_fixed``: with early stopping, a fixed-length schedule (cosine annealing, steps) is refused: stopping
+      would cut it short, before its rate has come down.
+
+    ``names`` maps ``patience``, ``scheduler``, ``monitor_mode``, ``min_delta`` to the settings the messages name
+    (default: the run's ``engine.*`` and ``scheduler``).
+    """
+    name = {
+        "patience": "engine.patience",
+        "scheduler": "scheduler",
+        "monitor_mode": "engine.monitor_mode",
+        "min_delta": "engine.min_delta",
+        **(names or {}),
+    }
+    kind = schedule_kind(node)
+    if kind == "plateau":
+        spec = _container(node)
+        rule = {"mode": monitor_mode, "threshold_mode": "abs", "threshold": float(min_delta)}
+        for key, wanted in rule.items():
+            given = spec.get(key)
+            if given is not None and given != wanted:
+                raise ValueError(
+                    f"{name['scheduler']}.{key}={given!r}: the plateau scheduler counts an improvement as selection "
+                    f"and early stopping do (mode = {name['monitor_mode']}, an absolute threshold = "
+                    f"{name['min_delta']}; here {key} would be {wanted!r}). Remove {name['scheduler']}.{key}; set "
+                    f"{name['monitor_mode']} / {name['min_delta']} instead."
+                )
+        waits = spec.get("patience", 10)  # torch's default
+        if patience is not None and int(patience) < int(waits) + 2:
+            raise ValueError(
+                f"{name['patience']}={patience} with {name['scheduler']}.patience={waits}: early stopping would end "
+                f"the training before the plateau scheduler's lower learning rate has had two epochs to improve it. "
+                f"Set {name['patience']}>={int(waits) + 2} (or {name['scheduler']}.patience<={int(patience) - 2})."
+            )
+    if kind == "fixed" and refuse_fixed and patience is not None:
+        target = str(_container(node).get("_target_"))
+        raise ValueError(
+            f"{name['patience']}={patience} with {name['scheduler']} {target.rsplit('.', 1)[-1]}: early stopping "
+            f"would cut a fixed-length learning-rate schedule short, before its rate has come down. Drop "
+            f"{name['patience']} ({name['patience']}=null: train all epochs), or adapt the budget with the plateau "
+            f"scheduler: {name['scheduler']}={{_target_:torch.optim.lr_scheduler.{PLATEAU},_partial_:true,"
+            f"factor:0.1,patience:0}}."
+        )
+    return kind
+
+
 def check_training_settings(cfg: DictConfig) -> None:
     """Every ``trainer`` and ``engine`` setting, and the ``srun`` step a DDP stage would train across, checked
     before anything trains (see the module doc)."""
     trainer = trainer_settings(cfg)
     engine = engine_settings(cfg)
+    check_schedule(
+        cfg.get("scheduler"),
+        patience=engine["patience"],
+        monitor_mode=engine["monitor_mode"],
+        min_delta=engine["min_delta"],
+    )
+    if engine["patience"] is not None and (engine["min_epochs"] or 0) > trainer["max_epochs"]:
+        raise ValueError(
+            f"engine.min_epochs={engine['min_epochs']} is more than trainer.max_epochs={trainer['max_epochs']}: early "
+            f"stopping (engine.patience={engine['patience']}) could never end a training. Lower engine.min_epochs, "
+            f"set it to null (half of trainer.max_epochs), or drop engine.patience."
+        )
     if trainer["deterministic"] and engine["cudnn_benchmark"] is True:
         raise ValueError(
             "engine.cudnn_benchmark=true picks cuDNN's algorithms by timing them, which trainer.deterministic=true "

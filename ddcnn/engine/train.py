@@ -26,7 +26,7 @@ from torch import nn
 from ddcnn.engine.gpu import POLICY_OFF
 from ddcnn.engine.loggers import EpochReporter
 from ddcnn.engine.loop import FitResult, fit_batches
-from ddcnn.engine.settings import engine_settings, trainer_settings
+from ddcnn.engine.settings import check_schedule, default_min_epochs, engine_settings, trainer_settings
 
 __all__ = ["FitResult", "fit", "loop_settings", "seed_everything"]
 
@@ -100,6 +100,14 @@ def fit(
     """
     trainer, engine = trainer_settings(cfg), engine_settings(cfg)
     epochs = int(max_epochs if max_epochs is not None else trainer["max_epochs"])
+    # engine.patience with a fixed-length schedule is refused here (cut short, its rate would never come down); the
+    # loop itself allows it for the coarse DNN's own recipe (coarse.patience).
+    check_schedule(
+        cfg.get("scheduler"),
+        patience=engine["patience"],
+        monitor_mode=engine["monitor_mode"],
+        min_delta=engine["min_delta"],
+    )
     seed_everything(seed)
     settings: dict[str, Any] = {
         **loop_settings(cfg),
@@ -111,6 +119,8 @@ def fit(
         "monitor_mode": engine["monitor_mode"],
         "patience": engine["patience"],
         "min_delta": engine["min_delta"],
+        # half of this training's epochs unless engine.min_epochs says otherwise (an optional method's own budget)
+        "min_epochs": default_min_epochs(engine["min_epochs"], epochs),
         "checkpoint_every_s": engine["checkpoint_every_s"],
         "device": device,
         "num_devices": int(num_devices if num_devices is not None else engine["num_devices"]),

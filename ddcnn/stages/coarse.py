@@ -62,7 +62,14 @@ from ddcnn.engine.train import loop_settings
 from ddcnn.io import atomic_write_json
 from ddcnn.metrics import chance_margin, majority_rate, near_chance
 from ddcnn.rundir import CURVE_FILE, SPLITS
-from ddcnn.stages.common import SNAPSHOT_DIR, curve_settings, finish_stage, skip, stage_seed
+from ddcnn.stages.common import (
+    SNAPSHOT_DIR,
+    curve_settings,
+    finish_stage,
+    logistic_convergence,
+    skip,
+    stage_seed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +303,22 @@ def fit_coarse(
     return CoarseFit(net, result, kept, plan, report)
 
 
+def _convergence(fitted: CoarseFit, coarse: Mapping) -> dict:
+    """``finish_stage``'s convergence record of the coarse DNN, from the fit that gave the kept weights: the loop's
+    (AdamW with ``coarse.patience``; no minimum of epochs), the linear path's L-BFGS solve, or none for the averaging
+    combiner (nothing fitted: converged)."""
+    if fitted.kept == "trained":
+        names = {"epochs": "coarse.steps or coarse.max_epochs", "patience": "coarse.patience", "min_epochs": ""}
+        return {"convergence": fitted.result.convergence, "advice_names": names | {"plateau": ""}}
+    if fitted.kept == "linear":
+        linear = fitted.report["linear"]
+        max_iter = int(_setting(coarse.get("linear") or {}, "max_iter", 200))
+        record = logistic_convergence(linear["path"], linear["l2"], max_iter)
+        return {"convergence": record, "advice_names": {"epochs": "coarse.linear.max_iter"}}
+    record = {"converged": True, "reasons": [], "epochs": 0, "min_epochs": 0, "stopped_by": "no_fit"}
+    return {"convergence": record | {"lr_ratio": None, "train_loss_change_last3": None}}
+
+
 def _averaging_scores(x: torch.Tensor, y: torch.Tensor, inputs: str) -> dict[str, float]:
     probs = x.softmax(-1) if inputs == "logits" else x
     logits = probs.mean(1).clamp_min(1e-12).log()
@@ -436,6 +459,7 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
             fit_on=fit_on,
             coarse_net=spec,
             fit=fitted.report,
+            **_convergence(fitted, coarse),
         )
     log.info(
         "%s (on %s): test acc %.4f in %.1f s (kept: %s)",

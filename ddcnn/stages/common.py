@@ -21,6 +21,7 @@ from ddcnn import registry
 from ddcnn.context import Context, build_augment, count_parameters, subdomain_seed, weights_meta
 from ddcnn.data.datamodule import Batches, PreparedBatches
 from ddcnn.engine.common import predict_logits, save_net, save_predictions
+from ddcnn.engine.loop import convergence_advice
 from ddcnn.engine.train import FitResult, fit
 from ddcnn.io import atomic_torch_save
 from ddcnn.rundir import PROB_FILES
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "skip",
     "finish_stage",
+    "logistic_convergence",
     "stage_seed",
     "batch_size",
     "method_settings",
@@ -107,7 +109,22 @@ def finish_stage(
     (``startup_s``), the device warm-up (``warmup_s``), per-epoch hooks and the progress/loggers. ``context`` says where
     it was measured (:func:`ddcnn.runtime.execution_context`; ``threads_by_design`` names the setting that chose this
     stage's CPU threads as part of the method, e.g. ``coarse.num_threads``); ``extra`` adds stage-specific keys.
+
+    ``converged`` and ``convergence`` (docs/protocol.md, "Convergence") come from the loop's record of the training
+    (:func:`ddcnn.engine.loop.convergence`), or from ``extra["convergence"]`` for a fit the loop did not run (the
+    stacker's L-BFGS); an unconverged training is logged with what to try (``extra["advice_names"]``: the settings to
+    name, :func:`ddcnn.engine.loop.convergence_advice`).
     """
+    record = extra.pop("convergence", None) or result.convergence
+    names = extra.pop("advice_names", None)
+    if record is None:  # a result that did not come from the loop and says nothing of its fit
+        record = {"converged": False, "reasons": ["no record of how the fit ended"], "epochs": 0, "min_epochs": 0}
+        record |= {"stopped_by": None, "lr_ratio": None, "train_loss_change_last3": None}
+    name = stage if subdomain is None else f"{stage} {subdomain}"
+    if not record["converged"]:
+        log.warning(
+            "%s: not converged (%s); try %s", name, "; ".join(record["reasons"]), convergence_advice(record, names)
+        )
     folder = ctx.run.stage_dir(stage, subdomain)
     predict_start = time.perf_counter()
     accuracy = save_predictions(net, dm, folder, device)
@@ -125,6 +142,9 @@ def finish_stage(
         "best_epoch": result.best_epoch,
         # early stopping (engine.patience / coarse.patience) ended the training after this epoch (0-based)
         **({"stopped_epoch": result.stopped_epoch} if result.stopped_epoch is not None else {}),
+        # whether the training converged, and why not (docs/protocol.md, "Convergence")
+        "converged": bool(record["converged"]),
+        "convergence": record,
         "accuracy": accuracy,
         "params": count_parameters(net),
         "device": str(device or "cpu"),
@@ -145,6 +165,28 @@ def finish_stage(
     meta["generation"] = run_generation(ctx.cfg)
     ctx.run.mark_done(stage, subdomain, meta, required=(*PROB_FILES, "net.pt"), generation=meta["generation"])
     return meta
+
+
+def logistic_convergence(path: list[dict], l2: float, max_iter: int) -> dict:
+    """The convergence record (:func:`ddcnn.engine.loop.convergence`'s keys) of a convex fit
+    (:func:`ddcnn.engine.convex.fit_logistic`): that of the selected L2 strength's L-BFGS solve. Converged when the
+    solver stopped by its own criteria: its gradient tolerance (``stopped_by`` ``tolerance``) or no further change of
+    the objective or the weights before ``max_iter`` function evaluations (``no_change``); not converged when its
+    iteration cap ended it with the gradient above tolerance (``max_iter``). ``epochs`` counts its function
+    evaluations."""
+    solve = next(entry for entry in path if entry["l2"] == l2)
+    evaluations = int(solve["iterations"])
+    stopped_by = "tolerance" if solve["converged"] else "no_change" if evaluations < int(max_iter) else "max_iter"
+    reasons = [] if stopped_by != "max_iter" else [f"L-BFGS hit its iteration cap ({max_iter}) at L2 {l2:g}"]
+    return {
+        "converged": not reasons,
+        "reasons": reasons,
+        "epochs": evaluations,
+        "min_epochs": 0,
+        "stopped_by": stopped_by,
+        "lr_ratio": None,
+        "train_loss_change_last3": None,
+    }
 
 
 # --- the optional methods' settings (methods.<stage>.*) ----------------------------------------------

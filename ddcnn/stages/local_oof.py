@@ -90,6 +90,8 @@ def _train_fold(ctx: Context, subdomain: int, fold: int, held: torch.Tensor, dev
         "fit_time_s": result.fit_time_s,
         "best_epoch": result.best_epoch,
         "held_out_accuracy": float((logits.argmax(-1) == ctx.data.y["train"][held]).float().mean()),
+        "converged": result.convergence["converged"],  # docs/protocol_convergence.md
+        "convergence": result.convergence,
     }
     atomic_torch_save({"logits": logits, "record": record}, done)
     return logits, record
@@ -136,6 +138,7 @@ def run(ctx: Context, device=None) -> dict:
             "time_s": sum(r["time_s"] for r in records),
             "fit_time_s": sum(r["fit_time_s"] for r in records),
             "accuracy": {"train_out_of_fold": float((logits.argmax(-1) == labels).float().mean())},
+            "converged": all(r.get("converged", False) for r in records),  # every fold's training
             "context": execution_context(device),
             "generation": run_generation(ctx.cfg),
         }
@@ -149,6 +152,7 @@ def run(ctx: Context, device=None) -> dict:
         "subdomain_time_s": [m["time_s"] for m in per_subdomain],
         "params": 0,
         "accuracy": {"train_out_of_fold": [m["accuracy"]["train_out_of_fold"] for m in per_subdomain]},
+        "converged": all(m.get("converged", False) for m in per_subdomain),
         "context": execution_context(device),
         "generation": run_generation(ctx.cfg),
     }

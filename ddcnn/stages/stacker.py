@@ -22,7 +22,7 @@ from ddcnn.engine.convex import L2_GRID, fit_logistic
 from ddcnn.engine.loop import EVAL_CHUNK, FitResult, torch_threads
 from ddcnn.models.coarse import CoarseMLP
 from ddcnn.stages.coarse import coarse_inputs
-from ddcnn.stages.common import finish_stage, method_settings, skip, stage_seed
+from ddcnn.stages.common import finish_stage, logistic_convergence, method_settings, skip, stage_seed
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ def run(ctx: Context, device=None) -> dict:
             coarse_net=spec,
             l2=fit.l2,
             path=fit.path,
+            convergence=logistic_convergence(fit.path, fit.l2, int(settings.get("max_iter") or 200)),
+            advice_names={"epochs": "methods.stacker.max_iter"},
         )
     log.info("stacker (on %s): L2 %g, test acc %.4f in %.1f s", kind, fit.l2, meta["accuracy"]["test"], meta["time_s"])
     return meta

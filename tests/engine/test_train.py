@@ -30,7 +30,11 @@ from ddcnn.rundir import CURVE_FILE, RunDir
 from tests.conftest import CONFIG_DIR, sigkill_after_first_checkpoint
 
 K = 5  # an odd class count, so that a hard-coded 10 cannot pass
+COSINE_NODE = "scheduler={_target_:torch.optim.lr_scheduler.CosineAnnealingLR,_partial_:true,T_max:null}"
+PLATEAU_NODE = "scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_partial_:true,patience:1}"
 SGD = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.2, "momentum": 0.9}
+# The convergence record of every training stage's meta.json (docs/protocol_convergence.md): other tools read these.
+CONVERGENCE_KEYS = ("converged", "reasons", "epochs", "min_epochs", "stopped_by", "lr_ratio", "train_loss_change_last3")
 
 
 def _data(n: int = 96, batch_size: int = 16, seed: int = 0) -> TensorDataModule:
@@ -96,8 +100,7 @@ def test_every_key_of_the_trainer_and_engine_configs_is_one_the_loop_implements(
         ("+trainer.check_val_every_n_epoch=2", "trainer.limit_val_batches"),
         ("+trainer.foo=1", r"trainer.foo=1 is not a setting .* the trainer settings are max_epochs, precision"),
         ("+engine.ddp_launcher=slurm", "engine.num_devices"),
-        ("trainer.precision=64-true", "use 32-true, bf16-mixed .* or 16-mixed"),
-        ("trainer.precision=16-true", "use 32-true, bf16-mixed"),
+        ("trainer.precision=16-true", r"use 32-true, bf16-mixed .* 16-mixed .* or 64-true"),
         ("trainer.gradient_clip_val=0", "gradient_clip_val must be > 0"),
         ("+trainer.gradient_clip_algorithm=max", "'norm' .* or 'value'"),
         ("trainer.limit_train_batches=0", "trains nothing"),
@@ -110,10 +113,18 @@ def test_every_key_of_the_trainer_and_engine_configs_is_one_the_loop_implements(
         ("engine.patience=0", r"engine.patience must be a whole number of epochs >= 1 .* or null"),
         ("engine.patience=true", "engine.patience must be a whole number"),
         ("engine.min_delta=-0.01", r"engine.min_delta must be >= 0 .* in engine.monitor.s units"),
+        ("engine.min_epochs=0", r"engine.min_epochs must be a whole number of epochs >= 1 .* or null \(half"),
+        ("engine.patience=2 engine.min_epochs=3", r"engine.min_epochs=3 is more than trainer.max_epochs=1"),
+        # a fixed-length schedule is never cut short
+        (f"engine.patience=2 {COSINE_NODE}", r"cut a fixed-length .* Drop engine.patience .* scheduler=\{_target_:"),
+        # the plateau scheduler waits at least 2 epochs less than early stopping, and counts improvements alike
+        (f"engine.patience=2 {PLATEAU_NODE}", r"engine.patience=2 with scheduler.patience=1: .* engine.patience>=3"),
+        (f"{PLATEAU_NODE[:-1]},mode:min}}", r"scheduler.mode='min': .* engine.monitor_mode"),
+        (f"engine.min_delta=0.01 {PLATEAU_NODE[:-1]},threshold:0.001}}", r"scheduler.threshold=0.001: .* Remove"),
     ],
 )
 def test_a_setting_the_loop_cannot_honour_is_refused_before_anything_trains(make_cfg, override, message):
-    cfg = make_cfg(override, "stage=local", "subdomain=0")
+    cfg = make_cfg(*override.split(" "), "stage=local", "subdomain=0")
     with pytest.raises(ValueError, match=message):
         check_training_settings(cfg)
     with pytest.raises(ValueError, match=message):
@@ -183,13 +194,19 @@ def test_monitor_selects_the_best_epoch_of_that_metric(make_cfg, tmp_path):
     assert result.best_epoch == losses.index(max(losses))  # same seed, same run: the worst epoch now
 
 
-def test_patience_stops_every_training_of_a_run_and_the_cnn_dnn_curve_ends_where_its_local_nets_stopped(make_cfg):
+def test_patience_stops_every_training_of_a_run_and_the_cnn_dnn_curve_ends_where_its_local_nets_stopped(
+    make_cfg, caplog
+):
     """engine.patience is one early-stopping rule for the local nets, the global CNN and the optional methods; the
-    CNN-DNN's curve has the snapshot epochs every local net reached, then the final CNN-DNN."""
+    CNN-DNN's curve has the snapshot epochs every local net reached, then the final CNN-DNN. Every stage's meta.json
+    says whether it converged: a training early stopping ended after fewer than 3 epochs did not (too short to judge),
+    and the log says so with what to try."""
     # Monitoring the training loss for its *largest* value: the best epoch is an early one and the stop comes soon.
+    caplog.set_level(logging.WARNING, logger="ddcnn.stages.common")
     cfg = make_cfg(
         "trainer.max_epochs=6",
         "engine.patience=1",
+        "engine.min_epochs=1",
         "engine.monitor=train_loss",
         "engine.monitor_mode=max",
         "report.curves.enabled=true",
@@ -208,6 +225,20 @@ def test_patience_stops_every_training_of_a_run_and_the_cnn_dnn_curve_ends_where
         assert stop is not None and stop < 5, (stage, index, meta)  # the loss did not rise for 6 epochs in a row
         assert stop - meta["best_epoch"] == 1 and epochs == list(range(stop + 1)), (stage, index)
         stops[(stage, index)] = stop
+        record = meta["convergence"]
+        assert set(record) == {*CONVERGENCE_KEYS} and record["stopped_by"] == "early_stopping"
+        assert record["epochs"] == stop + 1 and record["min_epochs"] == 1
+        assert meta["converged"] is record["converged"] is (stop + 1 >= 3), (stage, index, record)
+        if not meta["converged"]:
+            name = stage if index is None else f"{stage} {index}"
+            assert record["reasons"] == [f"too short to judge: {stop + 1} epoch(s), fewer than 3"]
+            assert any(
+                r.getMessage().startswith(f"{name}: not converged (too short to judge")
+                and "engine.patience" in r.getMessage()
+                for r in caplog.records
+            ), name
+    coarse = json.loads((run.stage_dir("coarse") / "meta.json").read_text())
+    assert isinstance(coarse["converged"], bool) and set(coarse["convergence"]) == {*CONVERGENCE_KEYS}
     curve = json.loads((run.stage_dir("coarse") / CURVE_FILE).read_text())["cnn_dnn"]
     reached_by_all = min(stop for (stage, _), stop in stops.items() if stage == "local") + 1
     assert [p["epoch"] for p in curve] == list(range(1, reached_by_all + 1))
@@ -216,7 +247,8 @@ def test_patience_stops_every_training_of_a_run_and_the_cnn_dnn_curve_ends_where
     plain = make_cfg("trainer.max_epochs=2", "stage=local", "subdomain=0", run_dir=Path(cfg.paths.run_dir) / "plain")
     train(plain)
     meta = json.loads((RunDir(plain.paths.run_dir).stage_dir("local", 0) / "meta.json").read_text())
-    assert "stopped_epoch" not in meta
+    assert "stopped_epoch" not in meta and meta["convergence"]["stopped_by"] == "budget"
+    assert meta["converged"] is False and meta["convergence"]["epochs"] == 2  # too short to judge
 
 
 def test_checkpoint_every_s_sets_when_last_ckpt_is_written(make_cfg, tmp_path):
@@ -304,7 +336,9 @@ def _conv_dtypes(net: nn.Module) -> list:
     return seen
 
 
-@pytest.mark.parametrize(("precision", "dtype"), [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16), ("64-true", torch.float64)]
+)
 def test_the_precision_is_the_dtype_the_layers_compute_in(make_cfg, tmp_path, precision, dtype):
     net = _net()
     seen = _conv_dtypes(net)
@@ -556,3 +590,17 @@ assert "lightning_fabric" in sys.modules
     run = RunDir(tmp_path / "run")
     assert run.is_done("local", 0) and run.is_done("global") and run.is_done("coarse")
     assert all(run.meta(s)["loop"] == "fabric" for s in ("global", "coarse"))
+
+
+def test_min_epochs_stays_out_of_the_fingerprint_while_early_stopping_is_off(make_cfg):
+    """engine.min_epochs came after run directories and stored global CNNs were recorded without it; it changes
+    nothing without engine.patience, so there it is not part of the fingerprint (whatever its value) and they stay
+    valid. With early stopping it is."""
+    from ddcnn.rundir import fingerprint, result_settings
+
+    plain = result_settings(make_cfg())
+    assert "min_epochs" not in plain["engine"] and "patience" in plain["engine"]
+    assert fingerprint(result_settings(make_cfg("engine.min_epochs=4"))) == fingerprint(plain)
+    stopping = [result_settings(make_cfg("engine.patience=3", f"engine.min_epochs={m}")) for m in ("null", 2, 4)]
+    assert stopping[1]["engine"]["min_epochs"] == 2
+    assert len({fingerprint(s) for s in stopping}) == 3

@@ -239,3 +239,35 @@ def test_every_stage_module_is_registered():
 def test_method_settings_for_an_unknown_stage_are_refused(make_cfg):
     with pytest.raises(ValueError, match=r"methods has settings for unknown stages \['transfr'\]"):
         train(make_cfg("+methods.transfr.lr_scale=0.1"))
+
+
+def test_every_stage_records_whether_it_converged(finished):
+    """The contract of docs/protocol_convergence.md, in every stage's meta.json: the tiny run trains 1 epoch (too
+    short to judge: not converged); the convex stacker's L-BFGS converged when it stopped by its own criteria, not by
+    its iteration cap."""
+    _, run, _, _ = finished
+    keys = {"converged", "reasons", "epochs", "min_epochs", "stopped_by", "lr_ratio", "train_loss_change_last3"}
+    for stage in ("local", "coarse", "global", *OPTIONAL):
+        for index in range(N) if stage in ("local", "local_oof") else [None]:
+            meta = run.meta(stage, index)
+            assert isinstance(meta["converged"], bool), (stage, index)
+            if stage == "local_oof":
+                records = [fold["convergence"] for fold in meta["folds"]]
+                assert all(set(r) == keys for r in records)
+                assert meta["converged"] is all(r["converged"] for r in records)
+                continue
+            record = meta["convergence"]
+            assert set(record) == keys and meta["converged"] is record["converged"], (stage, index)
+            assert record["converged"] is (record["reasons"] == []), (stage, index)
+    assert run.meta("local_oof")["converged"] is False  # its folds trained 1 epoch each
+    for stage in ("global", "e2e", "global_ddp"):
+        assert run.meta(stage)["convergence"]["reasons"] == ["too short to judge: 1 epoch(s), fewer than 3"]
+    stacker = run.meta("stacker")["convergence"]
+    assert stacker["stopped_by"] in ("tolerance", "no_change", "max_iter") and stacker["epochs"] > 0
+    assert stacker["converged"] is (stacker["stopped_by"] != "max_iter")
+    from ddcnn.stages.common import logistic_convergence
+
+    path = [{"l2": 1.0, "converged": False, "iterations": 9}, {"l2": 0.1, "converged": False, "iterations": 250}]
+    assert logistic_convergence(path, 1.0, 200)["stopped_by"] == "no_change"  # stopped early by its own rule
+    capped = logistic_convergence(path, 0.1, 200)
+    assert capped["converged"] is False and capped["reasons"] == ["L-BFGS hit its iteration cap (200) at L2 0.1"]

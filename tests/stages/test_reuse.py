@@ -51,6 +51,7 @@ DOES_NOT_MATTER = [
     "force=true",
     "store.stage_to=/tmp/elsewhere",
     "+global_model=${model}",  # the same network, named as the global one
+    "engine.min_epochs=3",  # it only delays early stopping, which engine.patience=null switches off
 ]
 
 
