@@ -68,9 +68,10 @@ def _solve(
     offset: torch.Tensor | None,
     max_iter: int,
     tolerance: float,
-) -> tuple[float, int, bool]:
+) -> tuple[float, int, bool, bool]:
     """Minimise the penalised cross-entropy in place from ``weight, bias`` (and the offset's ``scale``);
-    (objective, evaluations, converged)."""
+    (objective, evaluations, converged, finite). Not ``finite``: the solver left float range and the parameters are
+    back where it started."""
     params = [weight, bias] if offset is None else [weight, bias, scale]
     opt = torch.optim.LBFGS(
         params,
@@ -90,13 +91,24 @@ def _solve(
         loss.backward()
         return loss
 
-    opt.step(closure)
+    before = [p.detach().clone() for p in params]
+    try:
+        opt.step(closure)
+        finite = all(bool(torch.isfinite(p).all()) for p in params)
+    except RuntimeError as err:  # the strong-Wolfe line search can extrapolate past float range (seen: step 1.8e39)
+        log.warning("L-BFGS at L2 strength %g left float range (%s); keeping the solution it started from", l2, err)
+        finite = False
+    if not finite:  # keep the last finite solution (the previous strength's): its objective is finite, not converged
+        with torch.no_grad():
+            for p, value in zip(params, before, strict=True):
+                p.copy_(value)
+                p.grad = None
     with torch.no_grad():
         grads = [p.grad.flatten() for p in params if p.grad is not None]
-        converged = bool(grads) and float(torch.cat(grads).abs().max()) <= tolerance * 10
+        converged = finite and bool(grads) and float(torch.cat(grads).abs().max()) <= tolerance * 10
         logits = _logits(x, weight, bias, offset, scale)
         objective = float(F.cross_entropy(logits, y) + 0.5 * l2 * weight.pow(2).sum())
-    return objective, evaluations[0], converged
+    return objective, evaluations[0], converged, finite
 
 
 @torch.no_grad()
@@ -155,10 +167,10 @@ def fit_logistic(
             bias.copy_((counts / counts.sum()).log())
     path, best = [], None
     for l2 in grid:
-        objective, evaluations, converged = _solve(
+        objective, evaluations, converged, finite = _solve(
             x_train, y_train, weight, bias, scale, l2, offset_train, max_iter, tolerance
         )
-        if not math.isfinite(objective):
+        if not math.isfinite(objective) or (not finite and not path):
             raise ValueError(f"logistic regression diverged at L2 strength {l2:g}: are the features finite and scaled?")
         val_acc, val_loss = _score(x_val, y_val, weight, bias, offset_val, scale)
         path.append(

@@ -196,8 +196,8 @@ def test_an_old_run_directory_keeps_its_finished_coarse_stage(make_cfg):
         node = old
         parts = key.split(".")
         for part in parts[:-1]:
-            node = node[part]
-        if node[parts[-1]] == now:  # at today's default: recorded with the old one (a value the user set stays)
+            node = node.get(part, {})
+        if parts[-1] in node and node[parts[-1]] == now:  # at today's default: recorded with the old one
             node[parts[-1]] = before
     (run.root / "fingerprint.json").write_text(json.dumps({"fingerprint": fingerprint(old), "settings": old}))
     results = train(make_cfg("stage=evaluate", "report.export=true"))
