@@ -406,7 +406,7 @@ def convergence(
 ) -> dict[str, Any]:
     """Whether a training converged, from its per-epoch ``history`` (rows with ``train_loss`` and ``lr``), what ended
     it (``early_stopping``, ``budget``), the epochs early stopping had to wait for and whether its learning rate
-    followed a schedule (docs/protocol_convergence.md says why this test).
+    followed a schedule (docs/protocol.md, "Convergence" says why this test).
 
     Not converged (one short reason each): fewer than 3 epochs (too short to judge); stopped by early stopping before
     ``min_epochs``; ended by the budget with a scheduled learning rate still above 10% of its start; ended by the

@@ -90,7 +90,7 @@ def _train_fold(ctx: Context, subdomain: int, fold: int, held: torch.Tensor, dev
         "fit_time_s": result.fit_time_s,
         "best_epoch": result.best_epoch,
         "held_out_accuracy": float((logits.argmax(-1) == ctx.data.y["train"][held]).float().mean()),
-        "converged": result.convergence["converged"],  # docs/protocol_convergence.md
+        "converged": result.convergence["converged"],  # docs/protocol.md, "Convergence"
         "convergence": result.convergence,
     }
     atomic_torch_save({"logits": logits, "record": record}, done)

@@ -33,7 +33,7 @@ K = 5  # an odd class count, so that a hard-coded 10 cannot pass
 COSINE_NODE = "scheduler={_target_:torch.optim.lr_scheduler.CosineAnnealingLR,_partial_:true,T_max:null}"
 PLATEAU_NODE = "scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_partial_:true,patience:1}"
 SGD = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.2, "momentum": 0.9}
-# The convergence record of every training stage's meta.json (docs/protocol_convergence.md): other tools read these.
+# The convergence record of every training stage's meta.json (docs/protocol.md, "Convergence"): other tools read these.
 CONVERGENCE_KEYS = ("converged", "reasons", "epochs", "min_epochs", "stopped_by", "lr_ratio", "train_loss_change_last3")
 
 

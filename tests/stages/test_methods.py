@@ -242,7 +242,7 @@ def test_method_settings_for_an_unknown_stage_are_refused(make_cfg):
 
 
 def test_every_stage_records_whether_it_converged(finished):
-    """The contract of docs/protocol_convergence.md, in every stage's meta.json: the tiny run trains 1 epoch (too
+    """The contract of docs/protocol.md, "Convergence", in every stage's meta.json: the tiny run trains 1 epoch (too
     short to judge: not converged); the convex stacker's L-BFGS converged when it stopped by its own criteria, not by
     its iteration cap."""
     _, run, _, _ = finished
