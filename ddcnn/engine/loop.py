@@ -60,6 +60,7 @@ import logging
 import math
 import os
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,7 +84,7 @@ from ddcnn.engine.gpu import (
     reset_peak_memory,
     resolve_policy,
 )
-from ddcnn.engine.launch import LAUNCHERS, build_fabric, isolated_launch
+from ddcnn.engine.launch import LAUNCHERS, RankFailed, build_fabric, failures_stop_every_rank, isolated_launch
 from ddcnn.engine.settings import MONITORS, PRECISIONS, num_batches
 from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
 from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_text, is_space_or_permission
@@ -117,6 +118,8 @@ _RESUMABLE_FORMATS = (CHECKPOINT_FORMAT, "ddcnn.tensor_fit/1")
 METRIC_COLUMNS = ("epoch", "step", "lr", "train_loss", "train_acc", "val_loss", "val_acc", "time_s")
 # What a spawned DDP rank 0 hands back to the parent, in the training's folder (removed once read).
 _SPAWN_RESULT = ".spawned_result.pt"
+# What a failing spawned DDP rank hands to the parent, in the training's folder (removed once read).
+_SPAWN_ERROR = ".spawned_error.{}.pt"
 # Rows per forward pass when evaluating the coarse DNN's tensors; bounds the memory of a hidden layer.
 EVAL_CHUNK = 65_536
 # The settings an exact resume depends on: a checkpoint written under others is refused (a key missing from both
@@ -924,27 +927,62 @@ def _run_spawned(fabric, training: _Training, prefit_s: float) -> str | None:
 
     Through a file whose path is returned: Fabric's launcher reads rank 0's return value only after every rank
     exited, so a large one would block rank 0 on the full pipe forever, and a tensor sent through multiprocessing
-    would be a handle to the memory of a process that is gone."""
+    would be a handle to the memory of a process that is gone.
+
+    A rank that fails writes its error to ``.spawned_error.<rank>.pt`` (unless another rank failed first: then its
+    own error is that one's consequence) before the failure is recorded for the other ranks, and raises: its process
+    ends with status 1, the launcher ends the others, and the parent raises the error of the rank that failed first
+    (:func:`_spawned_failure`). The others stop within seconds anyway (:func:`failures_stop_every_rank`)."""
     with torch.no_grad():
         # The network arrived through multiprocessing, its tensors in memory shared with the other ranks (torch shares
         # what it sends): each rank must train its own copy, or every rank's step lands on the same weights.
         for tensor in itertools.chain(training.net.parameters(), training.net.buffers()):
             tensor.data = tensor.data.clone()
     path = Path(training.folder) / _SPAWN_RESULT
-    try:
-        result = training.run(fabric, prefit_s=prefit_s)
-    except Exception as err:  # every rank meets the same refusal (a checkpoint, a setting): hand rank 0's over whole
-        if fabric.global_rank != 0:
-            return None
+    with failures_stop_every_rank(fabric) as failures:
         try:
-            atomic_torch_save({"error": err}, path)
-        except Exception:
-            atomic_torch_save({"error": RuntimeError(f"{type(err).__name__}: {err}")}, path)
-        return str(path)
+            result = training.run(fabric, prefit_s=prefit_s)
+        except Exception as err:
+            if failures is None or not failures.other_failed_first():
+                _save_error(err, Path(training.folder) / _SPAWN_ERROR.format(fabric.global_rank), fabric.global_rank)
+            raise
     if fabric.global_rank != 0:
         return None
     atomic_torch_save({"state": _cpu_state(result.net), "result": dataclasses.replace(result, net=None)}, path)
     return str(path)
+
+
+def _save_error(err: Exception, path: Path, rank: int) -> None:
+    """A rank's error for the parent: the exception itself (a ``RuntimeError`` with its message when it does not
+    pickle) and its traceback."""
+    trace = "".join(traceback.format_exception(err))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        atomic_torch_save({"error": err, "rank": rank, "traceback": trace}, path)
+    except Exception:
+        atomic_torch_save(
+            {"error": RuntimeError(f"{type(err).__name__}: {err}"), "rank": rank, "traceback": trace}, path
+        )
+
+
+def _spawned_failure(folder: Path, launch_error: Exception) -> Exception:
+    """What the parent raises when spawned ranks failed: the error of the rank that failed first (its traceback
+    logged), as it was raised there; the error files are removed."""
+    found = []
+    for path in sorted(folder.glob(_SPAWN_ERROR.format("*"))):
+        with contextlib.suppress(Exception):
+            found.append(torch.load(path, map_location="cpu", weights_only=False))
+        path.unlink(missing_ok=True)
+    # The rank that failed first left its own error; a rank that met the same refusal did too (the lowest wins).
+    found.sort(key=lambda out: (isinstance(out["error"], RankFailed), int(out["rank"])))
+    if not found:
+        return RuntimeError(
+            f"a spawned DDP rank of the training in {folder} ended without reporting an error ({launch_error}); it "
+            f"was likely killed (out of memory?). Run it again on fewer devices, or see the system log."
+        )
+    first = found[0]
+    log.error("DDP rank %d of the training in %s failed:\n%s", first["rank"], folder, first["traceback"].rstrip())
+    return first["error"]
 
 
 def fit_batches(
@@ -1149,12 +1187,15 @@ def fit_batches(
     try:
         if launcher == "spawn":
             prefit = time.perf_counter() - start
-            with isolated_launch():
-                path = Path(fabric.launch(_run_spawned, training, prefit))
+            for stale in Path(folder).glob(_SPAWN_ERROR.format("*")):
+                stale.unlink(missing_ok=True)
+            try:
+                with isolated_launch():
+                    path = Path(fabric.launch(_run_spawned, training, prefit))
+            except Exception as err:  # raised in a rank: here as there, its message intact
+                raise _spawned_failure(Path(folder), err) from None
             out = torch.load(path, map_location="cpu", weights_only=False)
             path.unlink(missing_ok=True)
-            if "error" in out:  # raised in the ranks (the same in every one): here as there, its message intact
-                raise out["error"]
             result: FitResult = out["result"]
             net.load_state_dict(out["state"])
             # Spawning the ranks (interpreters, imports, the data), their rendezvous and tear-down: start-up, apart.
@@ -1166,11 +1207,15 @@ def fit_batches(
             fabric.launch()  # DDP across srun tasks: the ranks meet here
         # Fabric's set-up and (srun) the rendezvous of the ranks: start-up, left out of the clock.
         training.startup_s = time.perf_counter() - began
+        finished = False
         try:
-            return training.run(fabric)
+            with failures_stop_every_rank(fabric):
+                result = training.run(fabric)
+            finished = True
+            return result
         finally:
             if launcher == "srun":
-                _leave_process_group(fabric)
+                _leave_process_group(fabric, wait=finished)
     except OSError as err:
         if isinstance(err, ArtifactWriteError) or not is_space_or_permission(err):
             raise
@@ -1181,15 +1226,18 @@ def fit_batches(
         ) from err
 
 
-def _leave_process_group(fabric) -> None:
-    """End this srun task's part in the DDP training: the ranks wait for each other, then the group is destroyed (a
-    rank that goes on alone, rank 0 predicting, must not meet the others' collectives)."""
+def _leave_process_group(fabric, wait: bool = True) -> None:
+    """End this srun task's part in the DDP training: the ranks wait for each other (``wait``: not after a failure,
+    the others may never come), then the group is destroyed (a rank that goes on alone, rank 0 predicting, must not
+    meet the others' collectives)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            fabric.barrier()
-        dist.destroy_process_group()
+        if wait:
+            with contextlib.suppress(Exception):
+                fabric.barrier()
+        with contextlib.suppress(Exception) if not wait else contextlib.nullcontext():
+            dist.destroy_process_group()
 
 
 def fit_tensors(
