@@ -107,7 +107,8 @@ def test_a_run_dir_recorded_with_device_cpu_accepts_device_auto(make_cfg, tmp_pa
     ("device", "deterministic", "settings", "dims", "expected"),
     [
         ("cuda:0", False, {}, 4, (True, "channels_last", True, True)),
-        ("cuda", False, {}, 5, (True, "channels_last_3d", True, True)),
+        ("cuda", False, {}, 5, (False, "contiguous_format", True, True)),  # 3D: not measured yet, off under auto
+        ("cuda", False, {"channels_last": True}, 5, (True, "channels_last_3d", True, True)),
         ("cuda", False, {}, 3, (False, "contiguous_format", True, True)),  # the coarse DNN's (B, N, K)
         ("cuda", True, {}, 4, (True, "channels_last", False, False)),
         ("cuda", True, {"tf32": True}, 4, (True, "channels_last", True, False)),
@@ -147,17 +148,54 @@ def test_autotuning_under_deterministic_and_bad_values_are_refused(make_cfg):
             check_training_settings(make_cfg(*override.split()))
 
 
+def _legacy_tf32() -> tuple:
+    """What Lightning Fabric and inductor read (torch 2.9+ raises in them after some settings of the new API)."""
+    return (
+        torch.get_float32_matmul_precision(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
+
+
 def test_math_flags_are_set_for_a_cuda_training_and_restored_after_it():
     def flags():
-        return [getattr(obj, name) for obj, name, _, _ in gpu._tf32_api()] + [torch.backends.cudnn.benchmark]
+        return [gpu.tf32_state(), torch.backends.cudnn.benchmark]
 
     before = flags()
     policy = gpu.resolve_policy("cuda", input_dims=4)  # torch's flags need no GPU to be set
     with gpu.math_flags(policy, "cuda"):
-        during = flags()
-    assert during[-1] is True and during[0] in (True, "tf32") and flags() == before
+        assert _legacy_tf32() == ("high", True, True) and torch.backends.cudnn.benchmark is True
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32" == torch.backends.cudnn.conv.fp32_precision
+    assert flags() == before
     with gpu.math_flags(policy, "cpu"):
         assert flags() == before  # nothing touched off CUDA
+
+
+def test_tf32_set_by_ddcnn_leaves_both_of_torchs_apis_readable():
+    """Inside a CUDA training (TF32 on, or off under deterministic) and after it, the legacy readers work; flags a
+    caller set through the new API come back exactly as it set them."""
+    before = gpu.tf32_state()
+    legacy = _legacy_tf32()
+    try:
+        for deterministic in (False, True):
+            policy = gpu.resolve_policy("cuda", deterministic=deterministic, input_dims=4)
+            with gpu.math_flags(policy, "cuda"):
+                on = not deterministic
+                assert _legacy_tf32() == ("high" if on else "highest", on, on)
+            assert _legacy_tf32() == legacy and gpu.tf32_state() == before
+        # A caller that chose TF32 through fp32_precision (after which torch itself refuses the legacy reads).
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        chosen = gpu.tf32_state()
+        with gpu.math_flags(gpu.resolve_policy("cuda", deterministic=True), "cuda"):
+            assert _legacy_tf32() == ("highest", False, False)
+        assert gpu.tf32_state() == chosen
+        assert (
+            torch.backends.cuda.matmul.fp32_precision == "tf32" and torch.backends.cudnn.conv.fp32_precision == "ieee"
+        )
+    finally:
+        gpu.restore_tf32(before)
+    assert _legacy_tf32() == legacy
 
 
 def test_channels_last_on_cpu_trains_as_the_default_layout_and_is_recorded(make_cfg, tmp_path):
