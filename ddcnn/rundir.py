@@ -173,6 +173,9 @@ def _drop(container: dict, dotted: str) -> None:
 # Settings added after run directories were first recorded, with the value that behaves as before they existed: at
 # that value they are left out of the fingerprint, so existing run directories (and the store's keys) stay valid.
 NEUTRAL_SETTINGS = {"engine.min_delta": 0.0}
+# The generator of the augmentation's draws (ddcnn.data.augment.RNG_VERSION): part of the fingerprint of an augmented
+# run (data.augment.rng), whose results it changes; an unaugmented run's fingerprint does not hold it.
+AUGMENT_RNG = "splitmix64/1"
 
 
 def result_settings(cfg: DictConfig | Mapping) -> dict:
@@ -188,6 +191,9 @@ def result_settings(cfg: DictConfig | Mapping) -> dict:
     for key, neutral in NEUTRAL_SETTINGS.items():
         if key in flat and flat[key] == neutral:
             _drop(data, key)
+    augment = data.get("data", {}).get("augment") if isinstance(data.get("data"), dict) else None
+    if isinstance(augment, dict) and (augment.get("flip_axes") or float(augment.get("rotate_deg") or 0) > 0):
+        augment["rng"] = AUGMENT_RNG
     return data
 
 

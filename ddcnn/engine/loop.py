@@ -548,7 +548,7 @@ class _Training:
         fabric, module = self.fabric, self.module
         module.eval()
         sums = torch.zeros(3, device=fabric.device, dtype=torch.float64)
-        idx = torch.arange(fabric.global_rank, self.data.size(split), fabric.world_size)
+        idx = torch.arange(fabric.global_rank, self.data.size(split), fabric.world_size, device=self.index_device)
         for k, chunk in enumerate(idx.split(self.eval_batch_size)):
             if k >= self.val_batches:
                 break
@@ -562,13 +562,25 @@ class _Training:
             sums = fabric.all_reduce(sums, reduce_op="sum")
         return sums
 
+    @property
+    def index_device(self) -> torch.device:
+        """Where the data cut their batches (``Batches.index_device``: the device for data held there, else the
+        CPU): the sample indices live there, so that cutting a batch copies nothing between host and device."""
+        return torch.device(getattr(self.data, "index_device", None) or "cpu")
+
     def epoch_batches(self, epoch: int) -> list[torch.Tensor]:
-        """The sample indices of this rank's training batches in ``epoch``, and seeds the global generators."""
+        """The sample indices of this rank's training batches in ``epoch``, and seeds the global generators.
+
+        The order is drawn on the CPU (the same permutation on every device) and moved where the data cut their
+        batches once per epoch, in one copy; the batches are views of it."""
         gen = _epoch_generator(self.seed, epoch)
         order = torch.randperm(self.n_train, generator=gen) if self.batch < self.n_train else torch.arange(self.n_train)
         order = shard_order(order, self.fabric.global_rank, self.fabric.world_size)
         _seed_global_rng(int(torch.randint(2**62, (1,), generator=gen)), self.fabric.device)
-        return list(order.split(self.batch))[: self.train_batches]
+        order = order[: self.train_batches * self.batch]
+        if self.index_device.type != "cpu":
+            order = order.pin_memory().to(self.index_device, non_blocking=True)
+        return list(order.split(self.batch))
 
     def warm_up(self, epoch: int) -> None:
         """One training step's forward and backward and one evaluation batch, which leave no trace: no optimizer
@@ -593,7 +605,8 @@ class _Training:
                 module.eval()
                 n_val = self.data.size("val")
                 if n_val and self.val_batches:
-                    module(self.eval_batch("val", torch.arange(min(n_val, self.eval_batch_size)))[0])
+                    first = torch.arange(min(n_val, self.eval_batch_size), device=self.index_device)
+                    module(self.eval_batch("val", first)[0])
         if fabric.device.type == "cuda":
             torch.cuda.synchronize(fabric.device)
 
