@@ -26,6 +26,7 @@ ddcnn's loop.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -35,7 +36,40 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSample
 from ddcnn.data.augment import Augment
 from ddcnn.data.prepare import Prepared, prepare
 
-__all__ = ["Prepared", "prepare", "Batches", "PreparedBatches", "RowSubset", "TensorDataModule", "Crop"]
+__all__ = [
+    "Prepared",
+    "prepare",
+    "Batches",
+    "PreparedBatches",
+    "RowSubset",
+    "TensorDataModule",
+    "Crop",
+    "release_device_copies",
+]
+
+# The splits placed on a device, one copy per process and device for each host dataset: the local nets a process
+# trains one after another (and its global CNN) share it. Kept while the host dataset lives (a weak reference to it),
+# or until release_device_copies().
+_DEVICE_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLACED_SPLITS = ("train", "val")
+
+
+def _device_copy(data: Prepared, device: torch.device) -> tuple[Prepared, dict[str, torch.Tensor]]:
+    """``data`` with its train and val splits held on ``device``, and their labels there: made on first use in this
+    process, then shared."""
+    copies = _DEVICE_COPIES.setdefault(data, {})
+    key = str(device)
+    if key not in copies:
+        labels = {s: data.y[s].to(device, copy=True) for s in _PLACED_SPLITS}
+        copies[key] = (data.on_device(device, _PLACED_SPLITS), labels)
+    return copies[key]
+
+
+def release_device_copies(data: Prepared | None = None) -> None:
+    """Free the device copies of ``data``'s splits (default: of every dataset) that :meth:`PreparedBatches.placed`
+    made in this process; a later placement copies them again."""
+    for key in [data] if data is not None else list(_DEVICE_COPIES):
+        _DEVICE_COPIES.pop(key, None)
 
 
 @runtime_checkable
@@ -201,9 +235,9 @@ class RowSubset:
     def eval_batch(self, split: str, idx: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
         return self.base.eval_batch(split, self._map(split, idx), device)
 
-    def placed_nbytes(self) -> int | None:
+    def placed_nbytes(self, device=None) -> int | None:
         nbytes = getattr(self.base, "placed_nbytes", None)
-        return nbytes() if callable(nbytes) else None
+        return nbytes(device) if callable(nbytes) else None
 
     def placed(self, device, pin: bool = False) -> RowSubset:
         """This subset of ``base.placed(device, pin)`` (see :meth:`PreparedBatches.placed`)."""
@@ -369,21 +403,25 @@ class PreparedBatches(_Loaders):
         self.pin = False
 
     # --- where the batches come from (ddcnn.engine.gpu.place_data) ---
-    def placed_nbytes(self) -> int:
-        """Bytes of the stored train and val splits, which :meth:`placed` holds on a device."""
+    def placed_nbytes(self, device=None) -> int:
+        """Bytes of the stored train and val splits that :meth:`placed` would add on ``device``: 0 when this process
+        holds them there already."""
+        held = _DEVICE_COPIES.get(self.data, {})
+        if device is not None and str(torch.device(device)) in held:
+            return 0
         return self.data.nbytes("train") + self.data.nbytes("val")
 
     def placed(self, device, pin: bool = False) -> PreparedBatches:
         """These batches with the stored (compact) train and val splits and their labels held on ``device``
-        (``None``: where they are), so that batches, crops and augmentation are cut there, with indices that live
+        (``None``: where they are; the copy is made once per process and shared, see :func:`release_device_copies`),
+        so that batches, crops and augmentation are cut there, with indices that live
         there (:attr:`index_device`); ``pin``: every host batch goes through pinned memory, so that its copy to a GPU
         can overlap with computation (``non_blocking``). Either way the stored (compact) values travel and are
         decoded (normalised) on the training device. The batches are the same values as these."""
         out = copy.copy(self)
         out._cached, out._labels, out.pin = {}, {}, bool(pin)
-        if device is not None:
-            out.data = self.data.on_device(device, ("train", "val"))
-            out._labels = {s: self.data.y[s].to(device, copy=True) for s in ("train", "val")}
+        if device is not None:  # one copy per process and device, shared by the trainings on these data
+            out.data, out._labels = _device_copy(self.data, torch.device(device))
         if device is not None or pin:
             out.cache = False  # one gather of compact values per batch; a float32 copy would take (and move) 4x
         return out

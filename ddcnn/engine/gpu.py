@@ -245,13 +245,14 @@ def data_placement(
 def place_data(data: Any, device: str | torch.device, mode: str | bool, fraction: float) -> tuple[Any, str]:
     """``data`` (a :class:`~ddcnn.data.datamodule.Batches`) as :func:`data_placement` decides, and the placement.
 
-    A source that can be placed has ``placed(device, pin) -> Batches`` and ``placed_nbytes() -> int``
+    A source that can be placed has ``placed(device, pin) -> Batches`` and ``placed_nbytes(device) -> int`` (the
+    bytes placing it would add on ``device``: 0 when this process holds them there already)
     (:class:`~ddcnn.data.datamodule.PreparedBatches`, :class:`~ddcnn.data.datamodule.RowSubset`); any other source
     is read as it is (its batches still reach the device with ``non_blocking`` copies).
     """
     device = torch.device(device)
     placeable = callable(getattr(data, "placed", None)) and callable(getattr(data, "placed_nbytes", None))
-    nbytes = data.placed_nbytes() if placeable else None
+    nbytes = data.placed_nbytes(device) if placeable else None
     where = data_placement(mode, device, nbytes, free_memory_bytes(device), fraction)
     if where == "host":
         return data, where

@@ -19,8 +19,9 @@ everything a run directory promises:
 - ``logs/metrics.csv``: one row per epoch, every epoch once across a resume;
 - **one timing rule**: the training clock runs from the caller's ``start`` and adds the time of the earlier processes
   that worked on the training (carried in ``last.ckpt``). Left out of it, alike for every training: process start-up
-  and DDP's launch and rendezvous (``startup_s``), the device warm-up (one untimed training step and one evaluation
-  batch that leave weights, buffers, optimizer and generators as they were: ``warmup_s``), the ``after_epoch`` hook
+  and DDP's launch and rendezvous (``startup_s``), the device warm-up (an untimed training forward and backward of
+  every batch shape of the epoch, the full batch and a partial last one, and an evaluation batch of every shape,
+  which leave weights, buffers, optimizer and generators as they were: ``warmup_s``), the ``after_epoch`` hook
   (``hook_time_s``) and the progress and loggers (``report_time_s``).
 
 What a fit may ask of the loop beyond plain mini-batch steps:
@@ -304,6 +305,13 @@ def _deterministic(enabled: bool) -> Iterator[None]:
 
 
 # --- small pieces ------------------------------------------------------------------------------------------------
+def _compiled_frames() -> int:
+    """Frames ``torch.compile`` (dynamo) has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
 def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch))
 
@@ -583,30 +591,36 @@ class _Training:
         return list(order.split(self.batch))
 
     def warm_up(self, epoch: int) -> None:
-        """One training step's forward and backward and one evaluation batch, which leave no trace: no optimizer
-        step, gradients cleared, buffers (batch-norm statistics) and generators restored. The device's first-use
-        costs (CUDA context, cuDNN handles, kernels, allocator; oneDNN primitives on CPU) are then paid here, outside
-        the clock, by every training alike, whichever process or calibration used the device before."""
+        """A training step's forward and backward for every batch shape of the epoch (the full batch and a partial
+        last one) and an evaluation batch of every shape validation uses, which leave no trace: no optimizer step,
+        gradients cleared, buffers (batch-norm statistics) and generators restored. The device's first-use costs
+        (CUDA context, cuDNN handles, kernels, allocator; oneDNN primitives on CPU), cuDNN's autotuning of each shape
+        and, with ``compile``, the compilation of each shape are then paid here, outside the clock, by every training
+        alike, whichever process or calibration used the device before."""
         fabric, module = self.fabric, self.module
         saved = [b.detach().clone() for b in module.buffers()]
         devices = [fabric.device] if fabric.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            idx = self.epoch_batches(epoch)[0]
+            batches = self.epoch_batches(epoch)
+            shapes = {len(idx): idx for idx in reversed(batches)}  # one batch per size (the first of each)
             self.model.train()
-            xb, yb = self.train_batch(idx, epoch)
-            with self.no_sync(True):
-                loss = F.cross_entropy(self.model(xb).float(), yb)
-                fabric.backward(loss)
-            self.opt.zero_grad(set_to_none=True)
+            for idx in reversed(shapes.values()):
+                xb, yb = self.train_batch(idx, epoch)
+                with self.no_sync(True):
+                    loss = F.cross_entropy(self.model(xb).float(), yb)
+                    fabric.backward(loss)
+                self.opt.zero_grad(set_to_none=True)
             with torch.no_grad():
                 for buffer, value in zip(module.buffers(), saved, strict=True):
                     buffer.copy_(value)
             with torch.inference_mode(), fabric.autocast():
                 module.eval()
-                n_val = self.data.size("val")
-                if n_val and self.val_batches:
-                    first = torch.arange(min(n_val, self.eval_batch_size), device=self.index_device)
-                    module(self.eval_batch("val", first)[0])
+                idx = torch.arange(
+                    fabric.global_rank, self.data.size("val"), fabric.world_size, device=self.index_device
+                )
+                chunks = list(idx.split(self.eval_batch_size))[: self.val_batches]
+                for chunk in {len(chunk): chunk for chunk in reversed(chunks)}.values():
+                    module(self.eval_batch("val", chunk)[0])
         if fabric.device.type == "cuda":
             torch.cuda.synchronize(fabric.device)
 
@@ -619,7 +633,7 @@ class _Training:
             status = "success"
             return result
         finally:
-            self.data = data  # stored splits placed on the device for this training are freed with it
+            self.data = data  # the placed view goes; the device copy of the splits is the process's (datamodule)
             if self.reporter is not None and fabric.global_rank == 0:
                 self.reporter.close(status)
 
@@ -774,6 +788,7 @@ class _Training:
                     self.warm_up(epoch)
                 if self.policy["compile"]:  # the first training and evaluation passes compile the network
                     compile_time_s = time.perf_counter() - began_warmup
+            compiled_before = _compiled_frames() if self.policy["compile"] else None
             while epoch < self.max_epochs and stopped_epoch is None:
                 batches = self.epoch_batches(epoch)
                 lr = float(self.raw_opt.param_groups[0]["lr"])
@@ -910,6 +925,8 @@ class _Training:
         self.module.load_state_dict(best_state)
         if self.policy["channels_last"]:  # the caller gets the network in the layout it handed over
             self.module.to(memory_format=torch.contiguous_format)
+        if compiled_before is not None:  # compilations inside the clock: a shape the warm-up did not cover
+            engine["compile_recompiles"] = _compiled_frames() - compiled_before
         left_out = clock.left_out
         return FitResult(
             net=self.module,

@@ -356,3 +356,57 @@ def test_the_streamed_cuda_path_pins_every_batch_and_prefetches_without_changing
     assert pinned and any(name.startswith("ddcnn-prefetch") for name in threads)
     times = [row["time_s"] for row in streamed.history]
     assert streamed.history == [{**row, "time_s": t} for row, t in zip(plain.history, times, strict=True)]
+
+
+def test_compile_is_warmed_up_on_every_batch_shape_and_counts_recompiles_in_the_clock(tmp_path, monkeypatch):
+    """20 training samples in batches of 8: 8, 8 and a partial 4. The warm-up compiles both shapes outside the clock,
+    so the epochs compile nothing (``compile_recompiles`` 0, recorded with the policy in meta.json's ``engine``).
+    Real dynamo with its ``aot_eager`` backend: inductor would spend minutes building C++ kernels on this CPU."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    from ddcnn.data.datamodule import TensorDataModule
+    from ddcnn.engine.loop import fit_batches
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    x = {s: torch.randn(20, 1, 6, 6) for s in ("train", "val", "test")}
+    y = {s: torch.arange(20) % 3 for s in x}
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(32, 3))
+    sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
+    before = counters["frames"]["ok"]
+    result = fit_batches(
+        net, TensorDataModule(x, y, 8, eval_batch_size=16), tmp_path, optimizer=sgd, max_epochs=2, gpu={"compile": True}
+    )
+    assert result.engine["compile"] is True and result.compile_time_s > 0
+    assert counters["frames"]["ok"] - before >= 2  # the full batch and the tail were compiled ...
+    assert result.engine["compile_recompiles"] == 0  # ... in the warm-up, none in the training's clock
+    plain = fit_batches(net, TensorDataModule(x, y, 8), tmp_path / "plain", optimizer=sgd, max_epochs=1)
+    assert "compile_recompiles" not in plain.engine
+
+
+def test_the_local_nets_of_a_process_share_one_device_copy_of_the_splits():
+    """Two local nets (two boxes) and the global CNN placed on the same device: one copy of the stored splits, made
+    by the first placement; placing again adds no bytes; released on demand and with the host data."""
+    import gc
+
+    from ddcnn.data.datamodule import _DEVICE_COPIES, release_device_copies
+
+    data = _prepared((12, 16))
+    dec = Decomposition((2, 2), (12, 16), 1)
+    nets = [PreparedBatches(data, 8, box=dec.box(i)) for i in range(2)] + [PreparedBatches(data, 8)]
+    assert nets[0].placed_nbytes("cpu") == data.nbytes("train") + data.nbytes("val") > 0
+    placed = [gpu.place_data(net, "cpu", True, 0.5)[0] for net in nets]
+    assert placed[0].data.stored["train"] is not data.stored["train"]  # a copy ...
+    assert all(p.data.stored["train"] is placed[0].data.stored["train"] for p in placed)  # ... one for all
+    assert all(p._labels["val"] is placed[0]._labels["val"] for p in placed)
+    assert nets[1].placed_nbytes("cpu") == 0 and nets[1].placed_nbytes("meta") > 0
+    idx = torch.tensor([3, 0, 9])
+    assert torch.equal(placed[1].train_batch(idx, 0, "cpu")[0], nets[1].train_batch(idx, 0, "cpu")[0])
+    release_device_copies(data)
+    again = gpu.place_data(nets[0], "cpu", True, 0.5)[0]
+    assert again.data.stored["train"] is not placed[0].data.stored["train"]
+    del data, nets, placed, again
+    gc.collect()
+    assert not any(key.image_shape == (12, 16) for key in _DEVICE_COPIES)  # gone with the host data
