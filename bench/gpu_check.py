@@ -1,4 +1,4 @@
-"""One unattended GPU check (issue 23): the stacking probe, a bare PyTorch loop and end-to-end runs, in under 8 min.
+"""One unattended GPU check (issue 23): the stacking probe, a bare PyTorch loop and end-to-end runs, in under 6 min.
 
 Sections, in this order (each prints as it goes; a section that raises is recorded and the next one still runs):
 
@@ -56,11 +56,15 @@ only on a real failure: an e2e run that fails, stacked weights that differ, a se
 
 On this workplace's H200 machine (no package registry there) the image has torch, scikit-learn, scipy, filelock,
 tqdm and PyYAML but not hydra-core, omegaconf or antlr4 (a digits run imports nothing else; nibabel is for NIfTI
-data only). From the checkout that travels, once: ``echo /.pydeps/ >> .git/info/exclude; mkdir -p .pydeps; cp -r
-.venv/lib/python3.*/site-packages/{hydra,omegaconf,antlr4} .pydeps/; cp ../shared/data/mnist.npz data/`` (pure
-Python, about 4 MB, and 11 MB of MNIST; ``data/*`` is ignored), then a run with ``carry=[".pydeps",
-"data/mnist.npz"]``, ``timeout_s`` about 560 and the command
-``PYTHONPATH=.pydeps DDCNN_DATA=data PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out $OUT/gpu_check.json``.
+data only). One command, in the checkout with its environment, prepares what that machine needs:
+
+    python bench/gpu_check.py --prepare
+
+copies those three pure-Python packages and ``packaging`` (which hydra imports; about 4 MB in all) from this
+environment into ``bench/_vendor/`` (git-ignored;
+this script puts it on its own path and the e2e runs' ``PYTHONPATH``, after anything installed) and MNIST into
+``data/mnist.npz`` (ignored), and prints the run: ``carry=["bench/_vendor", "data/mnist.npz"]``, ``timeout_s`` about
+420 and ``DDCNN_DATA=data PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --budget-s 360 --out $OUT/gpu_check.json``.
 """
 
 from __future__ import annotations
@@ -87,6 +91,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # This checkout's ddcnn, not whichever one the environment installed (the subprocesses get the same PYTHONPATH).
 sys.path.insert(0, str(ROOT))
+# The pure-Python packages --prepare copies for a machine that lacks them: after anything installed.
+VENDOR = ROOT / "bench" / "_vendor"
+VENDORED = ("hydra", "omegaconf", "antlr4", "packaging")  # hydra.version imports packaging
+if VENDOR.is_dir():
+    sys.path.append(str(VENDOR))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -217,32 +226,57 @@ def math_settings() -> dict:
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "float32_matmul_precision": _read(torch.get_float32_matmul_precision),
+        "matmul_allow_tf32": _read(lambda: torch.backends.cuda.matmul.allow_tf32),
+        "cudnn_allow_tf32": _read(lambda: torch.backends.cudnn.allow_tf32),
     }
     conv = getattr(torch.backends.cudnn, "conv", None)
     if conv is not None and hasattr(conv, "fp32_precision"):
         out["matmul_fp32_precision"] = _read(lambda: torch.backends.cuda.matmul.fp32_precision)
         out["conv_fp32_precision"] = _read(lambda: conv.fp32_precision)
-    else:
-        out["matmul_allow_tf32"] = _read(lambda: torch.backends.cuda.matmul.allow_tf32)
-        out["cudnn_allow_tf32"] = _read(lambda: torch.backends.cudnn.allow_tf32)
     return out
 
 
+def prepare_machine(vendor: Path = VENDOR, data_dir: Path = ROOT / "data") -> list[str]:
+    """``--prepare``: copy :data:`VENDORED` from this environment into ``vendor`` and MNIST into ``data_dir``; the
+    lines to print (what to carry, the command)."""
+    import importlib
+
+    vendor.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for name in VENDORED:
+        source = Path(importlib.import_module(name).__file__).parent
+        target = vendor / name
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        lines.append(f"copied {source} -> {target}")
+    candidates = [Path(os.environ["DDCNN_DATA"])] if os.environ.get("DDCNN_DATA") else []
+    candidates.append(ROOT.parent / "shared" / "data")
+    mnist = next((c / "mnist.npz" for c in candidates if (c / "mnist.npz").is_file()), None)
+    if mnist is not None and mnist.resolve() != (data_dir / "mnist.npz").resolve():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(mnist, data_dir / "mnist.npz")
+        lines.append(f"copied {mnist} -> {data_dir / 'mnist.npz'}")
+    elif mnist is None:
+        lines.append("no mnist.npz found (set DDCNN_DATA): the mnist row will be skipped")
+    rel = os.path.relpath(vendor, ROOT)
+    lines.append(
+        f'run on the GPU machine with carry=["{rel}", "data/mnist.npz"], timeout_s about 420: DDCNN_DATA=data '
+        f"PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --budget-s 360 --out $OUT/gpu_check.json"
+    )
+    return lines
+
+
 def apply_math_policy(device: torch.device, tf32: str, benchmark: str) -> None:
-    """TF32 and ``cudnn.benchmark`` for the in-process sections (``keep`` leaves torch's setting)."""
+    """TF32 and ``cudnn.benchmark`` for the in-process sections (``keep`` leaves torch's setting). TF32 as ddcnn's
+    loop sets it (:func:`ddcnn.engine.gpu.set_tf32`), so that every reader of the flags keeps working."""
+    from ddcnn.engine.gpu import set_tf32
+
     if device.type != "cuda":
         return
     if benchmark != "keep":
         torch.backends.cudnn.benchmark = benchmark == "on"
     if tf32 != "keep":
-        conv = getattr(torch.backends.cudnn, "conv", None)
-        if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9: the legacy flags are deprecated
-            mode = "tf32" if tf32 == "on" else "ieee"
-            torch.backends.cuda.matmul.fp32_precision = mode
-            conv.fp32_precision = mode
-        else:
-            torch.backends.cuda.matmul.allow_tf32 = tf32 == "on"
-            torch.backends.cudnn.allow_tf32 = tf32 == "on"
+        set_tf32(tf32 == "on")
 
 
 def machine(device: torch.device) -> dict:
@@ -721,7 +755,8 @@ def run_e2e_row(name: str, args, device: torch.device, base: Path, timeout_s: fl
         return out
     code = "import sys; from ddcnn.cli import train_main; sys.argv[0] = 'ddcnn-train'; train_main()"
     cmd = [sys.executable, "-c", code, *overrides, f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    paths = (str(ROOT), os.environ.get("PYTHONPATH"), str(VENDOR) if VENDOR.is_dir() else None)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     log(f"  {name}: ddcnn-train {' '.join(overrides)}")
@@ -850,7 +885,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="CPU, tiny nets, step counts and e2e runs, 1 thread (tests)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu; cpu with --tiny)")
     p.add_argument("--out", default="gpu_check.json", help="JSON report (default: ./gpu_check.json)")
-    p.add_argument("--budget-s", type=float, default=450.0, help="wall budget checked before each part (450)")
+    p.add_argument("--budget-s", type=float, default=360.0, help="wall budget checked before each part (360)")
+    p.add_argument("--prepare", action="store_true", help="copy hydra/omegaconf/antlr4 and MNIST for a GPU machine")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch's CPU threads here, OMP_NUM_THREADS of the e2e runs (0: leave)")
@@ -915,6 +951,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.prepare:
+        for line in prepare_machine():
+            log(line)
+        return 0
     try:
         import hydra  # noqa: F401
         import omegaconf  # noqa: F401

@@ -82,3 +82,30 @@ def test_peak_memory_is_read_from_whatever_key_meta_json_gives_it(gpu_check):
     assert gpu_check.peak_memory_from_meta({"gpu": {"peak_memory_bytes": 3 * 2**20}}) == (3.0, "gpu.peak_memory_bytes")
     assert gpu_check.peak_memory_from_meta({"gpu_peak_mem_mib": 5, "time_s": 1.0}) == (5.0, "gpu_peak_mem_mib")
     assert gpu_check.peak_memory_from_meta({"time_s": 1.0, "peak_memory_ok": True}) == (None, None)
+
+
+def test_prepare_copies_what_the_gpu_machine_lacks_so_that_ddcnn_imports_without_site_packages(gpu_check, tmp_path):
+    """--prepare for a machine with torch but not hydra/omegaconf/antlr4: they import from the copies alone (a fresh
+    interpreter without site-packages: -S), and the printed command carries them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    vendor = tmp_path / "_vendor"
+    lines = gpu_check.prepare_machine(vendor, tmp_path / "data")
+    assert all((vendor / name / "__init__.py").is_file() for name in gpu_check.VENDORED)
+    assert "--budget-s 360" in lines[-1] and "carry=" in lines[-1]
+    import shutil
+
+    import yaml
+
+    yaml_dir = tmp_path / "image"  # PyYAML alone: the GPU machine's image has it
+    shutil.copytree(Path(yaml.__file__).parent, yaml_dir / "yaml")
+    code = (
+        "import sys; sys.path += sys.argv[1:]; import hydra, omegaconf, antlr4; "
+        "from hydra import compose, initialize; print(hydra.__file__)"
+    )
+    cmd = [sys.executable, "-S", "-c", code, str(vendor), str(yaml_dir)]
+    proc = subprocess.run(cmd, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().startswith(str(vendor))

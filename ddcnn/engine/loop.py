@@ -305,6 +305,29 @@ def _deterministic(enabled: bool) -> Iterator[None]:
 
 
 # --- small pieces ------------------------------------------------------------------------------------------------
+SYNC_DEBUG_ENV = "DDCNN_SYNC_DEBUG"
+
+
+def sync_debug_mode(device: torch.device) -> str | None:
+    """``warn`` or ``error`` from ``$DDCNN_SYNC_DEBUG`` for a CUDA training (``None``: unset, or not CUDA)."""
+    mode = os.environ.get(SYNC_DEBUG_ENV, "").strip().lower()
+    if mode in ("", "0", "off", "default"):
+        return None
+    if mode not in ("warn", "error"):
+        raise ValueError(f"{SYNC_DEBUG_ENV}={mode!r}: use warn or error (or leave it unset).")
+    return mode if torch.device(device).type == "cuda" else None
+
+
+def _under_sync_debug(items: Iterator, mode: str) -> Iterator:
+    """``items``, with torch's CUDA sync debug mode ``mode`` while the caller works on each one."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield from items
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
 def _compiled_frames() -> int:
     """Frames ``torch.compile`` (dynamo) has compiled in this process so far."""
     from torch._dynamo.utils import counters
@@ -475,14 +498,18 @@ class _Training:
 
     def batches_ahead(self, batches: list[torch.Tensor], epoch: int) -> Iterator[tuple[torch.Tensor, tuple]]:
         """``(idx, batch)`` of this epoch's training batches, the next one read by a background thread while this
-        one trains when the batches stream from pinned host memory to a GPU (``prefetch``)."""
+        one trains when the batches stream from pinned host memory to a GPU (``prefetch``). On CUDA with
+        ``DDCNN_SYNC_DEBUG`` set (``warn`` or ``error``), torch's sync debug mode is on while they are read and
+        trained on (every step of the epoch, nothing after it): a host synchronisation there warns or fails."""
         device = self.fabric.device
 
         def fetch(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 return self.train_batch(idx, epoch)
 
-        return prefetched(fetch, batches, self.prefetch)
+        items = prefetched(fetch, batches, self.prefetch)
+        mode = sync_debug_mode(device)
+        return items if mode is None else _under_sync_debug(items, mode)
 
     def build_optimizer(self, lr_scale: float) -> None:
         opt = build_optimizer(self.optimizer, self.module.parameters())
@@ -797,13 +824,14 @@ class _Training:
                 window, points = [], []
                 log_steps = bool(self.log_every_n_steps and report is not None and getattr(report, "wants_steps", True))
                 accumulate = self.accumulate_grad_batches
+                first = None  # the first batch's loss, read after the epoch's steps: no host sync among them
                 for k, (_, (xb, yb)) in enumerate(self.batches_ahead(batches, epoch)):
                     stepping = (k + 1) % accumulate == 0 or k == len(batches) - 1
                     loss, logits = self.train_step(xb, yb, stepping)
                     profile.step()
-                    if initial_loss is None:  # under DDP the global first batch's: every rank decides alike
+                    if initial_loss is None and first is None:  # under DDP the global first batch's: all alike
                         first = fabric.all_reduce(loss.clone(), reduce_op="mean") if world > 1 else loss
-                        initial_loss, num_classes = float(first), int(logits.shape[-1])
+                        num_classes = int(logits.shape[-1])
                     sums[0] += loss.double() * len(yb)
                     sums[1] += (logits.argmax(-1) == yb).sum()
                     sums[2] += len(yb)
@@ -816,6 +844,8 @@ class _Training:
                                 window = []
                 if world > 1:
                     sums = fabric.all_reduce(sums, reduce_op="sum")
+                if first is not None:
+                    initial_loss = float(first)
                 train_loss = float(sums[0] / sums[2])
                 reason = (
                     _divergence(train_loss, initial_loss, num_classes, self.divergence_factor)

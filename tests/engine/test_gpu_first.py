@@ -410,3 +410,17 @@ def test_the_local_nets_of_a_process_share_one_device_copy_of_the_splits():
     del data, nets, placed, again
     gc.collect()
     assert not any(key.image_shape == (12, 16) for key in _DEVICE_COPIES)  # gone with the host data
+
+
+def test_sync_debug_mode_is_asked_for_cuda_trainings_only_and_bad_values_are_refused(monkeypatch):
+    """DDCNN_SYNC_DEBUG turns torch's CUDA sync debug mode on around a CUDA training's steps (bench/gpu_check.py runs
+    its loop section under it); torch cannot set the mode without a GPU, so here only the decision is checked."""
+    from ddcnn.engine.loop import sync_debug_mode
+
+    monkeypatch.delenv("DDCNN_SYNC_DEBUG", raising=False)
+    assert sync_debug_mode(torch.device("cuda", 0)) is None
+    monkeypatch.setenv("DDCNN_SYNC_DEBUG", "error")
+    assert sync_debug_mode(torch.device("cuda", 0)) == "error" and sync_debug_mode(torch.device("cpu")) is None
+    monkeypatch.setenv("DDCNN_SYNC_DEBUG", "loud")
+    with pytest.raises(ValueError, match="DDCNN_SYNC_DEBUG='loud': use warn or error"):
+        sync_debug_mode(torch.device("cuda", 0))
