@@ -318,6 +318,17 @@ def sync_debug_mode(device: torch.device) -> str | None:
     return mode if torch.device(device).type == "cuda" else None
 
 
+def _on_training_stream(items: Iterator, device: torch.device) -> Iterator:
+    """``(idx, batch)`` of batches made on a side stream (``(idx, (batch, ready event))``), usable on the current
+    stream: it waits for the event, and each tensor is recorded as used there."""
+    current = torch.cuda.current_stream(device)
+    for idx, (batch, ready) in items:
+        current.wait_event(ready)
+        for tensor in batch:
+            tensor.record_stream(current)
+        yield idx, batch
+
+
 def _under_sync_debug(items: Iterator, mode: str) -> Iterator:
     """``items``, with torch's CUDA sync debug mode ``mode`` while the caller works on each one."""
     previous = torch.cuda.get_sync_debug_mode()
@@ -500,14 +511,27 @@ class _Training:
         """``(idx, batch)`` of this epoch's training batches, the next one read by a background thread while this
         one trains when the batches stream from pinned host memory to a GPU (``prefetch``). On CUDA with
         ``DDCNN_SYNC_DEBUG`` set (``warn`` or ``error``), torch's sync debug mode is on while they are read and
-        trained on (every step of the epoch, nothing after it): a host synchronisation there warns or fails."""
+        trained on (every step of the epoch, nothing after it): a host synchronisation there warns or fails.
+
+        Streamed to a GPU, each batch is copied (and decoded) on a side stream, so that its copy overlaps the current
+        batch's computation; the training stream waits for it (an event, no host synchronisation) and the batch's
+        memory is marked as used there, so the allocator does not hand it out early."""
         device = self.fabric.device
+        side = torch.cuda.Stream(device) if self.prefetch and device.type == "cuda" else None
 
         def fetch(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                return self.train_batch(idx, epoch)
+                if side is None:
+                    return self.train_batch(idx, epoch)
+                with torch.cuda.stream(side):
+                    batch = self.train_batch(idx, epoch)
+                    ready = torch.cuda.Event()
+                    ready.record(side)
+                return batch, ready
 
         items = prefetched(fetch, batches, self.prefetch)
+        if side is not None:
+            items = _on_training_stream(items, device)
         mode = sync_debug_mode(device)
         return items if mode is None else _under_sync_debug(items, mode)
 
