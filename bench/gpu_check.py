@@ -1,4 +1,4 @@
-"""One unattended GPU check (issue 23): the stacking probe, a bare PyTorch loop and end-to-end runs, in under 8 min.
+"""One unattended GPU check (issues 23, 34): stacking probe, bare loop, ddcnn's loop, end-to-end runs, under 6 min.
 
 Sections, in this order (each prints as it goes; a section that raises is recorded and the next one still runs):
 
@@ -35,7 +35,16 @@ Sections, in this order (each prints as it goes; a section that raises is record
    the device, per variant (``fp32``, ``bf16`` autocast, ``bf16+cl`` = bf16 and channels_last; the default on CUDA
    is all three, on CPU ``fp32``): images/s, step time and peak GPU memory, after warm-up.
 
-3. **e2e**: ``ddcnn-train`` in subprocesses into temporary run directories, row ``digits`` (the default run) and
+3. **loop**: ddcnn's own loop (``fit_batches``) in this process, per variant of :data:`LOOP_VARIANTS` (all on
+   CUDA; a CPU subset with ``--tiny``): 2D (MNIST) and 3D (random volumes), data held on the device and streamed
+   from pinned memory (forced: ``engine.data_on_device=false``), ``32-true``, ``bf16-mixed`` and ``16-mixed``,
+   ``torch.compile``, augmentation on the device; with ``DDCNN_SYNC_DEBUG=warn`` on CUDA (torch's sync debug mode
+   around the training steps), so every host synchronisation in a step is counted: any is a failure, except under
+   ``16-mixed``, whose loss scaler reads whether a gradient overflowed. Per variant: images/s, the step time (median
+   between batch fetches) and its ratio to the bare loop of the same precision and layout, peak memory, the
+   placement used and the recompiles inside the clock.
+
+4. **e2e**: ``ddcnn-train`` in subprocesses into temporary run directories, row ``digits`` (the default run) and
    row ``mnist_2x2`` (``data=mnist data.train_subset=... decomposition=2x2 trainer.max_epochs=...``), both with
    ``device=<--device>`` and ``trainer.precision=<--precision>`` (bf16-mixed on CUDA), and with
    ``engine.channels_last=true`` when the configuration has that setting (checked with ``ddcnn.config.compose``).
@@ -56,11 +65,15 @@ only on a real failure: an e2e run that fails, stacked weights that differ, a se
 
 On this workplace's H200 machine (no package registry there) the image has torch, scikit-learn, scipy, filelock,
 tqdm and PyYAML but not hydra-core, omegaconf or antlr4 (a digits run imports nothing else; nibabel is for NIfTI
-data only). From the checkout that travels, once: ``echo /.pydeps/ >> .git/info/exclude; mkdir -p .pydeps; cp -r
-.venv/lib/python3.*/site-packages/{hydra,omegaconf,antlr4} .pydeps/; cp ../shared/data/mnist.npz data/`` (pure
-Python, about 4 MB, and 11 MB of MNIST; ``data/*`` is ignored), then a run with ``carry=[".pydeps",
-"data/mnist.npz"]``, ``timeout_s`` about 560 and the command
-``PYTHONPATH=.pydeps DDCNN_DATA=data PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out $OUT/gpu_check.json``.
+data only). One command, in the checkout with its environment, prepares what that machine needs:
+
+    python bench/gpu_check.py --prepare
+
+copies those three pure-Python packages and ``packaging`` (which hydra imports; about 4 MB in all) from this
+environment into ``bench/_vendor/`` (git-ignored;
+this script puts it on its own path and the e2e runs' ``PYTHONPATH``, after anything installed) and MNIST into
+``data/mnist.npz`` (ignored), and prints the run: ``carry=["bench/_vendor", "data/mnist.npz"]``, ``timeout_s`` about
+420 and ``DDCNN_DATA=data PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --budget-s 360 --out $OUT/gpu_check.json``.
 """
 
 from __future__ import annotations
@@ -76,6 +89,7 @@ import os
 import platform
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,6 +101,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # This checkout's ddcnn, not whichever one the environment installed (the subprocesses get the same PYTHONPATH).
 sys.path.insert(0, str(ROOT))
+# The pure-Python packages --prepare copies for a machine that lacks them: after anything installed.
+VENDOR = ROOT / "bench" / "_vendor"
+VENDORED = ("hydra", "omegaconf", "antlr4", "packaging")  # hydra.version imports packaging
+if VENDOR.is_dir():
+    sys.path.append(str(VENDOR))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -97,7 +116,20 @@ from torch import nn  # noqa: E402
 # GRAD_TOL (|g| + max |g| of that net).
 WEIGHT_ATOL, WEIGHT_RTOL, GRAD_TOL = 1e-6, 1e-6, 1e-7
 ROWS = ("digits", "mnist_2x2")
-SECTIONS = ("stacking", "bare", "e2e")
+SECTIONS = ("stacking", "bare", "loop", "e2e")
+# The loop section's trainings: (name, spatial dims, where the data are, precision, compile, augmentation). "pinned"
+# forces the streamed path (engine.data_on_device=false); 3D runs on synthetic volumes.
+LOOP_VARIANTS = {
+    "2d-device-bf16": (2, "device", "bf16-mixed", False, False),
+    "2d-device-fp32": (2, "device", "32-true", False, False),
+    "2d-pinned-16mixed": (2, "pinned", "16-mixed", False, False),
+    "2d-device-compile": (2, "device", "bf16-mixed", True, False),
+    "2d-device-aug": (2, "device", "bf16-mixed", False, True),
+    "3d-device-bf16": (3, "device", "bf16-mixed", False, True),
+    "3d-pinned-bf16": (3, "pinned", "bf16-mixed", False, False),
+}
+# Precisions whose steps may synchronise with the host: 16-mixed's loss scaler reads whether a gradient overflowed.
+SYNCING_PRECISIONS = ("16-mixed",)
 BARE_VARIANTS = ("fp32", "bf16", "bf16+cl")
 # Settings every e2e row gets: the evaluate stage's figures and TorchScript export change no time in meta.json.
 # Every row trains its global CNN: a copy reused from an earlier run (store.reuse) would time that run instead.
@@ -128,6 +160,8 @@ DEFAULTS = {
     "bare_images": (20000, 64),
     "bare_steps": (300, 3),
     "bare_warmup": (30, 1),
+    "loop_images": (20000, 48),
+    "loop_epochs": (2, 1),
 }
 # The loop's channels-last setting once issue 23's data-path piece adds it: the first of these the config has.
 CHANNELS_LAST_KEYS = ("engine.channels_last", "trainer.channels_last")
@@ -217,32 +251,57 @@ def math_settings() -> dict:
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "float32_matmul_precision": _read(torch.get_float32_matmul_precision),
+        "matmul_allow_tf32": _read(lambda: torch.backends.cuda.matmul.allow_tf32),
+        "cudnn_allow_tf32": _read(lambda: torch.backends.cudnn.allow_tf32),
     }
     conv = getattr(torch.backends.cudnn, "conv", None)
     if conv is not None and hasattr(conv, "fp32_precision"):
         out["matmul_fp32_precision"] = _read(lambda: torch.backends.cuda.matmul.fp32_precision)
         out["conv_fp32_precision"] = _read(lambda: conv.fp32_precision)
-    else:
-        out["matmul_allow_tf32"] = _read(lambda: torch.backends.cuda.matmul.allow_tf32)
-        out["cudnn_allow_tf32"] = _read(lambda: torch.backends.cudnn.allow_tf32)
     return out
 
 
+def prepare_machine(vendor: Path = VENDOR, data_dir: Path = ROOT / "data") -> list[str]:
+    """``--prepare``: copy :data:`VENDORED` from this environment into ``vendor`` and MNIST into ``data_dir``; the
+    lines to print (what to carry, the command)."""
+    import importlib
+
+    vendor.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for name in VENDORED:
+        source = Path(importlib.import_module(name).__file__).parent
+        target = vendor / name
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        lines.append(f"copied {source} -> {target}")
+    candidates = [Path(os.environ["DDCNN_DATA"])] if os.environ.get("DDCNN_DATA") else []
+    candidates.append(ROOT.parent / "shared" / "data")
+    mnist = next((c / "mnist.npz" for c in candidates if (c / "mnist.npz").is_file()), None)
+    if mnist is not None and mnist.resolve() != (data_dir / "mnist.npz").resolve():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(mnist, data_dir / "mnist.npz")
+        lines.append(f"copied {mnist} -> {data_dir / 'mnist.npz'}")
+    elif mnist is None:
+        lines.append("no mnist.npz found (set DDCNN_DATA): the mnist row will be skipped")
+    rel = os.path.relpath(vendor, ROOT)
+    lines.append(
+        f'run on the GPU machine with carry=["{rel}", "data/mnist.npz"], timeout_s about 420: DDCNN_DATA=data '
+        f"PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --budget-s 360 --out $OUT/gpu_check.json"
+    )
+    return lines
+
+
 def apply_math_policy(device: torch.device, tf32: str, benchmark: str) -> None:
-    """TF32 and ``cudnn.benchmark`` for the in-process sections (``keep`` leaves torch's setting)."""
+    """TF32 and ``cudnn.benchmark`` for the in-process sections (``keep`` leaves torch's setting). TF32 as ddcnn's
+    loop sets it (:func:`ddcnn.engine.gpu.set_tf32`), so that every reader of the flags keeps working."""
+    from ddcnn.engine.gpu import set_tf32
+
     if device.type != "cuda":
         return
     if benchmark != "keep":
         torch.backends.cudnn.benchmark = benchmark == "on"
     if tf32 != "keep":
-        conv = getattr(torch.backends.cudnn, "conv", None)
-        if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9: the legacy flags are deprecated
-            mode = "tf32" if tf32 == "on" else "ieee"
-            torch.backends.cuda.matmul.fp32_precision = mode
-            conv.fp32_precision = mode
-        else:
-            torch.backends.cuda.matmul.allow_tf32 = tf32 == "on"
-            torch.backends.cudnn.allow_tf32 = tf32 == "on"
+        set_tf32(tf32 == "on")
 
 
 def machine(device: torch.device) -> dict:
@@ -568,7 +627,161 @@ def run_bare(args, device: torch.device) -> dict:
     return {"rows": rows, "data": source}
 
 
-# --- 3. end to end through the package ------------------------------------------------------------------------
+# --- 3. ddcnn's loop in this process, under CUDA's sync debug mode ---------------------------------------------
+def loop_data(spatial: int, count: int, cfg, seed: int):
+    """Prepared (uint8, compact) data for the loop section: MNIST's first ``count`` training images for 2D when
+    present (else random), random 16x32x32 volumes for 3D; val = a sixth of it."""
+    import numpy as np
+
+    from ddcnn.data.prepare import prepare
+    from ddcnn.data.sources import Splits
+
+    rng = np.random.default_rng(seed)
+    path = Path(str(cfg.data.path))
+    if spatial == 2 and path.is_file():
+        with np.load(path) as archive:
+            x, y = archive["x_train"][:count][:, None], archive["y_train"][:count]
+        source = f"MNIST ({path})"
+    else:
+        shape = (28, 28) if spatial == 2 else (16, 32, 32)
+        x, y = rng.integers(0, 256, size=(count, 1, *shape), dtype=np.uint8), rng.integers(0, 10, size=count)
+        source = "random"
+    n_val = max(1, len(y) // 6)
+    splits = Splits(x[n_val:], y[n_val:], x[:n_val], y[:n_val], class_names=[str(k) for k in range(10)], name="gc")
+    return prepare(splits, num_classes=10, in_channels=1, spatial_dims=spatial), source
+
+
+def run_loop(args, device: torch.device, bare: dict | None = None) -> dict:
+    """Each of ``--loop-variants`` trained by ddcnn's loop (:func:`ddcnn.engine.loop.fit_batches`, the configured
+    network and optimizer, the default GPU policy) with ``DDCNN_SYNC_DEBUG=warn`` on CUDA: the host synchronisations
+    in its steps are counted (any in a variant whose precision needs none is a failure), with images/s (training
+    samples x epochs / fit time, validation and checkpoints included), the step time (median time between the
+    fetches of consecutive batches), peak memory, the recompiles inside the clock, and the bare loop's step time
+    over this one for the same precision and layout (1.0: no overhead)."""
+    import warnings
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from ddcnn.data.augment import Augment
+    from ddcnn.data.datamodule import PreparedBatches
+    from ddcnn.engine.loop import SYNC_DEBUG_ENV, fit_batches
+
+    class TimedBatches(PreparedBatches):
+        """Records when each training batch is fetched: the loop's step boundaries (as bench/overhead.py times
+        them); ``fetched`` is shared by the copies :meth:`placed` makes."""
+
+        def train_batch(self, idx, epoch, device):
+            self.fetched.append((epoch, time.perf_counter()))
+            return super().train_batch(idx, epoch, device)
+
+    cfg = compose(["data=mnist", *([f"model={args.bare_model}"] if args.bare_model else [])])
+    batch = int(args.bare_batch or cfg.data.batch_size)
+    optimizer = cfg.optimizer
+    rows, data_cache, sources = [], {}, {}
+    with tempfile.TemporaryDirectory(prefix="gpu_check_loop_") as tmp:
+        for name in args.loop_variants:
+            spatial, where, precision, compiled, augmented = LOOP_VARIANTS[name]
+            row = {"variant": name, "precision": precision, "placement_asked": where, "compile": compiled}
+            if compiled and device.type != "cuda":
+                row.update(status="skipped", reason="compile on a CPU builds C++ kernels for minutes")
+                rows.append(row)
+                log(f"  {name:18s} skipped: {row['reason']}")
+                continue
+            if spatial not in data_cache:
+                data_cache[spatial], sources[spatial] = loop_data(spatial, args.loop_images, cfg, args.seed)
+            augment = Augment(flip_axes=tuple(range(spatial)), rotate_deg=10.0, seed=args.seed) if augmented else None
+            data = TimedBatches(data_cache[spatial], batch, seed=args.seed, augment=augment)
+            data.fetched = []
+            torch.manual_seed(args.seed)
+            spec = OmegaConf.to_container(cfg.model, resolve=True)
+            spec.pop("name", None)
+            net = instantiate(spec, spatial_dims=spatial, in_channels=1, num_classes=10)
+            gpu = {"channels_last": "auto", "tf32": "auto", "cudnn_benchmark": "auto", "compile": compiled}
+            gpu["data_on_device"] = where == "device"
+            previous = os.environ.get(SYNC_DEBUG_ENV)
+            if device.type == "cuda":
+                os.environ[SYNC_DEBUG_ENV] = "warn"
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    result = fit_batches(
+                        net,
+                        data,
+                        Path(tmp) / name,
+                        optimizer=optimizer,
+                        max_epochs=args.loop_epochs,
+                        device=device,
+                        precision=precision,
+                        gpu=gpu,
+                        write_best=False,
+                    )
+            finally:
+                if previous is None:
+                    os.environ.pop(SYNC_DEBUG_ENV, None)
+                else:
+                    os.environ[SYNC_DEBUG_ENV] = previous
+            syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+            steps = int(result.history[-1]["step"]) if result.history else 0
+            samples = data.size("train") * len(result.history)
+            gaps = [b - a for (ea, a), (eb, b) in itertools.pairwise(data.fetched) if ea == eb]
+            step_ms = 1e3 * statistics.median(gaps) if gaps else None
+            engine = result.engine
+            row.update(
+                status="ok",
+                spatial_dims=spatial,
+                data=sources[spatial],
+                placement=engine.get("data_placement"),
+                memory_format=engine.get("memory_format"),
+                host_syncs=len(syncs),
+                first_sync=syncs[0][:300] if syncs else None,
+                steps=steps,
+                images_per_s=samples / result.fit_time_s if result.fit_time_s else None,
+                step_ms=step_ms,
+                peak_mib=result.gpu_peak_memory_bytes / 2**20 if result.gpu_peak_memory_bytes else None,
+                compile_recompiles=engine.get("compile_recompiles"),
+                warmup_s=result.warmup_s,
+                batch=batch,
+                model=str(cfg.model.name),
+            )
+            bare_row = _matching_bare(bare, precision, engine.get("memory_format"))
+            if bare_row and row["step_ms"]:
+                row["bare_variant"], row["step_ratio"] = bare_row["variant"], bare_row["step_ms"] / row["step_ms"]
+            rows.append(row)
+            log(
+                f"  {name:18s} {fmt(row['images_per_s'], '10.0f')} images/s {fmt(row['step_ms'], '8.2f')} ms/step "
+                f"peak {fmt(row['peak_mib'], '.0f')} MiB  host syncs in steps: {row['host_syncs']}  "
+                f"placement {row['placement']}, {row['memory_format']}"
+                + (f"  bare/loop {row['step_ratio']:.2f}" if "step_ratio" in row else "")
+            )
+            del net, data, result
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return {"rows": rows, "on_cuda": device.type == "cuda"}
+
+
+def _matching_bare(bare: dict | None, precision: str, memory_format: str | None) -> dict | None:
+    """The bare loop's row of the same precision and layout (same network, batch and images), if it ran."""
+    want = ("bf16" if precision == "bf16-mixed" else "fp32" if precision == "32-true" else None, memory_format)
+    for row in (bare or {}).get("rows", []):
+        layout = "channels_last" if row["variant"].endswith("+cl") else "contiguous_format"
+        if (row["variant"].split("+")[0], layout) == want:
+            return row
+    return None
+
+
+def loop_failures(result: dict) -> list[str]:
+    """Host synchronisations in the steps of a variant whose precision needs none (on CUDA)."""
+    if not result.get("on_cuda"):
+        return []
+    return [
+        f"loop {row['variant']}: {row['host_syncs']} host sync(s) in the training steps ({row['first_sync']})"
+        for row in result["rows"]
+        if row.get("status") == "ok" and row["host_syncs"] and row["precision"] not in SYNCING_PRECISIONS
+    ]
+
+
+# --- 4. end to end through the package ------------------------------------------------------------------------
 def row_overrides(name: str, args, device: torch.device) -> list[str]:
     """The ``ddcnn-train`` overrides of e2e row ``name`` (without ``hydra.run.dir``)."""
     if name == "digits":
@@ -721,7 +934,8 @@ def run_e2e_row(name: str, args, device: torch.device, base: Path, timeout_s: fl
         return out
     code = "import sys; from ddcnn.cli import train_main; sys.argv[0] = 'ddcnn-train'; train_main()"
     cmd = [sys.executable, "-c", code, *overrides, f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    paths = (str(ROOT), os.environ.get("PYTHONPATH"), str(VENDOR) if VENDOR.is_dir() else None)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     log(f"  {name}: ddcnn-train {' '.join(overrides)}")
@@ -817,6 +1031,22 @@ def summary(report: dict) -> list[str]:
             lines.append(
                 f"  {b['variant']:9s} {b['images_per_s']:10.0f} {b['step_ms']:8.2f} {fmt(b['peak_mib'], '9.0f')}"
             )
+    loop = report["sections"].get("loop", {})
+    if loop.get("status") == "ok":
+        lines.append("\nddcnn's loop (host syncs counted in the training steps under CUDA's sync debug mode):")
+        lines.append(
+            f"  {'variant':18s} {'images/s':>9s} {'ms/step':>8s} {'bare/loop':>9s} {'peak MiB':>9s} {'syncs':>6s} "
+            f"{'placement':>9s}"
+        )
+        for r in loop["result"]["rows"]:
+            if r.get("status") != "ok":
+                lines.append(f"  {r['variant']:18s} {r['status']}: {r.get('reason', '')}")
+                continue
+            lines.append(
+                f"  {r['variant']:18s} {fmt(r['images_per_s'], '9.0f')} {fmt(r['step_ms'], '8.2f')} "
+                f"{fmt(r.get('step_ratio'), '9.2f')} {fmt(r['peak_mib'], '9.0f')} {r['host_syncs']:6d} "
+                f"{r['placement']:>9s}"
+            )
     e2e = report["sections"].get("e2e", {})
     if e2e.get("status") == "ok":
         lines.append("\nend to end (ddcnn-train; images/s = samples x epochs / fit time, step = fit time / steps):")
@@ -850,7 +1080,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="CPU, tiny nets, step counts and e2e runs, 1 thread (tests)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu; cpu with --tiny)")
     p.add_argument("--out", default="gpu_check.json", help="JSON report (default: ./gpu_check.json)")
-    p.add_argument("--budget-s", type=float, default=450.0, help="wall budget checked before each part (450)")
+    p.add_argument("--budget-s", type=float, default=360.0, help="wall budget checked before each part (360)")
+    p.add_argument("--prepare", action="store_true", help="copy hydra/omegaconf/antlr4 and MNIST for a GPU machine")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch's CPU threads here, OMP_NUM_THREADS of the e2e runs (0: leave)")
@@ -874,6 +1105,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--bare-steps", type=int, help="timed steps per variant (300)")
     g.add_argument("--bare-warmup", type=int, help="untimed steps first (30)")
     g.add_argument("--bare-variants", help=f"subset of {','.join(BARE_VARIANTS)} (default: all on CUDA, fp32 on CPU)")
+    g = p.add_argument_group("ddcnn's loop")
+    g.add_argument("--loop-variants", help=f"subset of {','.join(LOOP_VARIANTS)} (default: all on CUDA)")
+    g.add_argument("--loop-images", type=int, help="training + validation images (20000; 3D: random volumes)")
+    g.add_argument("--loop-epochs", type=int, help="epochs per variant (2)")
     g = p.add_argument_group("end to end")
     g.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     g.add_argument("--precision", help="trainer.precision (default: bf16-mixed on CUDA, 32-true on CPU)")
@@ -899,6 +1134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     default_precisions, default_variants = ("fp32,bf16", ",".join(BARE_VARIANTS)) if cuda else ("fp32", "fp32")
     args.probe_precisions = listed(args.probe_precisions or default_precisions, ("fp32", "bf16"), "--probe-precisions")
     args.bare_variants = listed(args.bare_variants or default_variants, BARE_VARIANTS, "--bare-variants")
+    default_loop = ",".join(LOOP_VARIANTS) if cuda else "2d-device-fp32,3d-pinned-bf16,2d-device-aug"
+    args.loop_variants = listed(args.loop_variants or default_loop, tuple(LOOP_VARIANTS), "--loop-variants")
     args.precision = args.precision or ("bf16-mixed" if cuda else "32-true")
     for name, (normal, tiny) in DEFAULTS.items():  # what the user did not give: normal, or tiny with --tiny
         if getattr(args, name) is None:
@@ -915,6 +1152,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.prepare:
+        for line in prepare_machine():
+            log(line)
+        return 0
     try:
         import hydra  # noqa: F401
         import omegaconf  # noqa: F401
@@ -980,12 +1221,14 @@ def run_all(args: argparse.Namespace) -> int:
     runners = {
         "stacking": lambda: run_stacking(args, device),
         "bare": lambda: run_bare(args, device),
+        "loop": lambda: run_loop(args, device, report["sections"].get("bare", {}).get("result")),
         "e2e": lambda: run_e2e(args, device, deadline),
     }
     titles = {
         "stacking": "1. stacking probe: local nets one after another against stacked under torch.func.vmap",
         "bare": "2. bare PyTorch loop, global CNN",
-        "e2e": "3. end to end: ddcnn-train",
+        "loop": "3. ddcnn's loop in this process (2D/3D, data on the device and streamed, precisions, compile)",
+        "e2e": "4. end to end: ddcnn-train",
     }
     for name in args.sections:
         log(f"\n{titles[name]}")
@@ -1010,6 +1253,8 @@ def run_all(args: argparse.Namespace) -> int:
                     f"stacked training differs from sequential (weights: {c['weight_tensor']} by "
                     f"{c['weight_abs_diff']:.2e}; gradients: {c['grad_tensor']} by {c['grad_rel_diff']:.2e})"
                 )
+            if name == "loop":
+                report["failures"].extend(loop_failures(result))
             if name == "e2e":
                 for row in result["rows"]:
                     if row["status"] in ("failed", "error"):

@@ -222,6 +222,11 @@ def network_identity(spec: Mapping | None) -> Any:
     return out
 
 
+# The generator of the augmentation's draws (ddcnn.data.augment.RNG_VERSION): part of the fingerprint of an augmented
+# run (data.augment.rng), whose results it changes; an unaugmented run's fingerprint does not hold it.
+AUGMENT_RNG = "splitmix64/1"
+
+
 def result_settings(cfg: DictConfig | Mapping) -> dict:
     """The part of the configuration that changes results (everything but :data:`NON_RESULT_KEYS`, the settings
     of :data:`NEUTRAL_SETTINGS` at their neutral value, and those of :data:`INERT_WITHOUT` while the setting they need
@@ -242,6 +247,9 @@ def result_settings(cfg: DictConfig | Mapping) -> dict:
     for key, needs in INERT_WITHOUT.items():
         if key in flat and flat.get(needs) is None:
             _drop(data, key)
+    augment = data.get("data", {}).get("augment") if isinstance(data.get("data"), dict) else None
+    if isinstance(augment, dict) and (augment.get("flip_axes") or float(augment.get("rotate_deg") or 0) > 0):
+        augment["rng"] = AUGMENT_RNG
     return data
 
 

@@ -1,4 +1,5 @@
-"""bench/gpu_check.py: its tiny mode runs the GPU check's whole path on CPU (stacking probe, bare loop, ddcnn-train)."""
+"""bench/gpu_check.py: its tiny mode runs the GPU check's whole path on CPU (stacking probe, bare loop, ddcnn's loop,
+ddcnn-train)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ def test_tiny_mode_runs_every_section_and_reads_the_stages(gpu_check, tmp_path):
     assert check["weight_abs_diff"] < gpu_check.WEIGHT_ATOL and check["grad_rel_diff"] < gpu_check.GRAD_TOL
     assert stacking["timings"][0]["ratio"] > 0
     assert report["sections"]["bare"]["result"]["rows"][0]["images_per_s"] > 0
+    loop = {row["variant"]: row for row in report["sections"]["loop"]["result"]["rows"]}
+    assert all(row["status"] == "ok" and row["host_syncs"] == 0 and row["step_ms"] > 0 for row in loop.values())
+    assert loop["2d-device-fp32"]["placement"] == "device" and loop["3d-pinned-bf16"]["placement"] == "host"  # cpu
+    assert loop["3d-pinned-bf16"]["spatial_dims"] == 3 and loop["2d-device-fp32"]["step_ratio"] > 0
 
     (row,) = report["sections"]["e2e"]["result"]["rows"]
     assert row["status"] == "ok" and "decomposition=2x2" in row["overrides"]
@@ -82,3 +87,47 @@ def test_peak_memory_is_read_from_whatever_key_meta_json_gives_it(gpu_check):
     assert gpu_check.peak_memory_from_meta({"gpu": {"peak_memory_bytes": 3 * 2**20}}) == (3.0, "gpu.peak_memory_bytes")
     assert gpu_check.peak_memory_from_meta({"gpu_peak_mem_mib": 5, "time_s": 1.0}) == (5.0, "gpu_peak_mem_mib")
     assert gpu_check.peak_memory_from_meta({"time_s": 1.0, "peak_memory_ok": True}) == (None, None)
+
+
+def test_prepare_copies_what_the_gpu_machine_lacks_so_that_ddcnn_imports_without_site_packages(gpu_check, tmp_path):
+    """--prepare for a machine with torch but not hydra/omegaconf/antlr4: they import from the copies alone (a fresh
+    interpreter without site-packages: -S), and the printed command carries them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    vendor = tmp_path / "_vendor"
+    lines = gpu_check.prepare_machine(vendor, tmp_path / "data")
+    assert all((vendor / name / "__init__.py").is_file() for name in gpu_check.VENDORED)
+    assert "--budget-s 360" in lines[-1] and "carry=" in lines[-1]
+    import shutil
+
+    import yaml
+
+    yaml_dir = tmp_path / "image"  # PyYAML alone: the GPU machine's image has it
+    shutil.copytree(Path(yaml.__file__).parent, yaml_dir / "yaml")
+    code = (
+        "import sys; sys.path += sys.argv[1:]; import hydra, omegaconf, antlr4; "
+        "from hydra import compose, initialize; print(hydra.__file__)"
+    )
+    cmd = [sys.executable, "-S", "-c", code, str(vendor), str(yaml_dir)]
+    proc = subprocess.run(cmd, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().startswith(str(vendor))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_the_loop_makes_no_host_sync_in_its_steps(gpu_check, tmp_path):
+    """Every loop variant (2D/3D, on the device and pinned, precisions, compile, augmentation) under CUDA's sync
+    debug mode: no host synchronisation in a training step, except 16-mixed's loss scaler."""
+    out = tmp_path / "gpu_check.json"
+    args = ["--sections", "loop", "--loop-images", "3000", "--loop-epochs", "1", "--out", str(out)]
+    assert gpu_check.main(args) == 0
+    report = json.loads(out.read_text())
+    rows = report["sections"]["loop"]["result"]["rows"]
+    assert {row["variant"] for row in rows} == set(gpu_check.LOOP_VARIANTS)
+    for row in rows:
+        assert row["status"] == "ok" and row["placement"] == ("device" if "device" in row["variant"] else "pinned")
+        assert row["precision"] == "16-mixed" or row["host_syncs"] == 0, row["first_sync"]
+        assert row["memory_format"] == ("channels_last" if row["variant"].startswith("2d") else "contiguous_format")

@@ -26,6 +26,7 @@ ddcnn's loop.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -35,7 +36,40 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSample
 from ddcnn.data.augment import Augment
 from ddcnn.data.prepare import Prepared, prepare
 
-__all__ = ["Prepared", "prepare", "Batches", "PreparedBatches", "RowSubset", "TensorDataModule", "Crop"]
+__all__ = [
+    "Prepared",
+    "prepare",
+    "Batches",
+    "PreparedBatches",
+    "RowSubset",
+    "TensorDataModule",
+    "Crop",
+    "release_device_copies",
+]
+
+# The splits placed on a device, one copy per process and device for each host dataset: the local nets a process
+# trains one after another (and its global CNN) share it. Kept while the host dataset lives (a weak reference to it),
+# or until release_device_copies().
+_DEVICE_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLACED_SPLITS = ("train", "val")
+
+
+def _device_copy(data: Prepared, device: torch.device) -> tuple[Prepared, dict[str, torch.Tensor]]:
+    """``data`` with its train and val splits held on ``device``, and their labels there: made on first use in this
+    process, then shared."""
+    copies = _DEVICE_COPIES.setdefault(data, {})
+    key = str(device)
+    if key not in copies:
+        labels = {s: data.y[s].to(device, copy=True) for s in _PLACED_SPLITS}
+        copies[key] = (data.on_device(device, _PLACED_SPLITS), labels)
+    return copies[key]
+
+
+def release_device_copies(data: Prepared | None = None) -> None:
+    """Free the device copies of ``data``'s splits (default: of every dataset) that :meth:`PreparedBatches.placed`
+    made in this process; a later placement copies them again."""
+    for key in [data] if data is not None else list(_DEVICE_COPIES):
+        _DEVICE_COPIES.pop(key, None)
 
 
 @runtime_checkable
@@ -55,6 +89,9 @@ class Batches(Protocol):
     batch_size: int
     eval_batch_size: int
     seed: int
+
+    # Optional: ``index_device`` (a ``torch.device``), where the source cuts its batches; a loop builds its sample
+    # indices there (once per epoch) so that cutting a batch needs no copy between host and device. Absent: the CPU.
 
     def size(self, split: str) -> int:
         """Number of samples of ``split`` (``train``, ``val`` or ``test``)."""
@@ -174,10 +211,16 @@ class RowSubset:
             self.rows[split] = kept
         self.batch_size, self.eval_batch_size, self.seed = base.batch_size, base.eval_batch_size, base.seed
 
+    @property
+    def index_device(self) -> torch.device:
+        return getattr(self.base, "index_device", torch.device("cpu"))
+
     def _map(self, split: str, idx: torch.Tensor) -> torch.Tensor:
         kept = self.rows.get(split)
-        idx = torch.as_tensor(idx, dtype=torch.long).cpu()
-        return idx if kept is None else kept[idx]
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        if kept is None:
+            return idx
+        return kept[idx.to(kept.device, non_blocking=True) if idx.device != kept.device else idx]
 
     def size(self, split: str) -> int:
         return len(self.rows[split]) if split in self.rows else self.base.size(split)
@@ -192,14 +235,16 @@ class RowSubset:
     def eval_batch(self, split: str, idx: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
         return self.base.eval_batch(split, self._map(split, idx), device)
 
-    def placed_nbytes(self) -> int | None:
+    def placed_nbytes(self, device=None) -> int | None:
         nbytes = getattr(self.base, "placed_nbytes", None)
-        return nbytes() if callable(nbytes) else None
+        return nbytes(device) if callable(nbytes) else None
 
     def placed(self, device, pin: bool = False) -> RowSubset:
         """This subset of ``base.placed(device, pin)`` (see :meth:`PreparedBatches.placed`)."""
         out = copy.copy(self)
         out.base = self.base.placed(device, pin)
+        where = out.index_device
+        out.rows = {split: kept.to(where) for split, kept in self.rows.items()}  # cut where the base cuts
         return out
 
 
@@ -354,24 +399,37 @@ class PreparedBatches(_Loaders):
             self.support = self.augment.support(self.box, shape) if self.box is not None else None
         self.cache = (data.holding == "memory" and self.augment is None) if cache is None else bool(cache)
         self._cached: dict[str, torch.Tensor] = {}
+        self._labels: dict[str, torch.Tensor] = {}  # labels of the splits held on a device (placed), there
         self.pin = False
 
     # --- where the batches come from (ddcnn.engine.gpu.place_data) ---
-    def placed_nbytes(self) -> int:
-        """Bytes of the stored train and val splits, which :meth:`placed` holds on a device."""
+    def placed_nbytes(self, device=None) -> int:
+        """Bytes of the stored train and val splits that :meth:`placed` would add on ``device``: 0 when this process
+        holds them there already."""
+        held = _DEVICE_COPIES.get(self.data, {})
+        if device is not None and str(torch.device(device)) in held:
+            return 0
         return self.data.nbytes("train") + self.data.nbytes("val")
 
     def placed(self, device, pin: bool = False) -> PreparedBatches:
-        """These batches with the stored (compact) train and val splits held on ``device`` (``None``: where they
-        are), so that batches, crops and augmentation are cut there; ``pin``: every host batch goes through pinned
-        memory, so that its copy to a GPU can overlap with computation (``non_blocking``). The batches are the same
-        values as these."""
+        """These batches with the stored (compact) train and val splits and their labels held on ``device``
+        (``None``: where they are; the copy is made once per process and shared, see :func:`release_device_copies`),
+        so that batches, crops and augmentation are cut there, with indices that live
+        there (:attr:`index_device`); ``pin``: every host batch goes through pinned memory, so that its copy to a GPU
+        can overlap with computation (``non_blocking``). Either way the stored (compact) values travel and are
+        decoded (normalised) on the training device. The batches are the same values as these."""
         out = copy.copy(self)
-        out._cached, out.pin = {}, bool(pin)
-        if device is not None:
-            out.data = self.data.on_device(device, ("train", "val"))
-            out.cache = False  # one gather from the device per batch; a float32 copy would take 4x the memory
+        out._cached, out._labels, out.pin = {}, {}, bool(pin)
+        if device is not None:  # one copy per process and device, shared by the trainings on these data
+            out.data, out._labels = _device_copy(self.data, torch.device(device))
+        if device is not None or pin:
+            out.cache = False  # one gather of compact values per batch; a float32 copy would take (and move) 4x
         return out
+
+    @property
+    def index_device(self) -> torch.device:
+        """Where batches are cut: the device the stored training split is held on (the CPU unless placed)."""
+        return self.data.stored["train"].device
 
     # --- the Batches protocol ---
     def size(self, split: str) -> int:
@@ -382,24 +440,33 @@ class PreparedBatches(_Loaders):
 
     def eval_batch(self, split: str, idx: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
         device = torch.device(device)
-        idx = torch.as_tensor(idx, dtype=torch.long).cpu()
-        y = self._host(self.data.y[split][idx]).to(device, non_blocking=True)
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        y = self._to(self._y(split, idx), device)
         if self.cache:
-            return self._host(self._inputs(split)[idx]).to(device, non_blocking=True), y
-        x = self._host(self.data.read(split, idx, self.box)).to(device, non_blocking=True)
-        return self.data.normalizer(device)(x), y
+            return self._to(self._inputs(split)[_at(idx, torch.device("cpu"))], device), y
+        return self.data.normalizer(device)(self._to(self.data.read(split, idx, self.box), device)), y
 
     def train_batch(self, idx: torch.Tensor, epoch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training batch of samples ``idx`` in ``epoch``: without augmentation the evaluation batch; with it,
+        the draws of ``(seed, epoch, sample)`` made where ``idx`` lives, the (flipped) region read as one gather
+        where the data are, its compact values moved and normalised on ``device``, then rotated there."""
         if self.augment is None:
             return self.eval_batch("train", idx, device)
         device = torch.device(device)
-        idx = torch.as_tensor(idx, dtype=torch.long).cpu()
-        y = self._host(self.data.y["train"][idx]).to(device, non_blocking=True)
-        normalize = self.data.normalizer(device)
-        if self.box is None:  # the whole image, as the global CNN sees it
-            x = normalize(self._host(self.data.read("train", idx)).to(device, non_blocking=True))
-            return self.augment(x, idx, epoch).contiguous(), y
-        return self._augmented_box(idx, epoch, device, normalize).contiguous(), y
+        aug = self.augment
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        y = self._to(self._y("train", idx), device)
+        flips, angles = aug.draw(idx, epoch)
+        region = self.support if self.box is not None else None
+        x = self.data.read("train", idx, region, flips, aug.flip_axes)
+        x = self.data.normalizer(device)(self._to(x, device))
+        if aug.rotate_deg > 0:
+            angles = self._to(angles, device)
+            if self.box is None:  # the whole image, as the global CNN sees it
+                x = aug.rotate(x, angles)
+            else:
+                x = aug.rotate_box(x, angles, region, self.box, self.data.image_shape)
+        return x.contiguous(), y
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -407,34 +474,24 @@ class PreparedBatches(_Loaders):
         return state
 
     # --- internals ---
-    def _host(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` in pinned memory when :meth:`placed` asked for it (a batch read on the host for a GPU)."""
-        return x.pin_memory() if self.pin and x.device.type == "cpu" else x
+    def _y(self, split: str, idx: torch.Tensor) -> torch.Tensor:
+        """Labels of samples ``idx``, cut where they are held (the device of :meth:`placed`, or the host)."""
+        y = self._labels.get(split, self.data.y[split])
+        return y[_at(idx, y.device)]
+
+    def _to(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``x`` on ``device``; from the host through pinned memory when :meth:`placed` asked for it, so that the
+        copy does not block the host."""
+        if self.pin and x.device.type == "cpu":
+            x = x.pin_memory()
+        return x if x.device == device else x.to(device, non_blocking=True)
 
     def _inputs(self, split: str) -> torch.Tensor:
         if split not in self._cached:
             self._cached[split] = self.data.inputs(split, region=self.box).contiguous()
         return self._cached[split]
 
-    def _augmented_box(self, idx: torch.Tensor, epoch: int, device, normalize: Callable) -> torch.Tensor:
-        """The box of the augmented images of ``idx``, from the region each sample's augmentation needs."""
-        aug, shape, region = self.augment, self.data.image_shape, self.support
-        flips, angles = aug.draw(idx, epoch)
-        out = None
-        patterns = flips.unique(dim=0) if flips.numel() else torch.zeros(1, 0, dtype=torch.bool)
-        for pattern in patterns:
-            rows = (flips == pattern).all(dim=1).nonzero().view(-1) if flips.numel() else torch.arange(len(idx))
-            axes = [a for a, on in zip(aug.flip_axes, pattern.tolist(), strict=True) if on]
-            mirrored = list(region)
-            for a in axes:  # a flipped image's region is the mirror image of the unflipped region
-                n = shape[a]
-                mirrored[a] = slice(n - region[a].stop, n - region[a].start)
-            x = normalize(self._host(self.data.read("train", idx[rows], mirrored)).to(device, non_blocking=True))
-            if axes:
-                x = x.flip([2 + a for a in axes])
-            if out is None:
-                out = torch.empty((len(idx), *x.shape[1:]), dtype=x.dtype, device=device)
-            out[rows.to(device)] = x
-        if aug.rotate_deg > 0:
-            out = aug.rotate_box(out, angles, region, self.box, shape)
-        return out
+
+def _at(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Indices on ``device`` (a copy only when they are elsewhere)."""
+    return idx if idx.device == device else idx.to(device, non_blocking=True)

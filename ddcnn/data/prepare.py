@@ -506,17 +506,35 @@ class Prepared:
             self._normalizers[key] = module.to(device)
         return self._normalizers[key]
 
-    def read(self, split: str, idx: torch.Tensor, region: Sequence[slice] | None = None) -> torch.Tensor:
-        """Stored values of samples ``idx`` of ``split``, only within ``region`` (spatial slices), in host memory.
+    def read(
+        self,
+        split: str,
+        idx: torch.Tensor,
+        region: Sequence[slice] | None = None,
+        flips: torch.Tensor | None = None,
+        flip_axes: Sequence[int] = (),
+    ) -> torch.Tensor:
+        """Stored values of samples ``idx`` of ``split``, only within ``region`` (spatial slices), where the split is
+        held (host memory, or the device of :meth:`on_device`: the indices are moved there if they are elsewhere).
+
+        ``flips`` ``(B, len(flip_axes))`` (bool, sample ``b`` flipped along spatial axis ``flip_axes[k]``): the
+        ``region`` of each sample's flipped image, read as one gather (a flipped sample's values come from the mirror
+        image of ``region``, nothing else is read).
 
         From mapped data only the pages of that region are read; for a split larger than :data:`KEEP_MAPPED_BYTES` they
         are dropped from this process's page table right away (they stay in the page cache, shared with every process
         that maps the file): the resident memory of a process holds what it works on, not what it has read.
         """
         x = self.stored[split]
-        if region is not None:
-            x = x[(slice(None), slice(None), *region)]
-        out = x[idx]
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        if idx.device != x.device:
+            idx = idx.to(x.device, non_blocking=True)
+        if flips is None or not len(flip_axes):
+            if region is not None:
+                x = x[(slice(None), slice(None), *region)]
+            out = x[idx]
+        else:
+            out = _flipped_gather(x, idx, region, flips.to(x.device, non_blocking=True), tuple(flip_axes))
         if split in self._maps and self.nbytes(split) > KEEP_MAPPED_BYTES:
             self._maps[split].madvise(mmap.MADV_DONTNEED)
         return out
@@ -877,3 +895,30 @@ def _check_fits(plan: _Plan, limit_gb: float | None) -> None:
             f"(or auto) to prepare it once into the store and memory-map it: each process then holds only the batches "
             f"it works on. Or raise data.memory.limit_gb if the memory is there."
         )
+
+
+def _flipped_gather(
+    x: torch.Tensor, idx: torch.Tensor, region: Sequence[slice] | None, flips: torch.Tensor, flip_axes: tuple[int, ...]
+) -> torch.Tensor:
+    """``x[idx]`` within ``region``, each sample flipped along the axes its row of ``flips`` marks, as one gather:
+    along a flipped axis of length ``n``, output position ``p`` of the region ``[s, e)`` holds ``n - 1 - s - p``."""
+    b, spatial = len(idx), x.dim() - 2
+    shape = x.shape[2:]
+    region = tuple(region) if region is not None else tuple(slice(0, n) for n in shape)
+    index: list[torch.Tensor] = [
+        idx.view(b, *([1] * (spatial + 1))),
+        torch.arange(x.shape[1], device=x.device).view(1, -1, *([1] * spatial)),
+    ]
+    for axis, (part, n) in enumerate(zip(region, shape, strict=True)):
+        start, stop = part.indices(n)[:2]
+        pos = torch.arange(start, stop, device=x.device)
+        view = [1] * (spatial + 2)
+        view[2 + axis] = len(pos)
+        if axis in flip_axes:
+            flipped = flips[:, flip_axes.index(axis)].view(-1, 1)
+            src = torch.where(flipped, n - 1 - pos.view(1, -1), pos.view(1, -1))  # (B, length)
+            view[0] = b
+            index.append(src.view(view))
+        else:
+            index.append(pos.view(view))
+    return x[tuple(index)]

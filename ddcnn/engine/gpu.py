@@ -4,7 +4,8 @@ opt-ins ``torch.compile`` and ``torch.profiler``.
 Every decision is a function of the device (and the settings), so that the CUDA path is the code a CPU test runs:
 
 - :func:`resolve_policy`: ``engine.channels_last``, ``tf32`` and ``cudnn_benchmark`` (``auto``: on for CUDA, TF32 and
-  autotuning off under ``trainer.deterministic``; off on CPU unless ``true``), and the memory format of 4D/5D inputs;
+  autotuning off under ``trainer.deterministic``, channels-last for 2D only; off on CPU unless ``true``), and the
+  memory format of 4D/5D inputs;
 - :func:`math_flags`: torch's global TF32 and ``cudnn.benchmark`` flags within one training, restored afterwards;
 - :func:`reset_peak_memory` / :func:`peak_memory_bytes`: a training's peak GPU memory (``None`` off CUDA);
 - :func:`data_placement` / :func:`place_data`: the stored (compact) splits on the device when they fit
@@ -33,6 +34,9 @@ __all__ = [
     "resolve_policy",
     "memory_format",
     "math_flags",
+    "tf32_state",
+    "set_tf32",
+    "restore_tf32",
     "reset_peak_memory",
     "peak_memory_bytes",
     "free_memory_bytes",
@@ -80,7 +84,8 @@ def resolve_policy(
     Args:
         device: Where it trains.
         deterministic: ``trainer.deterministic``: ``auto`` keeps TF32 and cuDNN autotuning off.
-        channels_last, tf32, cudnn_benchmark: ``auto``, ``True`` or ``False`` (``engine.*``).
+        channels_last, tf32, cudnn_benchmark: ``auto``, ``True`` or ``False`` (``engine.*``); ``channels_last=auto``
+            is on for 2D convnets on CUDA only (3D: ``True`` opts in).
         compile: ``engine.compile``.
         input_dims: Dimensions of a batch of network inputs (4: images, 5: volumes; the channels-last formats exist
             for those only, so ``channels_last`` is off for anything else, e.g. the coarse DNN's ``(B, N, K)``).
@@ -93,7 +98,9 @@ def resolve_policy(
         ValueError: For ``cudnn_benchmark=True`` with ``deterministic`` (autotuning picks algorithms by timing).
     """
     cuda = torch.device(device).type == "cuda"
-    layout = _switch(channels_last, cuda, "channels_last") and input_dims in _FORMATS
+    # auto: channels-last for 2D convnets on CUDA (cuDNN's documented preference for 4D NHWC convolutions and batch
+    # norm); not for 3D until bench/gpu_check.py measures cuDNN's NDHWC kernels against NCDHW (``true`` opts in).
+    layout = _switch(channels_last, cuda and input_dims == 4, "channels_last") and input_dims in _FORMATS
     benchmark = _switch(cudnn_benchmark, cuda and not deterministic, "cudnn_benchmark")
     if benchmark and deterministic:
         raise ValueError(
@@ -114,33 +121,71 @@ def memory_format(policy: Mapping[str, Any]) -> torch.memory_format:
     return getattr(torch, str(policy.get("memory_format", "contiguous_format")))
 
 
-def _tf32_api() -> list[tuple[object, str, Any, Any]]:
-    """``(object, attribute, on, off)`` of torch's TF32 switches: ``fp32_precision`` from torch 2.9 on (the legacy
-    ``allow_tf32`` flags are deprecated there), else the legacy flags."""
-    conv = getattr(torch.backends.cudnn, "conv", None)
-    if conv is not None and hasattr(conv, "fp32_precision"):
-        return [(obj, "fp32_precision", "tf32", "ieee") for obj in (torch.backends.cuda.matmul, conv)]
-    return [(torch.backends.cuda.matmul, "allow_tf32", True, False), (torch.backends.cudnn, "allow_tf32", True, False)]
+def _fp32_precision_switches() -> list[tuple[object, str]]:
+    """``(object, "fp32_precision")`` of torch's per-backend precision switches (torch 2.9 on; none before)."""
+    cudnn, mkldnn = torch.backends.cudnn, torch.backends.mkldnn
+    objs = [torch.backends.cuda.matmul, getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)]
+    objs.append(getattr(mkldnn, "matmul", None))  # the legacy matmul setter sets oneDNN's too
+    return [(obj, "fp32_precision") for obj in objs if obj is not None and hasattr(obj, "fp32_precision")]
+
+
+# The legacy readers of the TF32 flags, which Lightning Fabric and inductor call: torch 2.9+ raises a RuntimeError in
+# them once a flag was set through ``fp32_precision`` to a value they cannot express.
+_LEGACY_TF32 = {
+    "matmul": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    "cudnn": (
+        lambda: torch.backends.cudnn.allow_tf32,
+        lambda value: setattr(torch.backends.cudnn, "allow_tf32", value),
+    ),
+}
+
+
+def tf32_state() -> dict[str, Any]:
+    """torch's TF32 flags as they are: the per-backend ``fp32_precision`` values and what the legacy readers say
+    (``torch.get_float32_matmul_precision()``, ``torch.backends.cudnn.allow_tf32``; a reader that raises is left
+    out)."""
+    state: dict[str, Any] = {"fp32_precision": [getattr(obj, name) for obj, name in _fp32_precision_switches()]}
+    for key, (read, _) in _LEGACY_TF32.items():
+        with contextlib.suppress(RuntimeError):
+            state[key] = read()
+    return state
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 for CUDA matmuls and cuDNN convolutions on or off, set through the legacy API
+    (``torch.set_float32_matmul_precision``, ``torch.backends.cudnn.allow_tf32``), which sets the ``fp32_precision``
+    switches too and, unlike setting those directly, leaves every reader of either API working."""
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = bool(enabled)
+
+
+def restore_tf32(state: Mapping[str, Any]) -> None:
+    """The flags as :func:`tf32_state` found them: the values the legacy readers returned through the legacy setters
+    (torch keeps a value of its own for them), then the ``fp32_precision`` values exactly."""
+    for key, (_, write) in _LEGACY_TF32.items():
+        if key in state:
+            write(state[key])
+    for (obj, name), value in zip(_fp32_precision_switches(), state["fp32_precision"], strict=True):
+        setattr(obj, name, value)
 
 
 @contextlib.contextmanager
 def math_flags(policy: Mapping[str, Any], device: str | torch.device) -> Iterator[None]:
     """torch's TF32 and ``cudnn.benchmark`` flags as ``policy`` says within the block, restored after it. Process-wide
-    flags, so set for the training only: a later training (or the caller) finds them as they were. Off CUDA nothing
-    is touched (the flags steer CUDA kernels only)."""
+    flags, so set for the training only: a later training (or the caller) finds them as they were. TF32 is set so
+    that both torch's APIs keep reading it (:func:`set_tf32`). Off CUDA nothing is touched (the flags steer CUDA
+    kernels only)."""
     if torch.device(device).type != "cuda":
         yield
         return
-    switches = [*_tf32_api(), (torch.backends.cudnn, "benchmark", True, False)]
-    wanted = [bool(policy["tf32"])] * (len(switches) - 1) + [bool(policy["cudnn_benchmark"])]
-    saved = [getattr(obj, name) for obj, name, _, _ in switches]
+    saved, benchmark = tf32_state(), torch.backends.cudnn.benchmark
     try:
-        for (obj, name, on, off), want in zip(switches, wanted, strict=True):
-            setattr(obj, name, on if want else off)
+        set_tf32(bool(policy["tf32"]))
+        torch.backends.cudnn.benchmark = bool(policy["cudnn_benchmark"])
         yield
     finally:
-        for (obj, name, _, _), value in zip(switches, saved, strict=True):
-            setattr(obj, name, value)
+        torch.backends.cudnn.benchmark = benchmark
+        restore_tf32(saved)
 
 
 # --- memory -------------------------------------------------------------------------------------------------------
@@ -200,13 +245,14 @@ def data_placement(
 def place_data(data: Any, device: str | torch.device, mode: str | bool, fraction: float) -> tuple[Any, str]:
     """``data`` (a :class:`~ddcnn.data.datamodule.Batches`) as :func:`data_placement` decides, and the placement.
 
-    A source that can be placed has ``placed(device, pin) -> Batches`` and ``placed_nbytes() -> int``
+    A source that can be placed has ``placed(device, pin) -> Batches`` and ``placed_nbytes(device) -> int`` (the
+    bytes placing it would add on ``device``: 0 when this process holds them there already)
     (:class:`~ddcnn.data.datamodule.PreparedBatches`, :class:`~ddcnn.data.datamodule.RowSubset`); any other source
     is read as it is (its batches still reach the device with ``non_blocking`` copies).
     """
     device = torch.device(device)
     placeable = callable(getattr(data, "placed", None)) and callable(getattr(data, "placed_nbytes", None))
-    nbytes = data.placed_nbytes() if placeable else None
+    nbytes = data.placed_nbytes(device) if placeable else None
     where = data_placement(mode, device, nbytes, free_memory_bytes(device), fraction)
     if where == "host":
         return data, where

@@ -11,13 +11,23 @@ and build its ``SLURMEnvironment``, which refuses a step started with ``srun -n 
 The precision plugin is built here too, so that ``16-mixed`` means float16 autocast with a loss scaler on every
 device (Fabric, asked by name, silently runs ``bf16-mixed`` instead on CPU), and ``64-true`` keeps the network's
 outputs in float64 for the loss.
+
+A failure of one rank stops every rank (:func:`failures_stop_every_rank`): the failing rank records its error in the
+process group's store, and every other rank, whether it is computing or waiting in a collective for the rank that is
+gone, stops within seconds with that rank's message and traceback, instead of waiting out the process-group timeout
+(10-30 minutes), spawned and ``srun`` alike.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
 import os
 import sys
+import threading
+import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,7 +52,18 @@ from lightning_fabric.plugins.environments.lightning import find_free_network_po
 from lightning_fabric.plugins.precision import DoublePrecision, MixedPrecision  # noqa: E402
 from lightning_fabric.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
 
-__all__ = ["LAUNCHERS", "SrunEnvironment", "build_fabric", "precision_plugin", "rendezvous_port", "isolated_launch"]
+__all__ = [
+    "LAUNCHERS",
+    "RankFailed",
+    "SrunEnvironment",
+    "build_fabric",
+    "failures_stop_every_rank",
+    "precision_plugin",
+    "rendezvous_port",
+    "isolated_launch",
+]
+
+log = logging.getLogger(__name__)
 
 # How a training's processes start: this process on one device, DDP ranks spawned by this process, or the tasks of
 # the srun step this process is one of.
@@ -268,3 +289,140 @@ def isolated_launch() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+# --- one rank's failure stops every rank ---------------------------------------------------------------------------
+# The store key under which the first failing rank of a DDP training records itself; numbered per process, so that the
+# trainings an srun step runs one after the other (the same sequence in every task) each have their own.
+_FAILURE_KEY = "ddcnn.rank_failed/{}"
+_trainings = itertools.count()
+
+
+class RankFailed(RuntimeError):
+    """Another rank of this DDP training failed first; its rank, message and traceback are here, so the run stops
+    with them rather than with this rank's consequence (a collective whose peer is gone).
+
+    Attributes:
+        rank: The rank that failed first.
+        traceback: Its traceback, as text.
+    """
+
+    def __init__(self, message: str, rank: int, traceback: str) -> None:
+        super().__init__(message)
+        self.rank, self.traceback = int(rank), traceback
+
+    def __reduce__(self):  # picklable (a spawned rank raises it to the parent)
+        return (type(self), (str(self), self.rank, self.traceback))
+
+
+def _decode(value: bytes | str) -> tuple[int, str, str]:
+    text = value.decode() if isinstance(value, bytes) else value
+    rank, message, trace = text.split("\n", 2)
+    return int(rank), message, trace
+
+
+class _Failures:
+    """The record of the first failing rank in the store of this process's default process group, and a watcher
+    thread that stops this rank when another one failed (see :func:`failures_stop_every_rank`)."""
+
+    def __init__(self, store, rank: int, world: int, key: str, poll_s: float, grace_s: float) -> None:
+        self.store, self.rank, self.world, self.key = store, rank, world, key
+        self.poll_s, self.grace_s = float(poll_s), float(grace_s)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="ddcnn-rank-watch", daemon=True)
+
+    def first(self) -> tuple[int, str, str] | None:
+        """``(rank, message, traceback)`` of the first failing rank, ``None`` while none failed."""
+        if not self.store.check([self.key]):
+            return None
+        return _decode(self.store.get(self.key))
+
+    def other_failed_first(self) -> bool:
+        """Whether another rank's failure is on record (``False`` when the store cannot say: gone with rank 0)."""
+        try:
+            first = self.first()
+        except Exception:
+            return False
+        return first is not None and first[0] != self.rank
+
+    def record(self, err: BaseException) -> tuple[int, str, str]:
+        """Record ``err`` as this rank's failure unless another rank's came first; the first one either way."""
+        trace = "".join(traceback.format_exception(err))
+        payload = f"{self.rank}\n{_one_line(err)}\n{trace}"
+        return _decode(self.store.compare_set(self.key, "", payload))
+
+    def _stop_rank(self, why: str) -> None:
+        """Give the main thread ``grace_s`` to end the training on its own (a collective whose peer is gone raises
+        on gloo), then end this process: it may be blocked in a collective that never returns (NCCL)."""
+        if self.done.wait(self.grace_s):
+            return
+        sys.stderr.write(f"{why}\nrank {self.rank} stops.\n")
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(1)
+
+    def _watch(self) -> None:
+        unreachable_since = None
+        while not self.done.wait(self.poll_s):
+            try:
+                first = self.first()
+                unreachable_since = None
+            except Exception as err:  # the store lives in rank 0's process: gone with it
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since >= self.grace_s:
+                    self._stop_rank(f"the DDP training's store (rank 0's process) is unreachable: {err}")
+                    return
+                continue
+            if first is not None and first[0] != self.rank:
+                rank, message, trace = first
+                log.error("rank %d of %d of the DDP training failed: %s\n%s", rank, self.world, message, trace)
+                self._stop_rank(f"rank {rank} of the DDP training failed: {message}\n{trace}")
+                return
+
+
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}".replace("\n", " ")
+
+
+@contextlib.contextmanager
+def failures_stop_every_rank(fabric, poll_s: float = 0.5, grace_s: float = 5.0) -> Iterator[_Failures | None]:
+    """Within the block (one DDP training in this rank), a failure of any rank stops every rank within seconds.
+
+    An exception that leaves the block is recorded in the process group's store unless another rank's failure came
+    first; then this rank raises :class:`RankFailed` with that rank's message and traceback (this rank's own error,
+    typically a collective whose peer is gone, is its cause). Meanwhile a thread polls the store every ``poll_s``
+    seconds: when another rank failed, it logs that rank's traceback, gives the training ``grace_s`` seconds to end on
+    its own and then ends this process with exit status 1 (a rank blocked in a collective with a rank that is gone may
+    never return). Yields the record (``None`` on one device or without a process group: nothing to stop).
+    """
+    import torch.distributed as dist
+
+    if fabric.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        yield None
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    failures = _Failures(
+        _get_default_store(),
+        fabric.global_rank,
+        fabric.world_size,
+        _FAILURE_KEY.format(next(_trainings)),
+        poll_s,
+        grace_s,
+    )
+    failures.thread.start()
+    try:
+        yield failures
+    except Exception as err:
+        failures.done.set()
+        first = None
+        with contextlib.suppress(Exception):  # the store may be gone with rank 0: then the error stands as it is
+            first = failures.first()
+            if first is None:
+                first = failures.record(err)
+        if first is not None and first[0] != failures.rank:
+            rank, message, trace = first
+            raise RankFailed(f"rank {rank} of the DDP training failed: {message}", rank, trace) from err
+        raise
+    finally:
+        failures.done.set()

@@ -23,8 +23,9 @@ owns the order of the samples and everything a run directory promises:
 - ``logs/metrics.csv``: one row per epoch, every epoch once across a resume;
 - **one timing rule**: the training clock runs from the caller's ``start`` and adds the time of the earlier processes
   that worked on the training (carried in ``last.ckpt``). Left out of it, alike for every training: process start-up
-  and DDP's launch and rendezvous (``startup_s``), the device warm-up (one untimed training step and one evaluation
-  batch that leave weights, buffers, optimizer and generators as they were: ``warmup_s``), the ``after_epoch`` hook
+  and DDP's launch and rendezvous (``startup_s``), the device warm-up (an untimed training forward and backward of
+  every batch shape of the epoch, the full batch and a partial last one, and an evaluation batch of every shape,
+  which leave weights, buffers, optimizer and generators as they were: ``warmup_s``), the ``after_epoch`` hook
   (``hook_time_s``) and the progress and loggers (``report_time_s``).
 
 What a fit may ask of the loop beyond plain mini-batch steps:
@@ -63,6 +64,7 @@ import logging
 import math
 import os
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +88,7 @@ from ddcnn.engine.gpu import (
     reset_peak_memory,
     resolve_policy,
 )
-from ddcnn.engine.launch import LAUNCHERS, build_fabric, isolated_launch
+from ddcnn.engine.launch import LAUNCHERS, RankFailed, build_fabric, failures_stop_every_rank, isolated_launch
 from ddcnn.engine.settings import MONITORS, PRECISIONS, check_schedule, num_batches
 from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
 from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_text, is_space_or_permission
@@ -124,6 +126,8 @@ _RESUMABLE_FORMATS = (CHECKPOINT_FORMAT, "ddcnn.tensor_fit/1")
 METRIC_COLUMNS = ("epoch", "step", "lr", "train_loss", "train_acc", "val_loss", "val_acc", "time_s")
 # What a spawned DDP rank 0 hands back to the parent, in the training's folder (removed once read).
 _SPAWN_RESULT = ".spawned_result.pt"
+# What a failing spawned DDP rank hands to the parent, in the training's folder (removed once read).
+_SPAWN_ERROR = ".spawned_error.{}.pt"
 # Rows per forward pass when evaluating the coarse DNN's tensors; bounds the memory of a hidden layer.
 EVAL_CHUNK = 65_536
 # The settings an exact resume depends on: a checkpoint written under others is refused (a key missing from both
@@ -322,6 +326,47 @@ def _deterministic(enabled: bool) -> Iterator[None]:
 
 
 # --- small pieces ------------------------------------------------------------------------------------------------
+SYNC_DEBUG_ENV = "DDCNN_SYNC_DEBUG"
+
+
+def sync_debug_mode(device: torch.device) -> str | None:
+    """``warn`` or ``error`` from ``$DDCNN_SYNC_DEBUG`` for a CUDA training (``None``: unset, or not CUDA)."""
+    mode = os.environ.get(SYNC_DEBUG_ENV, "").strip().lower()
+    if mode in ("", "0", "off", "default"):
+        return None
+    if mode not in ("warn", "error"):
+        raise ValueError(f"{SYNC_DEBUG_ENV}={mode!r}: use warn or error (or leave it unset).")
+    return mode if torch.device(device).type == "cuda" else None
+
+
+def _on_training_stream(items: Iterator, device: torch.device) -> Iterator:
+    """``(idx, batch)`` of batches made on a side stream (``(idx, (batch, ready event))``), usable on the current
+    stream: it waits for the event, and each tensor is recorded as used there."""
+    current = torch.cuda.current_stream(device)
+    for idx, (batch, ready) in items:
+        current.wait_event(ready)
+        for tensor in batch:
+            tensor.record_stream(current)
+        yield idx, batch
+
+
+def _under_sync_debug(items: Iterator, mode: str) -> Iterator:
+    """``items``, with torch's CUDA sync debug mode ``mode`` while the caller works on each one."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield from items
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def _compiled_frames() -> int:
+    """Frames ``torch.compile`` (dynamo) has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
 def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch))
 
@@ -597,14 +642,31 @@ class _Training:
 
     def batches_ahead(self, batches: list[torch.Tensor], epoch: int) -> Iterator[tuple[torch.Tensor, tuple]]:
         """``(idx, batch)`` of this epoch's training batches, the next one read by a background thread while this
-        one trains when the batches stream from pinned host memory to a GPU (``prefetch``)."""
+        one trains when the batches stream from pinned host memory to a GPU (``prefetch``). On CUDA with
+        ``DDCNN_SYNC_DEBUG`` set (``warn`` or ``error``), torch's sync debug mode is on while they are read and
+        trained on (every step of the epoch, nothing after it): a host synchronisation there warns or fails.
+
+        Streamed to a GPU, each batch is copied (and decoded) on a side stream, so that its copy overlaps the current
+        batch's computation; the training stream waits for it (an event, no host synchronisation) and the batch's
+        memory is marked as used there, so the allocator does not hand it out early."""
         device = self.fabric.device
+        side = torch.cuda.Stream(device) if self.prefetch and device.type == "cuda" else None
 
         def fetch(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                return self.train_batch(idx, epoch)
+                if side is None:
+                    return self.train_batch(idx, epoch)
+                with torch.cuda.stream(side):
+                    batch = self.train_batch(idx, epoch)
+                    ready = torch.cuda.Event()
+                    ready.record(side)
+                return batch, ready
 
-        return prefetched(fetch, batches, self.prefetch)
+        items = prefetched(fetch, batches, self.prefetch)
+        if side is not None:
+            items = _on_training_stream(items, device)
+        mode = sync_debug_mode(device)
+        return items if mode is None else _under_sync_debug(items, mode)
 
     def build_optimizer(self, lr_scale: float) -> None:
         opt = build_optimizer(self.optimizer, self.module.parameters())
@@ -692,7 +754,7 @@ class _Training:
         fabric, module = self.fabric, self.module
         module.eval()
         sums = torch.zeros(3, device=fabric.device, dtype=torch.float64)
-        idx = torch.arange(fabric.global_rank, self.data.size(split), fabric.world_size)
+        idx = torch.arange(fabric.global_rank, self.data.size(split), fabric.world_size, device=self.index_device)
         for k, chunk in enumerate(idx.split(self.eval_batch_size)):
             if k >= self.val_batches:
                 break
@@ -706,38 +768,57 @@ class _Training:
             sums = fabric.all_reduce(sums, reduce_op="sum")
         return sums
 
+    @property
+    def index_device(self) -> torch.device:
+        """Where the data cut their batches (``Batches.index_device``: the device for data held there, else the
+        CPU): the sample indices live there, so that cutting a batch copies nothing between host and device."""
+        return torch.device(getattr(self.data, "index_device", None) or "cpu")
+
     def epoch_batches(self, epoch: int) -> list[torch.Tensor]:
-        """The sample indices of this rank's training batches in ``epoch``, and seeds the global generators."""
+        """The sample indices of this rank's training batches in ``epoch``, and seeds the global generators.
+
+        The order is drawn on the CPU (the same permutation on every device) and moved where the data cut their
+        batches once per epoch, in one copy; the batches are views of it."""
         gen = _epoch_generator(self.seed, epoch)
         order = torch.randperm(self.n_train, generator=gen) if self.batch < self.n_train else torch.arange(self.n_train)
         order = shard_order(order, self.fabric.global_rank, self.fabric.world_size)
         _seed_global_rng(int(torch.randint(2**62, (1,), generator=gen)), self.fabric.device)
-        return list(order.split(self.batch))[: self.train_batches]
+        order = order[: self.train_batches * self.batch]
+        if self.index_device.type != "cpu":
+            order = order.pin_memory().to(self.index_device, non_blocking=True)
+        return list(order.split(self.batch))
 
     def warm_up(self, epoch: int) -> None:
-        """One training step's forward and backward and one evaluation batch, which leave no trace: no optimizer
-        step, gradients cleared, buffers (batch-norm statistics) and generators restored. The device's first-use
-        costs (CUDA context, cuDNN handles, kernels, allocator; oneDNN primitives on CPU) are then paid here, outside
-        the clock, by every training alike, whichever process or calibration used the device before."""
+        """A training step's forward and backward for every batch shape of the epoch (the full batch and a partial
+        last one) and an evaluation batch of every shape validation uses, which leave no trace: no optimizer step,
+        gradients cleared, buffers (batch-norm statistics) and generators restored. The device's first-use costs
+        (CUDA context, cuDNN handles, kernels, allocator; oneDNN primitives on CPU), cuDNN's autotuning of each shape
+        and, with ``compile``, the compilation of each shape are then paid here, outside the clock, by every training
+        alike, whichever process or calibration used the device before."""
         fabric, module = self.fabric, self.module
         saved = [b.detach().clone() for b in module.buffers()]
         devices = [fabric.device] if fabric.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            idx = self.epoch_batches(epoch)[0]
+            batches = self.epoch_batches(epoch)
+            shapes = {len(idx): idx for idx in reversed(batches)}  # one batch per size (the first of each)
             self.model.train()
-            xb, yb = self.train_batch(idx, epoch)
-            with self.no_sync(True):
-                loss = F.cross_entropy(_loss_dtype(self.model(xb)), yb)
-                fabric.backward(loss)
-            self.opt.zero_grad(set_to_none=True)
+            for idx in reversed(shapes.values()):
+                xb, yb = self.train_batch(idx, epoch)
+                with self.no_sync(True):
+                    loss = F.cross_entropy(_loss_dtype(self.model(xb)), yb)
+                    fabric.backward(loss)
+                self.opt.zero_grad(set_to_none=True)
             with torch.no_grad():
                 for buffer, value in zip(module.buffers(), saved, strict=True):
                     buffer.copy_(value)
             with torch.inference_mode(), fabric.autocast():
                 module.eval()
-                n_val = self.data.size("val")
-                if n_val and self.val_batches:
-                    module(self.eval_batch("val", torch.arange(min(n_val, self.eval_batch_size)))[0])
+                idx = torch.arange(
+                    fabric.global_rank, self.data.size("val"), fabric.world_size, device=self.index_device
+                )
+                chunks = list(idx.split(self.eval_batch_size))[: self.val_batches]
+                for chunk in {len(chunk): chunk for chunk in reversed(chunks)}.values():
+                    module(self.eval_batch("val", chunk)[0])
         if fabric.device.type == "cuda":
             torch.cuda.synchronize(fabric.device)
 
@@ -750,7 +831,7 @@ class _Training:
             status = "success"
             return result
         finally:
-            self.data = data  # stored splits placed on the device for this training are freed with it
+            self.data = data  # the placed view goes; the device copy of the splits is the process's (datamodule)
             if self.reporter is not None and fabric.global_rank == 0:
                 self.reporter.close(status)
 
@@ -907,6 +988,7 @@ class _Training:
                     self.warm_up(epoch)
                 if self.policy["compile"]:  # the first training and evaluation passes compile the network
                     compile_time_s = time.perf_counter() - began_warmup
+            compiled_before = _compiled_frames() if self.policy["compile"] else None
             while epoch < self.max_epochs and stopped_epoch is None:
                 batches = self.epoch_batches(epoch)
                 lr = float(self.raw_opt.param_groups[0]["lr"])
@@ -915,13 +997,14 @@ class _Training:
                 window, points = [], []
                 log_steps = bool(self.log_every_n_steps and report is not None and getattr(report, "wants_steps", True))
                 accumulate = self.accumulate_grad_batches
+                first = None  # the first batch's loss, read after the epoch's steps: no host sync among them
                 for k, (_, (xb, yb)) in enumerate(self.batches_ahead(batches, epoch)):
                     stepping = (k + 1) % accumulate == 0 or k == len(batches) - 1
                     loss, logits = self.train_step(xb, yb, stepping)
                     profile.step()
-                    if initial_loss is None:  # under DDP the global first batch's: every rank decides alike
+                    if initial_loss is None and first is None:  # under DDP the global first batch's: all alike
                         first = fabric.all_reduce(loss.clone(), reduce_op="mean") if world > 1 else loss
-                        initial_loss, num_classes = float(first), int(logits.shape[-1])
+                        num_classes = int(logits.shape[-1])
                     sums[0] += loss.double() * len(yb)
                     sums[1] += (logits.argmax(-1) == yb).sum()
                     sums[2] += len(yb)
@@ -934,6 +1017,8 @@ class _Training:
                                 window = []
                 if world > 1:
                     sums = fabric.all_reduce(sums, reduce_op="sum")
+                if first is not None:
+                    initial_loss = float(first)
                 train_loss = float(sums[0] / sums[2])
                 reason = (
                     _divergence(train_loss, initial_loss, num_classes, self.divergence_factor)
@@ -1045,6 +1130,8 @@ class _Training:
         if self.precision == "64-true":  # and in the dtype it handed over (predictions, exports read it so)
             self.module.to(self.net_dtype)
         stopped_by = "early_stopping" if stopped_epoch is not None else "budget"
+        if compiled_before is not None:  # compilations inside the clock: a shape the warm-up did not cover
+            engine["compile_recompiles"] = _compiled_frames() - compiled_before
         left_out = clock.left_out
         return FitResult(
             net=self.module,
@@ -1078,27 +1165,62 @@ def _run_spawned(fabric, training: _Training, prefit_s: float) -> str | None:
 
     Through a file whose path is returned: Fabric's launcher reads rank 0's return value only after every rank
     exited, so a large one would block rank 0 on the full pipe forever, and a tensor sent through multiprocessing
-    would be a handle to the memory of a process that is gone."""
+    would be a handle to the memory of a process that is gone.
+
+    A rank that fails writes its error to ``.spawned_error.<rank>.pt`` (unless another rank failed first: then its
+    own error is that one's consequence) before the failure is recorded for the other ranks, and raises: its process
+    ends with status 1, the launcher ends the others, and the parent raises the error of the rank that failed first
+    (:func:`_spawned_failure`). The others stop within seconds anyway (:func:`failures_stop_every_rank`)."""
     with torch.no_grad():
         # The network arrived through multiprocessing, its tensors in memory shared with the other ranks (torch shares
         # what it sends): each rank must train its own copy, or every rank's step lands on the same weights.
         for tensor in itertools.chain(training.net.parameters(), training.net.buffers()):
             tensor.data = tensor.data.clone()
     path = Path(training.folder) / _SPAWN_RESULT
-    try:
-        result = training.run(fabric, prefit_s=prefit_s)
-    except Exception as err:  # every rank meets the same refusal (a checkpoint, a setting): hand rank 0's over whole
-        if fabric.global_rank != 0:
-            return None
+    with failures_stop_every_rank(fabric) as failures:
         try:
-            atomic_torch_save({"error": err}, path)
-        except Exception:
-            atomic_torch_save({"error": RuntimeError(f"{type(err).__name__}: {err}")}, path)
-        return str(path)
+            result = training.run(fabric, prefit_s=prefit_s)
+        except Exception as err:
+            if failures is None or not failures.other_failed_first():
+                _save_error(err, Path(training.folder) / _SPAWN_ERROR.format(fabric.global_rank), fabric.global_rank)
+            raise
     if fabric.global_rank != 0:
         return None
     atomic_torch_save({"state": _cpu_state(result.net), "result": dataclasses.replace(result, net=None)}, path)
     return str(path)
+
+
+def _save_error(err: Exception, path: Path, rank: int) -> None:
+    """A rank's error for the parent: the exception itself (a ``RuntimeError`` with its message when it does not
+    pickle) and its traceback."""
+    trace = "".join(traceback.format_exception(err))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        atomic_torch_save({"error": err, "rank": rank, "traceback": trace}, path)
+    except Exception:
+        atomic_torch_save(
+            {"error": RuntimeError(f"{type(err).__name__}: {err}"), "rank": rank, "traceback": trace}, path
+        )
+
+
+def _spawned_failure(folder: Path, launch_error: Exception) -> Exception:
+    """What the parent raises when spawned ranks failed: the error of the rank that failed first (its traceback
+    logged), as it was raised there; the error files are removed."""
+    found = []
+    for path in sorted(folder.glob(_SPAWN_ERROR.format("*"))):
+        with contextlib.suppress(Exception):
+            found.append(torch.load(path, map_location="cpu", weights_only=False))
+        path.unlink(missing_ok=True)
+    # The rank that failed first left its own error; a rank that met the same refusal did too (the lowest wins).
+    found.sort(key=lambda out: (isinstance(out["error"], RankFailed), int(out["rank"])))
+    if not found:
+        return RuntimeError(
+            f"a spawned DDP rank of the training in {folder} ended without reporting an error ({launch_error}); it "
+            f"was likely killed (out of memory?). Run it again on fewer devices, or see the system log."
+        )
+    first = found[0]
+    log.error("DDP rank %d of the training in %s failed:\n%s", first["rank"], folder, first["traceback"].rstrip())
+    return first["error"]
 
 
 def fit_batches(
@@ -1320,12 +1442,15 @@ def fit_batches(
     try:
         if launcher == "spawn":
             prefit = time.perf_counter() - start
-            with isolated_launch():
-                path = Path(fabric.launch(_run_spawned, training, prefit))
+            for stale in Path(folder).glob(_SPAWN_ERROR.format("*")):
+                stale.unlink(missing_ok=True)
+            try:
+                with isolated_launch():
+                    path = Path(fabric.launch(_run_spawned, training, prefit))
+            except Exception as err:  # raised in a rank: here as there, its message intact
+                raise _spawned_failure(Path(folder), err) from None
             out = torch.load(path, map_location="cpu", weights_only=False)
             path.unlink(missing_ok=True)
-            if "error" in out:  # raised in the ranks (the same in every one): here as there, its message intact
-                raise out["error"]
             result: FitResult = out["result"]
             net.load_state_dict(out["state"])
             # Spawning the ranks (interpreters, imports, the data), their rendezvous and tear-down: start-up, apart.
@@ -1337,11 +1462,15 @@ def fit_batches(
             fabric.launch()  # DDP across srun tasks: the ranks meet here
         # Fabric's set-up and (srun) the rendezvous of the ranks: start-up, left out of the clock.
         training.startup_s = time.perf_counter() - began
+        finished = False
         try:
-            return training.run(fabric)
+            with failures_stop_every_rank(fabric):
+                result = training.run(fabric)
+            finished = True
+            return result
         finally:
             if launcher == "srun":
-                _leave_process_group(fabric)
+                _leave_process_group(fabric, wait=finished)
     except OSError as err:
         if isinstance(err, ArtifactWriteError) or not is_space_or_permission(err):
             raise
@@ -1352,15 +1481,18 @@ def fit_batches(
         ) from err
 
 
-def _leave_process_group(fabric) -> None:
-    """End this srun task's part in the DDP training: the ranks wait for each other, then the group is destroyed (a
-    rank that goes on alone, rank 0 predicting, must not meet the others' collectives)."""
+def _leave_process_group(fabric, wait: bool = True) -> None:
+    """End this srun task's part in the DDP training: the ranks wait for each other (``wait``: not after a failure,
+    the others may never come), then the group is destroyed (a rank that goes on alone, rank 0 predicting, must not
+    meet the others' collectives)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            fabric.barrier()
-        dist.destroy_process_group()
+        if wait:
+            with contextlib.suppress(Exception):
+                fabric.barrier()
+        with contextlib.suppress(Exception) if not wait else contextlib.nullcontext():
+            dist.destroy_process_group()
 
 
 def fit_tensors(

@@ -3,6 +3,7 @@ and gets the numbers of the whole-image path."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -81,20 +82,26 @@ def test_a_flip_reads_the_mirrored_box_and_a_rotation_a_slightly_larger_one(monk
     regions = []
     read = data.read
 
-    def spy(split, idx, region=None):
-        regions.append(tuple((r.start, r.stop) for r in region))
-        return read(split, idx, region)
+    def spy(split, idx, region=None, flips=None, flip_axes=()):
+        regions.append((tuple((r.start, r.stop) for r in region), tuple(flip_axes)))
+        return read(split, idx, region, flips, flip_axes)
 
     monkeypatch.setattr(data, "read", spy)
     PreparedBatches(data, 8, box=box, augment=Augment(flip_axes=(1,), seed=0)).train_batch(torch.arange(16), 0, "cpu")
-    assert sorted(set(regions)) == [((0, 17), (0, 17)), ((0, 17), (15, 32))]  # the box, and its mirror image
+    assert regions == [(((0, 17), (0, 17)), (1,))]  # one gather of the box, of the flipped image for flipped samples
+    # A flipped sample's box of the flipped image is its mirror box (columns 15..31), flipped: nothing else is read.
+    idx, flips = torch.arange(6), torch.tensor([[True], [False], [True], [True], [False], [False]])
+    gathered = read("train", idx, box, flips, (1,))
+    plain, mirror = read("train", idx, box), read("train", idx, (slice(0, 17), slice(15, 32)))
+    for b in range(6):
+        assert torch.equal(gathered[b], mirror[b].flip(-1) if flips[b] else plain[b])
     regions.clear()
     PreparedBatches(data, 8, box=box, augment=Augment(rotate_deg=10, seed=0)).train_batch(torch.arange(16), 0, "cpu")
-    ((rows, cols),) = set(regions)
+    (((rows, cols), _),) = set(regions)
     assert rows[0] == 0 and cols[0] == 0 and 17 < rows[1] < 24 and 17 < cols[1] < 24  # a little more, not all
     regions.clear()
     PreparedBatches(data, 8, box=box).eval_batch("test", torch.arange(4), "cpu")
-    assert regions == [((0, 17), (0, 17))]
+    assert regions == [(((0, 17), (0, 17)), ())]
 
 
 def _mapping_rss_kib(path: Path) -> int:
@@ -234,3 +241,59 @@ def test_on_a_gpu_the_batches_are_bitwise_those_of_the_cpu():
         idx = torch.tensor([4, 8, 15, 16, 23, 35])
         cpu, gpu = batches.train_batch(idx, 1, "cpu"), batches.train_batch(idx, 1, "cuda")
         assert gpu[0].is_cuda and torch.equal(gpu[0].cpu(), cpu[0]) and torch.equal(gpu[1].cpu(), cpu[1])
+
+
+def _splitmix64_reference(seed: int, epoch: int, sample: int, draw: int) -> float:
+    """The augmentation's generator written out in plain Python integers (SplitMix64 of (seed, epoch, sample, draw))."""
+    mask, golden = (1 << 64) - 1, 0x9E3779B97F4A7C15
+
+    def mix(z: int) -> int:
+        z &= mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    key = mix(mix(seed + golden) + epoch * golden)
+    z = mix(sample * golden + key)
+    z = mix(z + draw * golden)
+    return (z >> 40) / 2**24
+
+
+def test_the_augmentation_draws_depend_only_on_seed_epoch_and_sample():
+    """Counter-based draws: a sample's parameters are the same in any batch, in any order, in any process; they are
+    those of SplitMix64 written in plain integers (so they are the same on every device: integer arithmetic only)."""
+    from ddcnn.data.augment import RNG_VERSION, uniforms
+    from ddcnn.rundir import AUGMENT_RNG
+
+    assert RNG_VERSION == AUGMENT_RNG == "splitmix64/1"
+    idx = torch.tensor([0, 5, 17, 2**40 + 3, 123456])
+    u = uniforms(7, 3, idx, 4)
+    assert u.dtype == torch.float32 and u.shape == (5, 4) and bool(((u >= 0) & (u < 1)).all())
+    for row, j in enumerate(idx.tolist()):
+        for k in range(4):
+            assert float(u[row, k]) == _splitmix64_reference(7, 3, j, k + 1)
+    assert torch.equal(uniforms(7, 3, idx.flip(0), 4), u.flip(0))  # the batch's order and company do not matter
+    assert torch.equal(uniforms(7, 3, idx[2:3], 4)[0], u[2])
+    assert not torch.equal(uniforms(7, 4, idx, 4), u) and not torch.equal(uniforms(8, 3, idx, 4), u)
+    many = uniforms(0, 0, torch.arange(20000), 2)
+    assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float((many < 0.5).float().mean()) - 0.5) < 0.01
+    # Augment draws from it: flips and angles of a sample in an epoch, the same in a batch of one.
+    aug = Augment(flip_axes=(0, 1), rotate_deg=10, seed=7)
+    flips, angles = aug.draw(idx, 3)
+    assert torch.equal(flips, u[:, :2] < 0.5) and float(angles.abs().max()) <= math.radians(10)
+    one = aug.draw(idx[3:4], 3)
+    assert torch.equal(one[0][0], flips[3]) and torch.equal(one[1][0], angles[3])
+
+
+def test_an_augmented_runs_fingerprint_holds_the_generator_and_an_unaugmented_one_does_not(make_cfg):
+    from ddcnn.rundir import fingerprint, result_settings
+
+    plain = result_settings(make_cfg())
+    assert plain["data"]["augment"] is None
+    flips = result_settings(make_cfg("data.augment={flip_axes:[1]}"))
+    assert flips["data"]["augment"] == {"flip_axes": [1], "rng": "splitmix64/1"}
+    rotation = result_settings(make_cfg("data.augment={flip_axes:[],rotate_deg:5.0}"))
+    assert rotation["data"]["augment"]["rng"] == "splitmix64/1"
+    none = result_settings(make_cfg("data.augment={flip_axes:[],rotate_deg:0.0}"))
+    assert "rng" not in none["data"]["augment"]  # no augmentation: its generator does not matter
+    assert fingerprint(plain) != fingerprint(flips)

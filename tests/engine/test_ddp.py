@@ -184,3 +184,147 @@ def test_two_ddp_ranks_train_as_one_device_in_float64(tmp_path):
     assert best[0]["0.weight"].dtype == torch.float64
     for key in best[0]:
         torch.testing.assert_close(best[1][key], best[0][key], rtol=1e-10, atol=1e-12, msg=lambda m, k=key: f"{k}: {m}")
+
+
+class _FailsOnRank1(torch.nn.Module):
+    """A small net whose training forward raises in DDP rank 1 from its second call on (the first is the loop's
+    warm-up): rank 1 fails inside epoch 0 while rank 0 waits for it in the step's gradient all-reduce, as a CUDA
+    out-of-memory error on one GPU would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 3))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if self.training:
+            self.calls += 1
+            if self.calls >= 2 and dist.is_initialized() and dist.get_rank() == 1:
+                raise RuntimeError("rank 1 ran out of memory (test)")
+        return self.body(x)
+
+
+@pytest.mark.slow
+def test_a_failure_in_one_spawned_rank_stops_every_rank_with_its_message(tmp_path, caplog):
+    """Rank 1 raises in a training step while rank 0 waits for it in the gradient all-reduce: the run stops within
+    seconds (not the process group's 30-minute timeout) with rank 1's error and its traceback in the log."""
+    import logging
+    import time
+
+    from ddcnn.data.datamodule import TensorDataModule
+    from ddcnn.engine.loop import fit_batches
+
+    x = {s: torch.randn(24, 1, 6, 6) for s in ("train", "val", "test")}
+    y = {s: torch.randint(3, (24,)) for s in x}
+    sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
+    began = time.perf_counter()
+    with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match=r"^rank 1 ran out of memory \(test\)$"):
+        fit_batches(_FailsOnRank1(), TensorDataModule(x, y, 4), tmp_path, optimizer=sgd, max_epochs=3, num_devices=2)
+    assert time.perf_counter() - began < 60  # spawning two interpreters included
+    assert "DDP rank 1 of the training" in caplog.text and "in forward" in caplog.text  # rank 1's traceback
+    assert not list(tmp_path.glob(".spawned_*"))
+
+
+_SRUN_TASK = """
+import sys, torch
+from ddcnn.data.datamodule import TensorDataModule
+from ddcnn.engine.loop import fit_batches
+from tests.engine.test_ddp import _FailsOnRank1
+
+torch.manual_seed(0)
+x = {s: torch.randn(24, 1, 6, 6) for s in ("train", "val", "test")}
+y = {s: torch.randint(3, (24,)) for s in x}
+sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
+fit_batches(_FailsOnRank1(), TensorDataModule(x, y, 4), sys.argv[1], optimizer=sgd, max_epochs=3, num_devices=2,
+            launcher="srun")
+"""
+
+
+@pytest.mark.slow
+def test_a_failure_in_one_srun_task_stops_every_task_with_its_message(tmp_path):
+    """The two tasks of an srun step (started here as srun starts them: the SLURM step's variables): rank 1 raises in
+    a training step; rank 0, waiting for it in the all-reduce, exits non-zero too, within seconds, with rank 1's
+    message, and neither waits for the other at the end."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from lightning_fabric.plugins.environments.lightning import find_free_network_port
+
+    from tests.conftest import REPO
+
+    port = str(find_free_network_port())
+    tasks = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_NTASKS": "2",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NODEID": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+        }
+        cmd = [sys.executable, "-c", _SRUN_TASK, str(tmp_path)]
+        tasks.append(
+            subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    began = time.perf_counter()
+    outs = [task.communicate(timeout=240) for task in tasks]
+    elapsed = time.perf_counter() - began
+    assert all(task.returncode != 0 for task in tasks), outs
+    assert "RuntimeError: rank 1 ran out of memory (test)" in outs[1][1]
+    assert "rank 1 of the DDP training failed: RuntimeError: rank 1 ran out of memory (test)" in outs[0][1], outs[0][1]
+    assert elapsed < 90  # two interpreters' start-up included; the process group's timeout is 30 minutes
+
+
+def _watched_rank(rank: int, port: str, stderr_path: str) -> None:
+    """Rank 1 fails and stays alive without joining the collective (an NCCL peer that hangs); rank 0 waits for it in
+    a barrier that never completes, and must be ended by its watcher."""
+    import os
+    import sys
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ddcnn.engine.launch import failures_stop_every_rank
+
+    sys.stderr = open(stderr_path.format(rank), "w")  # noqa: SIM115  (what the watcher writes before it ends the process)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=30))
+
+    class _Ranks:  # what failures_stop_every_rank reads of a Fabric
+        global_rank, world_size = rank, 2
+
+    try:
+        with failures_stop_every_rank(_Ranks(), poll_s=0.1, grace_s=1.0):
+            if rank == 1:
+                raise RuntimeError("rank 1 failed and hangs (test)")
+            dist.barrier()
+    except RuntimeError:
+        time.sleep(120)
+
+
+@pytest.mark.slow
+def test_a_rank_blocked_in_a_collective_is_ended_by_its_watcher(tmp_path):
+    import time
+
+    import torch.multiprocessing as mp
+    from lightning_fabric.plugins.environments.lightning import find_free_network_port
+
+    port = str(find_free_network_port())
+    began = time.perf_counter()
+    with pytest.raises(mp.ProcessExitedException) as info:
+        mp.spawn(_watched_rank, args=(port, str(tmp_path / "rank{}.err")), nprocs=2, join=True)
+    elapsed = time.perf_counter() - began
+    assert info.value.error_index == 0 and info.value.exit_code == 1
+    said = (tmp_path / "rank0.err").read_text()
+    assert "rank 1 of the DDP training failed: RuntimeError: rank 1 failed and hangs (test)" in said
+    assert elapsed < 60

@@ -107,7 +107,8 @@ def test_a_run_dir_recorded_with_device_cpu_accepts_device_auto(make_cfg, tmp_pa
     ("device", "deterministic", "settings", "dims", "expected"),
     [
         ("cuda:0", False, {}, 4, (True, "channels_last", True, True)),
-        ("cuda", False, {}, 5, (True, "channels_last_3d", True, True)),
+        ("cuda", False, {}, 5, (False, "contiguous_format", True, True)),  # 3D: not measured yet, off under auto
+        ("cuda", False, {"channels_last": True}, 5, (True, "channels_last_3d", True, True)),
         ("cuda", False, {}, 3, (False, "contiguous_format", True, True)),  # the coarse DNN's (B, N, K)
         ("cuda", True, {}, 4, (True, "channels_last", False, False)),
         ("cuda", True, {"tf32": True}, 4, (True, "channels_last", True, False)),
@@ -147,17 +148,54 @@ def test_autotuning_under_deterministic_and_bad_values_are_refused(make_cfg):
             check_training_settings(make_cfg(*override.split()))
 
 
+def _legacy_tf32() -> tuple:
+    """What Lightning Fabric and inductor read (torch 2.9+ raises in them after some settings of the new API)."""
+    return (
+        torch.get_float32_matmul_precision(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
+
+
 def test_math_flags_are_set_for_a_cuda_training_and_restored_after_it():
     def flags():
-        return [getattr(obj, name) for obj, name, _, _ in gpu._tf32_api()] + [torch.backends.cudnn.benchmark]
+        return [gpu.tf32_state(), torch.backends.cudnn.benchmark]
 
     before = flags()
     policy = gpu.resolve_policy("cuda", input_dims=4)  # torch's flags need no GPU to be set
     with gpu.math_flags(policy, "cuda"):
-        during = flags()
-    assert during[-1] is True and during[0] in (True, "tf32") and flags() == before
+        assert _legacy_tf32() == ("high", True, True) and torch.backends.cudnn.benchmark is True
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32" == torch.backends.cudnn.conv.fp32_precision
+    assert flags() == before
     with gpu.math_flags(policy, "cpu"):
         assert flags() == before  # nothing touched off CUDA
+
+
+def test_tf32_set_by_ddcnn_leaves_both_of_torchs_apis_readable():
+    """Inside a CUDA training (TF32 on, or off under deterministic) and after it, the legacy readers work; flags a
+    caller set through the new API come back exactly as it set them."""
+    before = gpu.tf32_state()
+    legacy = _legacy_tf32()
+    try:
+        for deterministic in (False, True):
+            policy = gpu.resolve_policy("cuda", deterministic=deterministic, input_dims=4)
+            with gpu.math_flags(policy, "cuda"):
+                on = not deterministic
+                assert _legacy_tf32() == ("high" if on else "highest", on, on)
+            assert _legacy_tf32() == legacy and gpu.tf32_state() == before
+        # A caller that chose TF32 through fp32_precision (after which torch itself refuses the legacy reads).
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        chosen = gpu.tf32_state()
+        with gpu.math_flags(gpu.resolve_policy("cuda", deterministic=True), "cuda"):
+            assert _legacy_tf32() == ("highest", False, False)
+        assert gpu.tf32_state() == chosen
+        assert (
+            torch.backends.cuda.matmul.fp32_precision == "tf32" and torch.backends.cudnn.conv.fp32_precision == "ieee"
+        )
+    finally:
+        gpu.restore_tf32(before)
+    assert _legacy_tf32() == legacy
 
 
 def test_channels_last_on_cpu_trains_as_the_default_layout_and_is_recorded(make_cfg, tmp_path):
@@ -318,3 +356,71 @@ def test_the_streamed_cuda_path_pins_every_batch_and_prefetches_without_changing
     assert pinned and any(name.startswith("ddcnn-prefetch") for name in threads)
     times = [row["time_s"] for row in streamed.history]
     assert streamed.history == [{**row, "time_s": t} for row, t in zip(plain.history, times, strict=True)]
+
+
+def test_compile_is_warmed_up_on_every_batch_shape_and_counts_recompiles_in_the_clock(tmp_path, monkeypatch):
+    """20 training samples in batches of 8: 8, 8 and a partial 4. The warm-up compiles both shapes outside the clock,
+    so the epochs compile nothing (``compile_recompiles`` 0, recorded with the policy in meta.json's ``engine``).
+    Real dynamo with its ``aot_eager`` backend: inductor would spend minutes building C++ kernels on this CPU."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    from ddcnn.data.datamodule import TensorDataModule
+    from ddcnn.engine.loop import fit_batches
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    x = {s: torch.randn(20, 1, 6, 6) for s in ("train", "val", "test")}
+    y = {s: torch.arange(20) % 3 for s in x}
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(32, 3))
+    sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
+    before = counters["frames"]["ok"]
+    result = fit_batches(
+        net, TensorDataModule(x, y, 8, eval_batch_size=16), tmp_path, optimizer=sgd, max_epochs=2, gpu={"compile": True}
+    )
+    assert result.engine["compile"] is True and result.compile_time_s > 0
+    assert counters["frames"]["ok"] - before >= 2  # the full batch and the tail were compiled ...
+    assert result.engine["compile_recompiles"] == 0  # ... in the warm-up, none in the training's clock
+    plain = fit_batches(net, TensorDataModule(x, y, 8), tmp_path / "plain", optimizer=sgd, max_epochs=1)
+    assert "compile_recompiles" not in plain.engine
+
+
+def test_the_local_nets_of_a_process_share_one_device_copy_of_the_splits():
+    """Two local nets (two boxes) and the global CNN placed on the same device: one copy of the stored splits, made
+    by the first placement; placing again adds no bytes; released on demand and with the host data."""
+    import gc
+
+    from ddcnn.data.datamodule import _DEVICE_COPIES, release_device_copies
+
+    data = _prepared((12, 16))
+    dec = Decomposition((2, 2), (12, 16), 1)
+    nets = [PreparedBatches(data, 8, box=dec.box(i)) for i in range(2)] + [PreparedBatches(data, 8)]
+    assert nets[0].placed_nbytes("cpu") == data.nbytes("train") + data.nbytes("val") > 0
+    placed = [gpu.place_data(net, "cpu", True, 0.5)[0] for net in nets]
+    assert placed[0].data.stored["train"] is not data.stored["train"]  # a copy ...
+    assert all(p.data.stored["train"] is placed[0].data.stored["train"] for p in placed)  # ... one for all
+    assert all(p._labels["val"] is placed[0]._labels["val"] for p in placed)
+    assert nets[1].placed_nbytes("cpu") == 0 and nets[1].placed_nbytes("meta") > 0
+    idx = torch.tensor([3, 0, 9])
+    assert torch.equal(placed[1].train_batch(idx, 0, "cpu")[0], nets[1].train_batch(idx, 0, "cpu")[0])
+    release_device_copies(data)
+    again = gpu.place_data(nets[0], "cpu", True, 0.5)[0]
+    assert again.data.stored["train"] is not placed[0].data.stored["train"]
+    del data, nets, placed, again
+    gc.collect()
+    assert not any(key.image_shape == (12, 16) for key in _DEVICE_COPIES)  # gone with the host data
+
+
+def test_sync_debug_mode_is_asked_for_cuda_trainings_only_and_bad_values_are_refused(monkeypatch):
+    """DDCNN_SYNC_DEBUG turns torch's CUDA sync debug mode on around a CUDA training's steps (bench/gpu_check.py runs
+    its loop section under it); torch cannot set the mode without a GPU, so here only the decision is checked."""
+    from ddcnn.engine.loop import sync_debug_mode
+
+    monkeypatch.delenv("DDCNN_SYNC_DEBUG", raising=False)
+    assert sync_debug_mode(torch.device("cuda", 0)) is None
+    monkeypatch.setenv("DDCNN_SYNC_DEBUG", "error")
+    assert sync_debug_mode(torch.device("cuda", 0)) == "error" and sync_debug_mode(torch.device("cpu")) is None
+    monkeypatch.setenv("DDCNN_SYNC_DEBUG", "loud")
+    with pytest.raises(ValueError, match="DDCNN_SYNC_DEBUG='loud': use warn or error"):
+        sync_debug_mode(torch.device("cuda", 0))
