@@ -208,14 +208,15 @@ def compose(overrides: list[str]):
     return ddcnn_compose(overrides)
 
 
-def make_net(cfg, in_channels: int = 1, num_classes: int = 10) -> nn.Module:
+def make_net(cfg, in_channels: int = 1, num_classes: int = 10, spatial_dims: int = 2) -> nn.Module:
     """The configured network (``cfg.model``), built as :func:`ddcnn.context.build_local_net` builds it."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
     spec = OmegaConf.to_container(cfg.model, resolve=True)
     spec.pop("name", None)
-    return instantiate(spec, spatial_dims=2, in_channels=in_channels, num_classes=num_classes)
+    spec.pop("weights", None)  # a pretrained weights file is loaded after building (ddcnn.context), never here
+    return instantiate(spec, spatial_dims=spatial_dims, in_channels=in_channels, num_classes=num_classes)
 
 
 def make_optimizer(cfg, params) -> torch.optim.Optimizer:
@@ -660,9 +661,6 @@ def run_loop(args, device: torch.device, bare: dict | None = None) -> dict:
     over this one for the same precision and layout (1.0: no overhead)."""
     import warnings
 
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
     from ddcnn.data.augment import Augment
     from ddcnn.data.datamodule import PreparedBatches
     from ddcnn.engine.loop import SYNC_DEBUG_ENV, fit_batches
@@ -694,9 +692,7 @@ def run_loop(args, device: torch.device, bare: dict | None = None) -> dict:
             data = TimedBatches(data_cache[spatial], batch, seed=args.seed, augment=augment)
             data.fetched = []
             torch.manual_seed(args.seed)
-            spec = OmegaConf.to_container(cfg.model, resolve=True)
-            spec.pop("name", None)
-            net = instantiate(spec, spatial_dims=spatial, in_channels=1, num_classes=10)
+            net = make_net(cfg, spatial_dims=spatial)
             gpu = {"channels_last": "auto", "tf32": "auto", "cudnn_benchmark": "auto", "compile": compiled}
             gpu["data_on_device"] = where == "device"
             previous = os.environ.get(SYNC_DEBUG_ENV)
