@@ -856,8 +856,8 @@ def write_page(
         if paired:
             page += [
                 "Paired differences (test accuracy, points; `ddcnn-report`'s table): each method minus its baseline "
-                "per seed within a configuration, mean ± sample std, 95% t-interval and verdict (as above), including "
-                "the global DDP against the global CNN on one device:",
+                "per seed within a configuration, mean ± sample std, 95% t-interval and verdict (as above); where the "
+                "runs trained one, the global DDP against the global CNN on one device too:",
                 "",
                 *paired,
                 "",
