@@ -28,13 +28,16 @@ What it does, in order:
    ``OUT/results/runs/`` (``--snapshot`` does it for the finished runs of a workdir), and a run whose run directory
    is gone but whose snapshot of the planned command is there is restored from it, not trained again: commit the
    snapshots of an unfinished invocation and a later one, on another machine, trains only the rest.
-2. **Reports** them with ``ddcnn-report`` (tables with accuracy mean ± std over the seeds, times, speedup, speedup at
-   equal accuracy; plots) into ``WORKDIR/report``.
+2. **Reports** them with ``ddcnn-report`` (tables with accuracy mean ± std over the seeds, times, speedups at equal
+   device counts and to the fixed target of ``docs/protocol.md``; the paired differences with their 95% intervals and
+   verdicts; plots) into ``WORKDIR/report``.
 3. **Writes** ``OUT/results.md`` (the page: its header describes the training of its runs, from their records:
    machine, load, the span from the first start to the last end, CPU seconds, commits, jobs, the invocations that
-   trained them, then the invocation that wrote the page; the report's table of each dataset; the equal-devices table
-   where the runs have ``projected_time_s_by_devices``; its plots and each configuration's accuracy-versus-time
-   curves, copied under ``OUT/results/``; the AdrenalMNIST3D AUC beside MedMNIST's published 3D baselines), a
+   trained them, then the invocation that wrote the page; per dataset a glance table whose CNN-DNN leads carry their
+   paired 95% interval and verdict (:mod:`ddcnn.report.stats`), the report's paired differences and its table of
+   every method; the equal-devices table where the runs have ``projected_time_s_by_devices``; its plots and each
+   configuration's accuracy-versus-time curves, copied under ``OUT/results/``; the AdrenalMNIST3D AUC beside
+   MedMNIST's published 3D baselines), a
    snapshot of every run (``results.json``, ``config.yaml``, ``fingerprint.json``, ``experiment_run.json``, and each
    stage's ``meta.json`` and ``logs/metrics.csv``) under ``OUT/results/runs/``, and ``OUT/results_manifest.json``:
    every run directory, its fingerprint and the SHA-256 of its ``results.json``, the figures the page took from it,
@@ -127,10 +130,13 @@ ROW_FIELDS = (
 # 2023, Table 4; https://arxiv.org/abs/2110.14795), 28^3 volumes, official split.
 PUBLISHED_3D = (("ResNet-18 (3D)", 0.827), ("ResNet-50 (3D)", 0.828))
 AUC_HEAD = "| backbone | grid | overlap | method | seeds | test accuracy (%) | balanced acc. (%) | test AUC |"
+# The page lives in docs/ beside the protocol it follows (a --tiny page elsewhere keeps the same relative link).
+PROTOCOL_LINK = "protocol.md"
 # The summary table of each dataset: the CNN-DNN against its two cheap combiners and the global CNN, per grid/overlap.
 GLANCE_HEAD = (
     "| backbone | grid | overlap | seeds | global CNN (%) | CNN-DNN (%) | mean probability (%) | majority vote (%) "
-    "| CNN-DNN − mean probability (points) | CNN-DNN − global CNN (points) | most accurate method (%) |"
+    "| CNN-DNN − mean probability (points, 95% interval, verdict) | CNN-DNN − global CNN (points, 95% interval, "
+    "verdict) | most accurate method (%) |"
 )
 
 
@@ -495,33 +501,56 @@ def _cnn_dnn_key(run) -> str:
     return f"cnn_dnn_{(run.results.get('coarse_input') or {}).get('coarse', 'probs')}"
 
 
-def _paired(runs, key: str, other: str) -> str:
-    """``key`` minus ``other`` in accuracy points, paired by run (same seed, same local nets): mean ± std and on
-    how many runs ``key`` was at least as accurate."""
-    diffs = []
-    for run in runs:
-        acc = {r["key"]: float(r["accuracy"]) for r in run.rows}
-        if key in acc and other in acc:
-            diffs.append(100 * (acc[key] - acc[other]))
-    if not diffs:
+def paired_table(root: Path, names: list[str]) -> list[dict]:
+    """The paired differences of the runs ``names`` (one dataset) as ``ddcnn-report`` computes them
+    (:func:`ddcnn.report.compare.paired_rows`: per configuration and comparison of
+    :data:`ddcnn.report.stats.PAIRS`, test accuracy in points paired by seed, mean, 95% t-interval, verdict)."""
+    from ddcnn.report.compare import paired_rows
+
+    tables = paired_rows(_load_runs(root, names))
+    return [row for rows in tables.values() for row in rows]
+
+
+def paired_lines(root: Path, names: list[str]) -> list[str]:
+    """The lines of the report's "Paired differences" table of the runs ``names`` (one dataset), as ``ddcnn-report``
+    writes it after the dataset's first table (:func:`ddcnn.report.compare.paired_markdown`); empty without pairs."""
+    from ddcnn.report.compare import paired_markdown
+
+    rows = paired_table(root, names)
+    return paired_markdown(rows).splitlines() if rows else []
+
+
+def lead_cell(row: dict | None) -> str:
+    """One paired difference in a cell of the glance table: the mean difference in points, its 95% interval and the
+    verdict of :mod:`ddcnn.report.stats` (the verdict the paired table prints: ``baseline not converged`` where the
+    baseline of any seed did not converge, ``(convergence unknown)`` added where the runs did not record it)."""
+    from ddcnn.report.stats import NO_INTERVAL
+
+    if row is None:
         return "-"
-    mean = sum(diffs) / len(diffs)
-    cell = f"{mean:+.2f}"
-    if len(diffs) > 1:
-        std = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) ** 0.5
-        cell += f" ± {std:.2f}"
-    return cell + f" (≥ on {sum(d >= 0 for d in diffs)}/{len(diffs)})"
+    verdict = row["verdict"]
+    if row["baseline_converged"] == "unknown" and verdict != NO_INTERVAL:
+        verdict += " (convergence unknown)"
+    if row["ci_low_points"] is None:
+        return f"{row['mean_points']:+.2f} ({verdict})"
+    return f"{row['mean_points']:+.2f} [{row['ci_low_points']:+.2f}, {row['ci_high_points']:+.2f}] {verdict}"
 
 
 def glance_lines(root: Path, names: list[str]) -> list[str]:
     """The summary table of the runs ``names`` (one dataset): per backbone, grid and overlap, the test accuracy of
     the global CNN, the CNN-DNN, the mean probability and the majority vote (mean ± std over the seeds, as the
-    report's table has them), the CNN-DNN's lead over the mean probability and over the global CNN paired by seed,
-    and the most accurate method of the family."""
+    report's table has them), the CNN-DNN's lead over the mean probability and over the global CNN paired by seed
+    with its 95% interval and verdict (the report's paired rows, :func:`paired_table`), and the most accurate method
+    of the family."""
     from ddcnn.report.compare import _accuracy, comparison_rows
+    from ddcnn.report.stats import PAIRS
 
     runs = _load_runs(root, names)
     (rows,) = comparison_rows(runs).values()
+    pairs: dict[tuple, list[dict]] = {}
+    for row in paired_table(root, names):
+        pairs.setdefault((row["backbone"], row["grid"], row["overlap"], row["comparison"]), []).append(row)
+    labels = {(method, baseline): label for label, method, baseline, _ in PAIRS}
     groups: dict[tuple, list] = {}
     for run in sorted(runs, key=lambda r: (r.backbone, math.prod(r.grid), r.grid, r.overlap, r.seed)):
         groups.setdefault((run.backbone, run.grid_label, run.overlap_label), []).append(run)
@@ -532,7 +561,10 @@ def glance_lines(root: Path, names: list[str]) -> list[str]:
         key = _cnn_dnn_key(group[0])
         cells = [backbone, grid, overlap, str(len({run.seed for run in group}))]
         cells += [_accuracy(mine[k]) if k in mine else "-" for k in ("global", key, "mean_prob", "majority_vote")]
-        cells += [_paired(group, key, "mean_prob"), _paired(group, key, "global")]
+        for baseline in ("mean_prob", "global"):
+            # one paired row per configuration; several (settings that split the runs) are in the paired table only
+            found = pairs.get((*config, labels[("cnn_dnn", baseline)])) or []
+            cells.append(lead_cell(found[0]) if len(found) == 1 else "-" if not found else "see the paired table")
         best = max(mine.values(), key=lambda r: r["accuracy_mean"])
         cells.append(f"{best['method']}: {_accuracy(best)}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -756,6 +788,11 @@ def write_page(
         f"table line below is checked against the runs by `python experiments/results.py --check` (the manifest "
         f"`{MANIFEST}` lists every run directory, its fingerprint and the figures taken from it).",
         "",
+        f"Every comparison on this page follows [the comparison protocol]({PROTOCOL_LINK}) (`docs/protocol.md`): "
+        "differences paired by seed with their 95% interval and the verdict that follows it, times to a fixed "
+        "target set by the global CNN alone, speedups at equal device counts, and no verdict against a baseline "
+        "that did not converge.",
+        "",
         *head,
         "",
         "**Training rule, one for every method.** Every training (local nets, out-of-fold local nets, global CNN, end"
@@ -787,8 +824,14 @@ def write_page(
         slug = _slug(data_name)
         written = (report_dir / f"{slug}.md").read_text().splitlines()
         # the report's table comes first; the paired differences (ddcnn.report.compare.paired_markdown) follow it
-        if [line for line in written if line.startswith("|")][: len(lines)] != lines:
+        table_lines = [line for line in written if line.startswith("|")]
+        if table_lines[: len(lines)] != lines:
             raise RuntimeError(f"ddcnn-report's table of {data_name} differs from the one recomputed from the runs")
+        paired = paired_lines(workdir, ds_names)
+        if table_lines[len(lines) :] != paired:
+            raise RuntimeError(
+                f"ddcnn-report's paired differences of {data_name} differ from the ones recomputed from the runs"
+            )
         overrides = runs_overrides(workdir, ds_names)
         page += [
             f"## {dataset.title}",
@@ -799,17 +842,40 @@ def write_page(
         glance = glance_lines(workdir, ds_names)
         page += [
             "At a glance: test accuracy in percent, mean ± std over the seeds; the CNN-DNN's lead over the mean "
-            "probability and over the global CNN in accuracy points, paired by seed (same data split and local nets), "
-            "with the number of seeds on which the CNN-DNN was at least as accurate.",
+            "probability and over the global CNN in accuracy points, paired by seed (same data split and local nets): "
+            "the mean of the per-seed differences, its 95% t-interval [low, high] and the verdict that follows it "
+            f"(section 5 of [the protocol]({PROTOCOL_LINK})): better or worse when the interval lies above or below "
+            "0, within noise when it holds 0, n<2: no interval for one seed, baseline not converged where the baseline "
+            "of any seed did not converge (no verdict is given against it), and (convergence unknown) where the runs "
+            "did not record whether their baseline converged (runs of a ddcnn before the convergence record).",
             "",
             *glance,
             "",
-            "Every method (times: training clocks; speedup at equal accuracy: the time the global CNN took to reach "
-            "the CNN-DNN's final validation accuracy over the CNN-DNN's projected time, its slowest local net plus its "
-            "coarse DNN, on the seeds where the global CNN reached it):",
-            "",
         ]
         manifest_tables.append({"kind": "glance", "dataset": data_name, "runs": ds_names, "lines": glance})
+        if paired:
+            page += [
+                "Paired differences (test accuracy, points; `ddcnn-report`'s table): each method minus its baseline "
+                "per seed within a configuration, mean ± sample std, 95% t-interval and verdict (as above); where the "
+                "runs trained one, the global DDP against the global CNN on one device too:",
+                "",
+                *paired,
+                "",
+            ]
+            manifest_tables.append({"kind": "paired", "dataset": data_name, "runs": ds_names, "lines": paired})
+        page += [
+            "Every method. Times: training clocks in seconds. Speedup vs global, 1 device: the global CNN's time over "
+            "the method's with its stages one after another on one device. Speedup vs DDP, P devices: the global "
+            "DDP's time on P devices over the CNN-DNN's with its local nets placed on as many devices, then its "
+            "coarse DNN. Speedup to target, 1 device: the time to a fixed target set by the global CNN alone, its "
+            "best validation accuracy minus one binomial standard error of the validation split (not the CNN-DNN's "
+            "own validation accuracy, which its selection chose). Each method's time to the target is its training "
+            "clock at its first evaluation at or above it, the CNN-DNN's on one device: its local nets one after "
+            "another with their output inference, then the coarse fit's training clock. The column is the global "
+            "CNN's time over the CNN-DNN's, the mean over the runs where both reached the target (reached/runs); - "
+            "where the runs recorded no target (runs of a ddcnn before it).",
+            "",
+        ]
         page += [*lines, ""]
         manifest_tables.append({"kind": "report", "dataset": data_name, "runs": ds_names, "lines": lines})
         if dataset.auc_table:
@@ -902,6 +968,8 @@ def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
             recomputed = report_lines(root, table["runs"]).get(table["dataset"])
         elif table["kind"] == "glance":
             recomputed = glance_lines(root, table["runs"])
+        elif table["kind"] == "paired":
+            recomputed = paired_lines(root, table["runs"])
         elif table["kind"] == "devices":
             recomputed = devices_lines(root, table["runs"])
         else:

@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from ddcnn.report.compare import load_run
 from tests.conftest import REPO, load_script
+
+# The paired comparisons of the page: label -> the training whose convergence is its baseline's.
+PAIRED = {"CNN-DNN − global CNN": "global", "CNN-DNN − mean probability": "local"}
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +29,11 @@ def tiny(results, tmp_path_factory):
     out, workdir = base / "out", base / "runs"
     assert results.main(["--tiny", "--out", str(out), "--workdir", str(workdir), "--jobs", "2"]) == 0
     return out, workdir
+
+
+def _one_seed_verdict(converged: bool | None) -> str:
+    """What the page says of a difference over one seed against a baseline of this convergence."""
+    return "baseline not converged" if converged is False else "n<2: no interval"
 
 
 def _page_and_manifest(out: Path) -> tuple[str, dict]:
@@ -73,7 +82,7 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
         "projected_time_s_by_devices" in json.loads((workdir / n / "results.json").read_text())
         for n in manifest["runs"]
     )
-    assert kinds == ["glance", "report", "auc"] + (["devices"] if projected else [])
+    assert kinds == ["glance", "paired", "report", "auc"] + (["devices"] if projected else [])
     # the runs' own clock: from the first run's start to the last one's end
     assert "| training dates | 2 runs trained from " in page
     # each run's snapshot carries where each of its trainings stopped, and its epochs
@@ -119,12 +128,137 @@ def test_the_glance_table_pairs_the_cnn_dnn_with_averaging_by_seed(results, tiny
         assert row in page
         methods = manifest["runs"][name]["methods"]
         lead = 100 * (methods["cnn_dnn_probs"]["accuracy"] - methods["mean_prob"]["accuracy"])
-        assert f"| {lead:+.2f} (≥ on {int(lead >= 0)}/1) |" in row
+        behind = 100 * (methods["cnn_dnn_probs"]["accuracy"] - methods["global"]["accuracy"])
+        # one seed: the lead and no verdict, because one seed gives no interval or because the baseline (one epoch)
+        # did not converge, as the run recorded it
+        run = load_run(workdir / name)
+        to_mean_prob, to_global = (_one_seed_verdict(run.converged(t)) for t in ("local", "global"))
+        assert f"| {lead:+.2f} ({to_mean_prob}) | {behind:+.2f} ({to_global}) |" in row
         assert f"| {100 * methods['global']['accuracy']:.2f} |" in row
     # a summary figure altered on the page fails the check like any table's
-    altered = page.replace(rows[0], rows[0].replace(" (≥ on", "1 (≥ on", 1))
+    altered = page.replace(rows[0], rows[0].replace(" (", "1 (", 1))
     assert altered != page
     assert any("in no table the runs give" in p for p in results.check_manifest(altered, manifest, workdir))
+
+
+@pytest.mark.slow
+def test_the_page_carries_the_reports_paired_differences_and_check_verifies_them(results, tiny):
+    out, workdir = tiny
+    page, manifest = _page_and_manifest(out)
+    (paired,) = [t for t in manifest["tables"] if t["kind"] == "paired"]
+    # ddcnn-report's "Paired differences" of the dataset, line for line, on the page after the glance table
+    report = (workdir / "report" / "digits.md").read_text().split("Paired differences")[1]
+    assert paired["lines"] == [line for line in report.splitlines() if line.startswith("|")]
+    assert "| difference | seeds | mean ± std (points) | 95% interval (points) | verdict |" in paired["lines"][0]
+    rows = paired["lines"][2:]
+    # per overlap, the CNN-DNN against the global CNN and the mean probability (the tiny page has no DDP), one seed
+    assert [r.split(" | ")[2:4] for r in rows] == [
+        ["0", "CNN-DNN − global CNN"],
+        ["0", "CNN-DNN − mean probability"],
+        ["2", "CNN-DNN − global CNN"],
+        ["2", "CNN-DNN − mean probability"],
+    ]
+    for r in rows:  # one seed: no interval; no verdict either against a baseline that did not converge
+        run = load_run(workdir / f"digits/2x2_o{r.split(' | ')[2]}_s0")
+        verdict = _one_seed_verdict(run.converged(PAIRED[r.split(" | ")[3]]))
+        assert r.endswith(f"| 1 | {r.split(' | ')[5]} | - | {verdict} |")
+    assert page.index(paired["lines"][0]) > page.index(results.GLANCE_HEAD)
+    # a paired line edited on the page (its verdict, or its mean) fails the check, and so does one dropped
+    line = rows[0]
+    verdict = line.rstrip(" |").split(" | ")[-1]
+    for edited in (line.replace(f"| {verdict} |", "| better |"), line.replace(" | 1 | ", " | 3 | ")):
+        assert edited != line
+        problems = results.check_manifest(page.replace(line, edited), manifest, workdir)
+        assert any("in no table the runs give" in p for p in problems)
+        assert any("table paired of digits: 1 line(s) not on the page" in p for p in problems)
+    assert any("not on the page" in p for p in results.check_manifest(page.replace(line + "\n", ""), manifest, workdir))
+    # and the manifest's copy of the table is recomputed from the runs, not trusted
+    forged = json.loads(json.dumps(manifest))
+    (table,) = [t for t in forged["tables"] if t["kind"] == "paired"]
+    table["lines"][2] = line.replace(f"| {verdict} |", "| better |")
+    problems = results.check_manifest(page.replace(line, table["lines"][2]), forged, workdir)
+    assert any("table paired of digits: not what the runs give" in p for p in problems)
+
+
+def _committed_seeds(tmp_path: Path, config: str = "mnist/2x2_o0") -> tuple[Path, list[str]]:
+    """A copy of the committed page's runs of one configuration over its seeds (real runs, nothing trained)."""
+    snapshots = REPO / "docs" / "results" / "runs"
+    names = sorted(p.relative_to(snapshots).as_posix() for p in snapshots.glob(f"{config}_s*"))
+    if len(names) < 2:
+        pytest.skip(f"the committed page has fewer than 2 seeds of {config}")
+    root = tmp_path / "runs"
+    for name in names:
+        shutil.copytree(snapshots / name, root / name)
+    return root, names
+
+
+def _set_convergence(root: Path, name: str, global_converged: bool | None) -> None:
+    """Record the convergence of a run's global CNN and local nets (None: not recorded, as an older ddcnn wrote)."""
+    path = root / name / "results.json"
+    data = json.loads(path.read_text())
+    data.pop("convergence", None)
+    if global_converged is not None:
+        local = [{"converged": True} for _ in data["accuracy"]["local"]]
+        data["convergence"] = {"global": {"converged": global_converged}, "local": local}
+    path.write_text(json.dumps(data))
+
+
+def test_the_glance_leads_carry_the_paired_interval_and_verdict_of_the_report_stats(results, tmp_path):
+    from ddcnn.report.stats import paired_difference
+
+    root, names = _committed_seeds(tmp_path)
+    accuracy = [json.loads((root / n / "results.json").read_text())["accuracy"] for n in names]
+
+    def expected(baseline: str, converged: bool | None) -> dict:
+        return paired_difference([100 * (a["cnn_dnn"] - a[baseline]) for a in accuracy], converged)
+
+    def cells(lines: list[str]) -> list[str]:
+        (row,) = lines[2:]
+        return row.split(" | ")[8:10]
+
+    for name in names:
+        _set_convergence(root, name, True)
+    lines = results.glance_lines(root, names)
+    assert lines[0] == results.GLANCE_HEAD
+    for cell, baseline in zip(cells(lines), ("mean_prob", "global"), strict=True):
+        stats = expected(baseline, True)
+        assert stats["verdict"] in ("better", "worse", "within noise")
+        assert cell == f"{stats['mean']:+.2f} [{stats['low']:+.2f}, {stats['high']:+.2f}] {stats['verdict']}"
+    # the glance and the paired table give the same interval and verdict
+    paired = results.paired_lines(root, names)
+    for comparison, baseline in (("CNN-DNN − mean probability", "mean_prob"), ("CNN-DNN − global CNN", "global")):
+        (row,) = [line for line in paired if f"| {comparison} |" in line]
+        stats = expected(baseline, True)
+        assert f"| [{stats['low']:+.2f}, {stats['high']:+.2f}] | {stats['verdict']} |" in row
+    # one seed's global CNN did not converge: no verdict against it, only against the (converged) local nets
+    _set_convergence(root, names[-1], False)
+    to_mean_prob, to_global = cells(results.glance_lines(root, names))
+    stats = expected("global", False)
+    assert to_global == f"{stats['mean']:+.2f} [{stats['low']:+.2f}, {stats['high']:+.2f}] baseline not converged"
+    assert to_mean_prob.endswith(expected("mean_prob", True)["verdict"])
+    (row,) = [line for line in results.paired_lines(root, names) if "| CNN-DNN − global CNN |" in line]
+    assert row.endswith("| baseline not converged |")
+    # runs that never recorded their convergence (an older ddcnn): the interval's verdict, said to rest on that
+    for name in names:
+        _set_convergence(root, name, None)
+    for cell in cells(results.glance_lines(root, names)):
+        assert cell.endswith(" (convergence unknown)")
+    # one seed: no interval, no verdict
+    assert results.lead_cell(results.paired_table(root, names[:1])[0]).endswith("(n<2: no interval)")
+
+
+def test_check_fails_when_a_paired_line_of_the_committed_page_is_edited(results):
+    docs = REPO / "docs"
+    page, manifest = _page_and_manifest(docs)
+    tables = [t for t in manifest["tables"] if t["kind"] == "paired"]
+    if not tables:
+        pytest.skip("the committed page has no paired differences yet (python experiments/results.py --rewrite)")
+    line = tables[0]["lines"][2]
+    verdict = line.rstrip(" |").split(" | ")[-1]
+    edited = line.replace(f"| {verdict} |", "| better |" if not verdict.startswith("better") else "| worse |")
+    assert edited != line
+    problems = results.check_manifest(page.replace(line, edited), manifest, docs / "results" / "runs")
+    assert any("in no table the runs give" in p for p in problems)
 
 
 @pytest.mark.slow
