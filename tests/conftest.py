@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -32,6 +33,7 @@ __all__ = [
     "assert_real_png",
     "compose_config",
     "load_script",
+    "mark_converged",
     "shared_data",
 ]
 
@@ -160,3 +162,14 @@ def sigkill_after_first_checkpoint(cmd: list[str], last: Path, settle_s: float =
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
+
+
+def mark_converged(root: Path) -> None:
+    """Record every training of a finished tiny run as converged in its meta.json (its 1-epoch trainings are too short
+    to judge), so that a test can exercise the verdicts or make exactly one training unconverged."""
+    for meta_path in Path(root).glob("**/meta.json"):
+        meta = json.loads(meta_path.read_text())
+        if "converged" in meta:
+            meta["converged"] = True
+            meta["convergence"] = {**(meta.get("convergence") or {}), "converged": True, "reasons": []}
+            meta_path.write_text(json.dumps(meta))

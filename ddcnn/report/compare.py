@@ -535,12 +535,12 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
         "speedup to target, 1 device",
         "timing comparable",
         "parameters",
+        "unconverged runs",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["backbone"], r["grid"], r["overlap"], *([r["settings"]] if with_settings else [])]
-        method = r["method"] + (f" (unconverged in {r['unconverged_runs']} runs)" if r.get("unconverged_runs") else "")
-        cells += [*([str(r.get("timing_context"))] if with_context else []), method]
+        cells += [*([str(r.get("timing_context"))] if with_context else []), r["method"]]
         cells += [
             str(r["seeds"]),
             _accuracy(r),
@@ -554,6 +554,7 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
             _target_cell(r),
             str(r.get("timing_comparable") or "-"),
             "-" if r["params"] is None else f"{int(round(r['params'])):,}",
+            f"**{r['unconverged_runs']}**" if r.get("unconverged_runs") else "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -312,6 +312,24 @@ def _unconverged(results: Mapping[str, Any], stage: str | None) -> list[str]:
     return out
 
 
+def _converged_cell(results: Mapping[str, Any], stage: str | None) -> str:
+    """``results.md``'s converged cell of a row not flagged unconverged: ``yes`` when every training behind it
+    recorded convergence, ``unknown`` when one did not record it (an older ddcnn, or a row of no training), or of a
+    single training (``local/<i>``)."""
+    convergence = results.get("convergence") or {}
+    if stage is not None and stage.startswith("local/"):
+        records = convergence.get("local") or []
+        i = int(stage.split("/", 1)[1])
+        state = records[i].get("converged") if i < len(records) and records[i] else None
+        return {True: "yes", False: "**no**", None: "unknown"}[state]
+    states = []
+    for training in row_trainings(stage):
+        records = convergence.get(training)
+        records = records if isinstance(records, list) else [records]
+        states += [r.get("converged") if isinstance(r, Mapping) else None for r in records]
+    return "yes" if states and all(state is True for state in states) else "unknown"
+
+
 def baseline_converged(results: Mapping[str, Any], stage: str = "global") -> bool | None:
     """Whether the training of ``stage`` converged (``None``: not recorded or not finished)."""
     record = (results.get("convergence") or {}).get(stage)
@@ -511,8 +529,8 @@ def results_markdown(results: dict) -> str:
         f"# ddcnn results: {results['data']['name']}, {results['decomposition']['description']}",
         "",
         "| method | test accuracy | balanced acc. | AUC | sequential time (s) | projected time (s) | devices | speedup "
-        "vs global, 1 device | parameters |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "vs global, 1 device | parameters | converged |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     flagged = {f["method"] for f in results.get("flags") or [] if f["kind"] == "unconverged"}
     for row in results.get("methods") or method_rows(results):
@@ -521,17 +539,18 @@ def results_markdown(results: dict) -> str:
             name = f"{name} on {row['devices']} devices"
         if row.get("stage") in reused:
             name = f"{name} (reused)"
-        if row["key"] in flagged:
-            name = f"{name} (unconverged)"
+        # the row's own training and every one it builds on (results.json "flags": kind "unconverged")
+        converged = "**no**" if row["key"] in flagged else _converged_cell(results, row.get("stage"))
         lines.append(
             f"| {name} | {_fmt(row['accuracy'])} | {_fmt(row.get('balanced_accuracy'))} | {_fmt(row.get('auc'))} | "
             f"{_fmt(row['sequential_time_s'], 1)} | {_fmt(row['projected_time_s'], 1)} | {_fmt(row['devices'])} | "
-            f"{_fmt(row.get('speedup_1_device'), 2)} | {_fmt(row['params'])} |"
+            f"{_fmt(row.get('speedup_1_device'), 2)} | {_fmt(row['params'])} | {converged} |"
         )
     for i, r in enumerate(m["local"]):
         lines.append(
             f"| local net {i} | {_fmt(r['accuracy'])} | {_fmt(r['balanced_accuracy'])} | {_fmt(r['auc'])} | "
-            f"{_fmt(t['local'][i], 1)} | {_fmt(t['local'][i], 1)} | 1 | - | {_fmt(results['params'].get('local'))} |"
+            f"{_fmt(t['local'][i], 1)} | {_fmt(t['local'][i], 1)} | 1 | - | {_fmt(results['params'].get('local'))} | "
+            f"{_converged_cell(results, f'local/{i}')} |"
         )
     lines += [
         "",
