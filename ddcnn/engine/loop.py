@@ -509,7 +509,8 @@ def convergence_advice(record: Mapping[str, Any], names: Mapping[str, str] | Non
         larger = " or ".join(n for n in (name["patience"], name["min_epochs"]) if n)
         tips.append(f"more epochs ({name['epochs']}), a larger {larger}")
     if stopped_by == "budget":
-        tips.append(f"more epochs ({name['epochs']})")
+        if not tips:  # (a too-short training already has "more epochs" above)
+            tips.append(f"more epochs ({name['epochs']})")
         if name["plateau"]:
             tips.append(
                 f"{name['patience']} with the plateau scheduler (scheduler={{_target_:torch.optim.lr_scheduler."

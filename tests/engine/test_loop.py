@@ -541,3 +541,14 @@ def test_finished_coarse_stage_is_skipped_and_force_retrains_from_scratch(local_
     assert read_metrics_csv(folder / "logs" / "metrics.csv")["epoch"].tolist() == list(range(6))
     for name in ("last.ckpt", "probs_train.pt", "probs_val.pt", "probs_test.pt", "net.pt", "meta.json"):
         assert (folder / name).is_file(), name
+
+
+def test_the_advice_for_an_unconverged_training_names_each_fix_once():
+    """A training too short to judge that ran its whole budget (1 epoch of 1) is told to train longer once, and how
+    to let the budget adapt; one stopped by early stopping is told to wait longer."""
+    from ddcnn.engine.loop import convergence_advice
+
+    advice = convergence_advice({"stopped_by": "budget", "epochs": 1, "converged": False})
+    assert advice.count("more epochs (trainer.max_epochs)") == 1 and "ReduceLROnPlateau" in advice
+    advice = convergence_advice({"stopped_by": "early_stopping", "epochs": 5, "converged": False})
+    assert "a larger engine.patience or engine.min_epochs" in advice and "ReduceLROnPlateau" not in advice
