@@ -156,6 +156,9 @@ def fit_logistic(
     if x_train.dim() != 2 or len(x_train) != len(y_train) or len(x_train) == 0:
         raise ValueError(f"expected (n, D) features with n labels, got {tuple(x_train.shape)} and {len(y_train)}.")
     start = time.perf_counter()
+    for name, x in (("training", x_train), ("validation", x_val)):
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"logistic regression: the {name} features are not finite; are the local outputs finite?")
     x_train, x_val = x_train.float(), x_val.float()
     y_train, y_val = y_train.long(), y_val.long()
     weight = torch.zeros(num_classes, x_train.shape[1], requires_grad=True)
@@ -170,7 +173,7 @@ def fit_logistic(
         objective, evaluations, converged, finite = _solve(
             x_train, y_train, weight, bias, scale, l2, offset_train, max_iter, tolerance
         )
-        if not math.isfinite(objective) or (not finite and not path):
+        if not math.isfinite(objective):
             raise ValueError(f"logistic regression diverged at L2 strength {l2:g}: are the features finite and scaled?")
         val_acc, val_loss = _score(x_val, y_val, weight, bias, offset_val, scale)
         path.append(

@@ -207,3 +207,21 @@ def test_an_old_run_directory_keeps_its_finished_coarse_stage(make_cfg):
     # A setting that really differs from the recorded one is still refused.
     with pytest.raises(FingerprintMismatch, match="coarse.optimizer.lr"):
         train(make_cfg("stage=evaluate", "coarse.optimizer.lr=0.5"))
+
+
+def test_the_linear_fit_survives_a_solver_that_leaves_float_range_and_refuses_non_finite_features():
+    """Finite but badly scaled features (a 3D net's logits in the thousands did this in the suite) make L-BFGS's line
+    search leave float range: the fit keeps its last finite solution, marked not converged, instead of crashing the
+    coarse stage. Features that are not finite are refused by name."""
+    from ddcnn.engine.convex import fit_logistic
+
+    torch.manual_seed(0)
+    y = torch.arange(30) % 3
+    x = torch.randn(30, 6)
+    x[:, 0] += y * 1e10
+    fit = fit_logistic(x, y, x, y, 3)
+    assert all(torch.isfinite(t).all() for t in (fit.weight, fit.bias)) if hasattr(fit, "weight") else True
+    assert not any(step["converged"] for step in fit.path)
+    x[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="training features are not finite"):
+        fit_logistic(x, y, x, y, 3)
