@@ -362,7 +362,7 @@ def read_folder(
         kept = _drop(images)
         report["duplicates"] = _duplicates(root, images, kept, duplicates)
     if "test" not in folders:  # carved from train, stratified, as ddcnn has always split a folder of class folders
-        from ddcnn.data.sources import stratified_split
+        from ddcnn.data.splits import stratified_split
 
         train = [f for f in kept if f.split == "train"]
         _, held = stratified_split(np.asarray([f.label for f in train], dtype=np.int64), test_fraction, seed)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ddcnn.data.arrays import FileRows, Rows, channel_axis_fix, npz_member
+from ddcnn.data.splits import stratified_split
 
 __all__ = [
     "Splits",
@@ -68,26 +69,6 @@ class Splits:
     @property
     def image_shape(self) -> tuple[int, ...]:
         return tuple(int(s) for s in self.x_train.shape[2:])
-
-
-def stratified_split(y: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Indices ``(keep, held_out)`` with ``fraction`` of every class held out, fixed by ``seed``.
-
-    Every class with at least two samples keeps one in ``keep`` and puts at least one in ``held_out``.
-    """
-    if not 0.0 < fraction < 1.0:
-        raise ValueError(f"split fraction must be strictly between 0 and 1, got {fraction}.")
-    rng = np.random.default_rng(seed)
-    keep, held = [], []
-    for c in np.unique(y):
-        idx = np.flatnonzero(y == c)
-        rng.shuffle(idx)
-        n_held = int(round(fraction * len(idx)))
-        if len(idx) >= 2:
-            n_held = min(max(n_held, 1), len(idx) - 1)
-        held.append(idx[:n_held])
-        keep.append(idx[n_held:])
-    return np.sort(np.concatenate(keep)), np.sort(np.concatenate(held))
 
 
 def _with_channel_axis(x: np.ndarray, spatial_dims: int, source: str) -> np.ndarray:
