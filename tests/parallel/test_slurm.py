@@ -72,6 +72,18 @@ def _wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def _release_requeued(job: str) -> None:
+    """Start a requeued job now rather than after its begin time (1-2 min on SLURM 22.05).
+
+    slurmd refuses a batch launch whose credential is not newer than the job's last kill, at one-second resolution
+    ("Job credential revoked"; the job then ends with exit 1 and is not retried). Releasing the job within the second
+    of the requeue lost that race once in CI, so wait for it to be pending and for the clock to pass the next second.
+    """
+    _wait_for(lambda: "JobState=PENDING" in _scontrol("show", "job", job), 120, f"requeued job {job} to be pending")
+    time.sleep(2.0)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=60)
+
+
 def test_a_local_job_requeued_mid_training_resumes_and_completes(tmp_path):
     run_dir = tmp_path / "run"
     # Long enough to be caught mid-training: `scontrol requeue` sends SIGTERM, which submitit's job process passes
@@ -88,9 +100,7 @@ def test_a_local_job_requeued_mid_training_resumes_and_completes(tmp_path):
         assert not (folder / "done").exists(), "local net 1 finished before it could be requeued"
         task = _wait_for(lambda: [p.name for p in (run_dir / ".submitit").glob("*_1")], 10, "the array task")[0]
         subprocess.run(["scontrol", "requeue", task], check=True, timeout=60)
-        # A requeued job waits for a begin time (~1-2 min) before it may start again: release it now.
-        _wait_for(lambda: "JobState=PENDING" in _scontrol("show", "job", task), 120, "the requeued task to be pending")
-        subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], check=True, timeout=60)
+        _release_requeued(task)
         out, _ = sweep.communicate(timeout=400)
     finally:
         if sweep.poll() is None:
@@ -216,9 +226,13 @@ def test_a_requeued_one_job_run_resumes_the_ddp_baseline(tmp_path):
         _wait_for(lambda: (folder / "last.ckpt").is_file(), 600, "the DDP baseline's first checkpoint", poll=0.05)
         assert not (folder / "done").exists(), "global_ddp finished before it could be requeued"
         subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
-        _wait_for(lambda: "JobState=PENDING" in _scontrol("show", "job", job), 120, "the requeued job to be pending")
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=60)
-        _wait_for(lambda: (run_dir / "results.json").is_file(), 600, "the requeued job to finish the run")
+        _release_requeued(job)
+        finished = lambda: (run_dir / "results.json").is_file() or "JobState=FAILED" in _scontrol("show", "job", job)  # noqa: E731
+        _wait_for(finished, 600, "the requeued job to finish the run")
+        assert (run_dir / "results.json").is_file(), (
+            f"the requeued job failed:\n{_scontrol('show', 'job', job)}\n"
+            + "".join(p.read_text()[-3000:] for p in (run_dir / "slurm").glob("*.out"))
+        )
     finally:
         subprocess.run(["scancel", job], timeout=60)
     meta = RunDir(run_dir).meta("global_ddp")
