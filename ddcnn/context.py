@@ -114,7 +114,7 @@ def load_data(cfg: DictConfig) -> Prepared:
     )
     memory = d.get("memory") or {}
     store = cfg.get("store") or {}
-    return load_prepared(
+    data = load_prepared(
         lambda: instantiate(d.source, **extra),
         {k: v for k, v in spec.items() if k not in NOT_IDENTITY},
         settings,
@@ -124,6 +124,8 @@ def load_data(cfg: DictConfig) -> Prepared:
         store=data_store(cfg),
         stage_to=store.get("stage_to"),
     )
+    fraction = float(d.get("val_target_fraction") or 0.0)
+    return data.carve_val_target(fraction, settings.split_seed) if fraction > 0 else data
 
 
 def build_context(
@@ -200,6 +202,12 @@ def check_settings(cfg: DictConfig) -> None:
     frac = cfg.data.get("val_fraction", 0.1)
     if not isinstance(frac, int | float) or not 0 < frac < 1:
         raise ValueError(f"data.val_fraction must lie strictly between 0 and 1, got {frac!r}.")
+    target = cfg.data.get("val_target_fraction", 0.0)
+    if target is not None and (isinstance(target, bool) or not isinstance(target, int | float) or not 0 <= target < 1):
+        raise ValueError(
+            f"data.val_target_fraction must lie in [0, 1) (the share of the validation split kept for the fixed "
+            f"targets of docs/protocol.md; 0 = none), got {target!r}."
+        )
     for key in ("data.num_classes", "data.in_channels"):
         _positive_int(cfg, key, auto=True)
     if cfg.data.spatial_dims not in (2, 3):

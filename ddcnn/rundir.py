@@ -31,6 +31,7 @@ from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_json, a
 __all__ = [
     "RunDir",
     "SPLITS",
+    "TARGET_SPLIT",
     "PROB_FILES",
     "CURVE_FILE",
     "NON_RESULT_KEYS",
@@ -53,6 +54,9 @@ __all__ = [
 # The data splits of every run, in this order: a stage saves probs_<split>.pt for each.
 SPLITS = ("train", "val", "test")
 PROB_FILES = tuple(f"probs_{s}.pt" for s in SPLITS)
+# The part of the validation split no choice sees (data.val_target_fraction > 0): the loop measures it every epoch
+# (val_target_acc) and stages save probs_val_target.pt beside the others, for the fixed targets of docs/protocol.md.
+TARGET_SPLIT = "val_target"
 # The CNN-DNN's accuracy-versus-training-time curve, in the coarse stage's folder (written by the coarse stage).
 CURVE_FILE = "curve.json"
 
@@ -180,7 +184,7 @@ def _drop(container: dict, dotted: str) -> None:
 
 # Settings added after run directories were first recorded, with the value that behaves as before they existed: at
 # that value they are left out of the fingerprint, so existing run directories (and the store's keys) stay valid.
-NEUTRAL_SETTINGS = {"engine.min_delta": 0.0}
+NEUTRAL_SETTINGS = {"engine.min_delta": 0.0, "data.val_target_fraction": 0.0}
 # Settings that change nothing while another one is null (setting -> the one it needs): left out of the fingerprint
 # then, whatever their value (engine.min_epochs only delays early stopping, which engine.patience=null switches off).
 INERT_WITHOUT = {"engine.min_epochs": "engine.patience"}

@@ -586,18 +586,42 @@ class Prepared:
             **{k: v for k, v in self.info.items() if k.startswith("rss_") or k in ("prepare_s", "built")},
         }
 
+    def carve_val_target(self, fraction: float, seed: int) -> Prepared:
+        """These data with ``fraction`` of the validation split (stratified, fixed by ``seed``) moved into a fourth
+        split, ``val_target``, that no choice sees (``data.val_target_fraction``; ``docs/protocol.md`` §3): every
+        training, selection and fit reads the rest as ``val``. Both parts are held in this process's memory (a copy
+        of the validation rows, also of mapped data)."""
+        keep, held = stratified_split(self.y["val"].numpy(), float(fraction), int(seed))
+        if not len(keep) or not len(held):
+            raise ValueError(
+                f"data.val_target_fraction={fraction} leaves {len(keep)} validation and {len(held)} target sample(s) "
+                f"of {len(self.y['val'])}; each part needs at least one: lower it, or raise data.val_fraction."
+            )
+        out = copy.copy(self)
+        val, labels = self.stored["val"], self.y["val"]
+        keep_t, held_t = torch.from_numpy(keep), torch.from_numpy(held)
+        out.stored = {**self.stored, "val": val[keep_t].clone(), "val_target": val[held_t].clone()}
+        out.y = {**self.y, "val": labels[keep_t].clone(), "val_target": labels[held_t].clone()}
+        out._maps = {s: m for s, m in self._maps.items() if s != "val"}
+        out._normalizers, out._float = {}, {}
+        out.info = {**self.info, "n_val": len(keep), "n_val_target": len(held)}
+        return out
+
     # --- processes ---
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_maps"], state["_normalizers"], state["_float"] = {}, {}, {}
-        if self.holding == "mapped":  # a worker maps the same files instead of receiving a copy
-            state["stored"] = None
+        if self.holding == "mapped":  # a worker maps the same files instead of receiving a copy, except held splits
+            state["stored"] = {s: v for s, v in self.stored.items() if s not in self._maps}
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         if self.holding == "mapped":
+            held = self.stored or {}
             self.stored, self._maps = _map_entry(self.entry)
+            self.stored.update(held)  # the carved validation splits (carve_val_target) stay as they were
+            self._maps = {s: m for s, m in self._maps.items() if s not in held}
 
     @classmethod
     def from_entry(cls, folder: Path, normalize: bool = True) -> Prepared:

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from ddcnn.io import atomic_torch_save
-from ddcnn.rundir import SPLITS
+from ddcnn.rundir import SPLITS, TARGET_SPLIT
 
-__all__ = ["predict_logits", "save_predictions", "save_net"]
+__all__ = ["predict_logits", "save_predictions", "save_net", "data_splits"]
 
 
 @torch.inference_mode()
@@ -33,10 +33,21 @@ def predict_logits(net: nn.Module, data, split: str, device=None) -> tuple[torch
     return torch.cat(outs), torch.cat(labels)
 
 
+def data_splits(data) -> tuple[str, ...]:
+    """The splits of ``data`` (a :class:`~ddcnn.data.datamodule.Batches`) that stages save outputs of: :data:`SPLITS`,
+    and :data:`TARGET_SPLIT` where ``data.val_target_fraction`` carved it."""
+    try:
+        has_target = data.size(TARGET_SPLIT) > 0
+    except KeyError:
+        has_target = False
+    return (*SPLITS, TARGET_SPLIT) if has_target else SPLITS
+
+
 def save_predictions(net: nn.Module, data, folder: Path, device) -> dict[str, float]:
-    """``probs_<split>.pt`` (logits, probabilities, labels) of every split; returns the accuracy per split."""
+    """``probs_<split>.pt`` (logits, probabilities, labels) of every split (and of ``val_target`` where the data
+    have it); returns the accuracy per split."""
     accuracy = {}
-    for split in SPLITS:
+    for split in data_splits(data):
         logits, labels = predict_logits(net, data, split, device)
         atomic_torch_save(
             {"logits": logits, "probs": logits.softmax(-1), "labels": labels}, Path(folder) / f"probs_{split}.pt"

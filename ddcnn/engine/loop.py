@@ -77,6 +77,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ddcnn.data.datamodule import Batches, TensorDataModule
+from ddcnn.engine.common import data_splits
 from ddcnn.engine.gpu import (
     POLICY_OFF,
     math_flags,
@@ -92,6 +93,7 @@ from ddcnn.engine.launch import LAUNCHERS, RankFailed, build_fabric, failures_st
 from ddcnn.engine.settings import MONITORS, PRECISIONS, check_schedule, num_batches
 from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
 from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_text, is_space_or_permission
+from ddcnn.rundir import TARGET_SPLIT
 
 log = logging.getLogger(__name__)
 
@@ -596,7 +598,7 @@ class _Clock:
 
     def __init__(self, start: float) -> None:
         self.start, self.previous = float(start), 0.0
-        self.left_out: dict[str, float] = {"startup": 0.0, "warmup": 0.0, "hook": 0.0, "report": 0.0}
+        self.left_out: dict[str, float] = {"startup": 0.0, "warmup": 0.0, "hook": 0.0, "report": 0.0, "target": 0.0}
 
     def __call__(self) -> float:
         return self.previous + time.perf_counter() - self.start - sum(self.left_out.values())
@@ -1061,6 +1063,10 @@ class _Training:
                     "val_acc": val_acc,
                     "time_s": clock(),
                 }
+                if self.val_batches and TARGET_SPLIT in data_splits(self.data):
+                    with clock.outside("target"):  # a measurement for the fixed targets, never a choice
+                        sums_target = self.evaluate(TARGET_SPLIT)
+                    row["val_target_acc"] = float(sums_target[1] / sums_target[2])
                 if self.after_epoch is not None:
                     with clock.outside("hook"):
                         extra = None

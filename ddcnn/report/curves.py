@@ -36,6 +36,7 @@ __all__ = [
     "run_curves",
     "time_to_accuracy",
     "target_accuracy",
+    "held_out_target",
     "time_to_target",
     "speedup_at_equal_accuracy",
     "makespan_by_devices",
@@ -63,6 +64,8 @@ def _read_csv_curve(path) -> dict[str, list] | None:
         return float(value) if value not in (None, "") else None
 
     out: dict[str, list] = {"epoch": [], "time_s": [], "val_acc": [], "test_acc": []}
+    if "val_target_acc" in rows[0]:
+        out["val_target_acc"] = []
     for row in rows:
         if number(row.get("time_s")) is None or number(row.get("val_acc")) is None:
             continue
@@ -70,6 +73,8 @@ def _read_csv_curve(path) -> dict[str, list] | None:
         out["time_s"].append(number(row["time_s"]))
         out["val_acc"].append(number(row["val_acc"]))
         out["test_acc"].append(number(row.get("test_acc")))
+        if "val_target_acc" in out:
+            out["val_target_acc"].append(number(row.get("val_target_acc")))
     return out if out["epoch"] else None
 
 
@@ -133,6 +138,11 @@ def run_curves(run, results: Mapping[str, Any]) -> dict[str, dict[str, list]]:
                 "time_s": point_times,
                 "val_acc": [p["val_acc"] for p in points],
                 "test_acc": [p.get("test_acc") for p in points],
+                **(
+                    {"val_target_acc": [p.get("val_target_acc") for p in points]}
+                    if any("val_target_acc" in p for p in points)
+                    else {}
+                ),
                 "local_s": [
                     [float(t) + q for t, q in zip(p["local_s"], predict, strict=True)]
                     if p.get("local_s") and len(p["local_s"]) == len(predict)
@@ -151,6 +161,8 @@ def run_curves(run, results: Mapping[str, Any]) -> dict[str, dict[str, list]]:
             curve["time_s"].append(final_time)
             curve["val_acc"].append(final_val)
             curve["test_acc"].append(final_test)
+            if "val_target_acc" in curve:
+                curve["val_target_acc"].append(((results.get("val_target") or {}).get("accuracy") or {}).get("cnn_dnn"))
             local = times.get("local")
             curve["local_s"].append([float(t) for t in local] if local else None)
     return curves
@@ -210,11 +222,42 @@ def target_accuracy(
     }
 
 
-def _entry(curve: Mapping[str, list] | None, target: float, ended: str | None, devices: int | None) -> dict:
-    """One method's time to ``target``: the first evaluation at or above it, or why it never got there."""
-    if not curve or not curve.get("time_s"):
+def held_out_target(
+    accuracy: float | None, n: int | None, method: str, converged: bool | None, reused: bool = False
+) -> dict | None:
+    """A fixed target on the ``val_target`` split (``data.val_target_fraction``), which no choice of any method saw:
+    ``method``'s accuracy there (its selected net) minus :data:`TARGET_TOLERANCE_SE` binomial standard errors of
+    that split (``n`` samples); ``None`` without it. Every method's time to it is read on its ``val_target_acc``
+    curve."""
+    if accuracy is None or not n:
+        return None
+    se = math.sqrt(accuracy * (1 - accuracy) / n)
+    tolerance = TARGET_TOLERANCE_SE * se
+    state = {True: "converged", False: "NOT converged", None: "convergence unknown"}[converged]
+    return {
+        "value": accuracy - tolerance,
+        "source": (
+            f"{method} ({state}{', reused from the store' if reused else ''}): accuracy {accuracy:.4f} on the "
+            f"held-out target split no choice saw, minus {TARGET_TOLERANCE_SE:g} binomial standard error of it "
+            f"(n_val_target={n})"
+        ),
+        "tolerance": tolerance,
+        "accuracy": accuracy,
+        "n_val_target": n,
+        "split": "val_target",
+        "metric": "val_target_acc",
+        "baseline_converged": converged,
+    }
+
+
+def _entry(
+    curve: Mapping[str, list] | None, target: float, ended: str | None, devices: int | None, metric: str = "val_acc"
+) -> dict:
+    """One method's time to ``target`` on its ``metric`` curve: the first evaluation at or above it, or why it never
+    got there."""
+    if not curve or not curve.get("time_s") or metric not in curve:
         return {"time_s": None, "reached": False, "why_not": "no curve", "epoch": None, "devices": devices}
-    for i, (t, acc) in enumerate(zip(curve["time_s"], curve["val_acc"], strict=True)):
+    for i, (t, acc) in enumerate(zip(curve["time_s"], curve[metric], strict=True)):
         if acc is not None and acc >= target - 1e-12:
             return {
                 "time_s": float(t),
@@ -248,8 +291,9 @@ def time_to_target(
     if target is None:
         return None
     out: dict[str, Any] = {"target": target}
+    metric = target.get("metric", "val_acc")
     for key in dict.fromkeys(("global", "cnn_dnn", *curves)):
-        entry = _entry(curves.get(key), target["value"], ended.get(key), devices.get(key))
+        entry = _entry(curves.get(key), target["value"], ended.get(key), devices.get(key), metric)
         curve = curves.get(key)
         if key == "cnn_dnn" and entry["reached"] and curve is not None:
             i = curve["time_s"].index(entry["time_s"])

@@ -29,6 +29,7 @@ from ddcnn.metrics import at_chance, majority_rate
 from ddcnn.registry import ResultRow
 from ddcnn.report.combiners import majority_vote, mean_probability
 from ddcnn.report.curves import (
+    held_out_target,
     makespan_by_devices,
     run_curves,
     speedup_at_equal_accuracy,
@@ -36,6 +37,7 @@ from ddcnn.report.curves import (
     time_to_target,
 )
 from ddcnn.report.stats import PAIRS
+from ddcnn.rundir import TARGET_SPLIT
 
 log = logging.getLogger(__name__)
 
@@ -454,10 +456,11 @@ def _by_devices_lines(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _time_to_target_line(results: Mapping[str, Any]) -> str | None:
-    ttt = results.get("time_to_target")
+def _time_to_target_line(results: Mapping[str, Any], key: str = "time_to_target") -> str | None:
+    ttt = results.get(key)
     if not ttt:
         return None
+    reverse = key == "time_to_target_reverse"
     target = ttt["target"]
     parts = []
     for key, e in ttt.items():
@@ -481,14 +484,19 @@ def _time_to_target_line(results: Mapping[str, Any]) -> str | None:
     note = ""
     if target.get("baseline_converged") is False:
         note = (
-            " **The global CNN did not converge: the target is not a converged baseline's (baseline not converged).**"
+            " **The CNN-DNN did not converge: the target is not a converged training's (not converged).**"
+            if reverse
+            else " **The global CNN did not converge: the target is not a converged baseline's (baseline not converged).**"
         )
     elif target.get("baseline_converged") is None:
         note = " (convergence unknown)"
     if not ttt.get("comparable", True):
         note += " Timed under different conditions (below)."
+    held = target.get("split") == "val_target"
+    what = "held-out target split accuracy" if held else "validation accuracy"
+    name = "the reverse target (set by the CNN-DNN)" if reverse else "the fixed target"
     return (
-        f"- Time to the fixed target {target['value']:.4f} (validation accuracy; {target['source']}; tolerance "
+        f"- Time to {name} {target['value']:.4f} ({what}; {target['source']}; tolerance "
         f"{target['tolerance']:.4f}), training clocks to the first evaluation at or above it: "
         + "; ".join(parts)
         + "."
@@ -570,9 +578,10 @@ def results_markdown(results: dict) -> str:
             f"{source.get('run_dir') or 'an earlier run'} and copied from the store ({source.get('entry')}); its time "
             "is that training's (store.reuse=false trains it in every run)."
         )
-    target = _time_to_target_line(results)
-    if target:
-        lines.append(target)
+    for key in ("time_to_target", "time_to_target_reverse"):
+        target = _time_to_target_line(results, key)
+        if target:
+            lines.append(target)
     lines += _single_seed_lines(results)
     for flag in results.get("flags") or []:
         lines.append(f"- **Check this row:** {flag['message']} {flag['try']}")
@@ -635,13 +644,40 @@ def _ended(results: Mapping[str, Any]) -> dict[str, str | None]:
     return out
 
 
-def _time_to_target(results: dict, n: int) -> dict | None:
-    """``time_to_target`` (:func:`ddcnn.report.curves.time_to_target`) of a run's results, each method's entry with
-    the devices its time is on and, for a reused global CNN, the run whose clock it carries."""
+def _cnn_dnn_converged(results: Mapping[str, Any]) -> bool | None:
+    """Whether every training the CNN-DNN is made of (its local nets and the coarse DNN) converged (``None``: any
+    not recorded)."""
+    convergence = results.get("convergence") or {}
+    records = [*(convergence.get("local") or []), convergence.get("coarse")]
+    states = [r.get("converged") if isinstance(r, Mapping) else None for r in records]
+    return None if None in states else all(states)
+
+
+def _fixed_targets(results: dict) -> tuple[dict | None, dict | None]:
+    """The fixed targets of ``docs/protocol.md`` §3: the global CNN's (forward) and the CNN-DNN's (reverse).
+
+    With a ``val_target`` split both are accuracies there, which no choice saw; without one the forward target is the
+    global CNN's best validation accuracy (:func:`~ddcnn.report.curves.target_accuracy`) and there is no reverse one.
+    """
     reused = results.get("reused") or {}
-    target = target_accuracy(
+    held = ((results.get("val_target") or {}).get("accuracy")) or {}
+    n_target = results["data"].get("n_val_target")
+    if n_target:
+        forward = held_out_target(
+            held.get("global"), n_target, "global CNN", baseline_converged(results), "global" in reused
+        )
+        reverse = held_out_target(held.get("cnn_dnn"), n_target, "CNN-DNN", _cnn_dnn_converged(results))
+        return forward, reverse
+    forward = target_accuracy(
         results["curves"], results["data"].get("n_val"), baseline_converged(results), "global" in reused
     )
+    return forward, None
+
+
+def _time_to_target(results: dict, n: int, target: dict | None) -> dict | None:
+    """``time_to_target`` (:func:`ddcnn.report.curves.time_to_target`) of a run's results for ``target``, each
+    method's entry with the devices its time is on and, for a reused global CNN, the run whose clock it carries."""
+    reused = results.get("reused") or {}
     devices: dict[str, int | None] = {"cnn_dnn": n, "mean_prob": n}
     for row in results.get("methods") or []:
         devices.setdefault(row["key"], row.get("devices"))
@@ -693,6 +729,7 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
     devices: dict[str, int] = {}  # stages that trained on several devices at once (global_ddp)
     startup: dict[str, float] = {}
     reused: dict[str, dict] = {}  # stages copied from a training of an earlier run with the same settings
+    held_out: dict[str, float] = {}  # accuracy on the val_target split (data.val_target_fraction), by row key
     for stage in registry.STAGES:
         if stage.row is None:
             continue
@@ -713,6 +750,10 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         metrics[key] = _metrics_of(saved["probs"], saved["labels"], k)
         saved_val = run.load_probs(stage.name, "val")
         val[key] = _metrics_of(saved_val["probs"], saved_val["labels"], k)
+        target_file = run.stage_dir(stage.name) / f"probs_{TARGET_SPLIT}.pt"
+        if target_file.is_file():
+            saved_target = torch.load(target_file, weights_only=True)
+            held_out[key] = float((saved_target["probs"].argmax(-1) == saved_target["labels"]).float().mean())
         time_s[stage.name] = meta["time_s"]
         fit_times[stage.name] = meta.get("fit_time_s", meta["time_s"])
         convergence[stage.name] = convergence_of(meta)
@@ -726,6 +767,8 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
             reused[stage.name] = meta["reused_from"]
     main = f"cnn_dnn_{inputs['coarse']}" if "coarse" in inputs else None
     metrics["cnn_dnn"], val["cnn_dnn"] = (metrics.get(main), val.get(main)) if main else (None, None)
+    if main in held_out:
+        held_out["cnn_dnn"] = held_out[main]
     metrics.setdefault("global", None)
     if time_s.get("coarse") is not None:
         params["cnn_dnn"] = params["local_total"] + params["coarse"]
@@ -751,6 +794,7 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         "coarse_input": inputs,
         "metrics": metrics,
         "val": val_figures,
+        **({"val_target": {"accuracy": held_out}} if held_out else {}),
         "time_s": time_s,
         "startup_s": startup,
         "projected_time_s": projected,
@@ -792,7 +836,9 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
     )
     results["speedup_equal_devices"] = equal_device_speedups(results)
     results["curves"] = run_curves(run, results)
-    results["time_to_target"] = _time_to_target(results, n)
+    forward, reverse = _fixed_targets(results)
+    results["time_to_target"] = _time_to_target(results, n, forward)
+    results["time_to_target_reverse"] = _time_to_target(results, n, reverse)
     cnn_dnn_time = time_s["local_max"] + fit_times["coarse"] if fit_times.get("coarse") is not None else None
     results["speedup_at_equal_accuracy"] = speedup_at_equal_accuracy(
         results["curves"], cnn_dnn_time, results["time_to_target"]

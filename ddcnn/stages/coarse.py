@@ -61,7 +61,7 @@ from ddcnn.engine.loop import EVAL_CHUNK, FitResult, fit_tensors, torch_threads
 from ddcnn.engine.train import loop_settings
 from ddcnn.io import atomic_write_json
 from ddcnn.metrics import chance_margin, majority_rate, near_chance
-from ddcnn.rundir import CURVE_FILE, SPLITS
+from ddcnn.rundir import CURVE_FILE, SPLITS, TARGET_SPLIT
 from ddcnn.stages.common import (
     SNAPSHOT_DIR,
     curve_settings,
@@ -94,7 +94,7 @@ def coarse_inputs(ctx: Context, kind: str) -> tuple[dict[str, torch.Tensor], dic
     """The coarse DNN's data: local outputs ``(n, N, K)`` of every split and their labels, checked against the data."""
     n = ctx.decomposition.num_subdomains
     x, y = {}, {}
-    for split in SPLITS:
+    for split in (*SPLITS, TARGET_SPLIT) if TARGET_SPLIT in ctx.data.y else SPLITS:
         x[split], y[split] = ctx.run.local_outputs(n, split, kind)
         if not torch.equal(y[split], ctx.data.y[split]):
             raise ValueError(
@@ -498,10 +498,12 @@ def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
         if any(not torch.equal(s["train_rows"], rows) for s in snaps):
             log.warning("coarse curve: the local nets' snapshots of epoch %d hold other training rows; skipped", epoch)
             continue
-        x = {split: torch.stack([s["logits"][split].float() for s in snaps], dim=1) for split in SPLITS}
+        splits = [s for s in (*SPLITS, TARGET_SPLIT) if all(s in snap["logits"] for snap in snaps)]
+        x = {split: torch.stack([s["logits"][split].float() for s in snaps], dim=1) for split in splits}
         if kind == "probs":
             x = {split: v.softmax(-1) for split, v in x.items()}
-        y = {"train": ctx.data.y["train"][rows], "val": ctx.data.y["val"], "test": ctx.data.y["test"]}
+        y = {split: ctx.data.y[split] for split in splits if split in ctx.data.y}
+        y["train"] = ctx.data.y["train"][rows]
         times = [float(s["time_s"]) for s in snaps]
         torch.manual_seed(seed)
         net = build_coarse_net(ctx.cfg, n, k, kind=kind, spec=coarse_net_spec(ctx.cfg, kind))
@@ -511,6 +513,9 @@ def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
         coarse_s = time.perf_counter() - fit_start
         val, test = _scores(fitted.net, x["val"], y["val"], "cpu"), _scores(fitted.net, x["test"], y["test"], "cpu")
         base = {"epoch": epoch, "local_max_s": max(times), "local_total_s": sum(times), "train_rows": len(rows)}
+        target = {}
+        if TARGET_SPLIT in x and TARGET_SPLIT in y:  # measured for the fixed targets, never chosen on
+            target["val_target_acc"] = _scores(fitted.net, x[TARGET_SPLIT], y[TARGET_SPLIT], "cpu")["acc"]
         points.append(
             {
                 **base,
@@ -522,11 +527,16 @@ def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
                 "val_loss": val["loss"],
                 "test_acc": test["acc"],
                 "test_loss": test["loss"],
+                **target,
             }
         )
         mean_val = _averaging_scores(x["val"], y["val"], kind)
         mean_test = _averaging_scores(x["test"], y["test"], kind)
-        averaging.append({**base, "time_s": max(times), "val_acc": mean_val["acc"], "test_acc": mean_test["acc"]})
+        if target:
+            target = {"val_target_acc": _averaging_scores(x[TARGET_SPLIT], y[TARGET_SPLIT], kind)["acc"]}
+        averaging.append(
+            {**base, "time_s": max(times), "val_acc": mean_val["acc"], "test_acc": mean_test["acc"], **target}
+        )
         log.info(
             "coarse curve: epoch %d, slowest local net %.1f s + coarse DNN %.1f s: val acc %.4f, test acc %.4f",
             epoch,

@@ -20,11 +20,11 @@ from torch import nn
 from ddcnn import registry
 from ddcnn.context import Context, build_augment, count_parameters, subdomain_seed, weights_meta
 from ddcnn.data.datamodule import Batches, PreparedBatches
-from ddcnn.engine.common import predict_logits, save_net, save_predictions
+from ddcnn.engine.common import data_splits, predict_logits, save_net, save_predictions
 from ddcnn.engine.loop import convergence_advice
 from ddcnn.engine.train import FitResult, fit
 from ddcnn.io import atomic_torch_save
-from ddcnn.rundir import PROB_FILES
+from ddcnn.rundir import PROB_FILES, TARGET_SPLIT
 from ddcnn.runtime import execution_context, run_generation, slurm_info
 
 log = logging.getLogger(__name__)
@@ -307,6 +307,10 @@ class LocalSnapshots(TestCurve):
             "val": _logits(net, self.dm, "val", torch.arange(self.dm.size("val")), self.device),
             "test": test,
         }
+        if TARGET_SPLIT in data_splits(self.dm):
+            logits[TARGET_SPLIT] = _logits(
+                net, self.dm, TARGET_SPLIT, torch.arange(self.dm.size(TARGET_SPLIT)), self.device
+            )
         snapshot = {
             "epoch": epoch + 1,
             "time_s": float(row["time_s"]),
