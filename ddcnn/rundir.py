@@ -98,7 +98,8 @@ RENAMED_KEYS = {
 
 
 _ABSENT = object()
-# The L2 strengths the convex combiners try (coarse.linear.l2_grid, methods.stacker.l2_grid: the YAML holds the same).
+# The L2 strengths the convex combiners try (coarse.linear.l2_grid, methods.stacker.l2_grid: the YAML holds the same),
+# from nearly the prior (10 on standardised features) to nearly unpenalised.
 L2_GRID = (10.0, 1.0, 0.1, 0.01, 0.001, 0.0001)
 # Settings added since a run directory may have been recorded, at their defaults: a record without the key matches
 # a configuration that has this value (a run recorded before the key existed was trained as that default does).

@@ -55,13 +55,13 @@ from torch import nn
 
 from ddcnn.context import Context, build_coarse_net, coarse_net_spec
 from ddcnn.data.datamodule import TensorDataModule
-from ddcnn.engine.convex import L2_GRID, fit_logistic
+from ddcnn.engine.convex import fit_logistic
 from ddcnn.engine.loggers import EpochReporter
 from ddcnn.engine.loop import EVAL_CHUNK, FitResult, fit_tensors, torch_threads
 from ddcnn.engine.train import loop_settings
 from ddcnn.io import atomic_write_json
 from ddcnn.metrics import chance_margin, majority_rate, near_chance
-from ddcnn.rundir import CURVE_FILE, SPLITS
+from ddcnn.rundir import CURVE_FILE, L2_GRID, SPLITS
 from ddcnn.stages.common import (
     SNAPSHOT_DIR,
     curve_settings,
