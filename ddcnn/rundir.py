@@ -120,7 +120,7 @@ ADDED_DEFAULTS: dict[str, Any] = {
     "methods.stacker.l2_grid": list(L2_GRID),
     "methods.stacker.max_iter": 200,
     "methods.local_oof.folds": 5,
-    # The image-folder source's reading settings (ddcnn.data.images): these defaults read an image folder as before.
+    # The image-folder source's reading settings (ddcnn.data.images): a run recorded without them read as these do.
     "data.resize_mode": "stretch",
     "data.source.resize_mode": "stretch",
     "data.source.background": 0,
@@ -134,8 +134,8 @@ CHANGED_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "coarse.max_epochs": (8, "auto"),
     "coarse.batch_size": (1024, "auto"),
     "coarse.optimizer.lr": (0.02, 0.003),
-    # The image-folder source follows data.in_channels now (auto: from the images); a run recorded with grey reading
-    # recorded data.in_channels=1 too, which the resolved count must match.
+    # The image-folder source reads data.in_channels channels (auto: those of the images); a run recorded with
+    # grayscale=true recorded data.in_channels=1 too, which the resolved count must match.
     "data.source.grayscale": (True, None),
 }
 
