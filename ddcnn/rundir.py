@@ -102,7 +102,8 @@ RENAMED_KEYS = {
 
 
 _ABSENT = object()
-# The L2 strengths the convex combiners try (coarse.linear.l2_grid, methods.stacker.l2_grid: the YAML holds the same).
+# The L2 strengths the convex combiners try (coarse.linear.l2_grid, methods.stacker.l2_grid: the YAML holds the same),
+# from nearly the prior (10 on standardised features) to nearly unpenalised.
 L2_GRID = (10.0, 1.0, 0.1, 0.01, 0.001, 0.0001)
 # Settings added since a run directory may have been recorded, at their defaults: a record without the key matches
 # a configuration that has this value (a run recorded before the key existed was trained as that default does).
@@ -123,7 +124,7 @@ ADDED_DEFAULTS: dict[str, Any] = {
     "methods.stacker.l2_grid": list(L2_GRID),
     "methods.stacker.max_iter": 200,
     "methods.local_oof.folds": 5,
-    # The image-folder source's reading settings (ddcnn.data.images): these defaults read an image folder as before.
+    # The image-folder source's reading settings (ddcnn.data.images): a run recorded without them read as these do.
     "data.resize_mode": "stretch",
     "data.source.resize_mode": "stretch",
     "data.source.background": 0,
@@ -137,8 +138,8 @@ CHANGED_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "coarse.max_epochs": (8, "auto"),
     "coarse.batch_size": (1024, "auto"),
     "coarse.optimizer.lr": (0.02, 0.003),
-    # The image-folder source follows data.in_channels now (auto: from the images); a run recorded with grey reading
-    # recorded data.in_channels=1 too, which the resolved count must match.
+    # The image-folder source reads data.in_channels channels (auto: those of the images); a run recorded with
+    # grayscale=true recorded data.in_channels=1 too, which the resolved count must match.
     "data.source.grayscale": (True, None),
 }
 

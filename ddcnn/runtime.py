@@ -48,7 +48,7 @@ def resolve_device(device: str | None, cuda_count: int | None = None) -> str:
     ``auto`` never picks MPS (Apple GPUs): its kernels and numbers differ enough that it is opt-in (``device=mps``).
     The rule is :func:`ddcnn.parallel.devices.plan_workers`'s for ``parallel.accelerator=auto`` (a GPU when
     ``cuda_count > 0``), so that the local nets of parallel workers and the one-device stages (coarse DNN, global
-    CNN) train on the same kind of device. ``None`` is ``cpu`` (as before ``auto`` existed); anything else is returned
+    CNN) train on the same kind of device. ``None`` is ``cpu``; anything else is returned
     as given (``cpu``, ``cuda``, ``cuda:1``, ``mps``).
 
     Args:

@@ -19,8 +19,7 @@ are made once and kept (float32, the box only): each step is then one gather fro
 path for small networks whose steps take a millisecond.
 
 :class:`TensorDataModule` implements the protocol for tensors that are already network inputs (the coarse DNN's
-features). Both also give ``DataLoader`` views (``train_dataloader()`` ...), whole batches at a time, for use outside
-ddcnn's loop.
+features).
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
 
 from ddcnn.data.augment import Augment
 from ddcnn.data.prepare import Prepared, prepare
@@ -122,64 +120,6 @@ class _TensorSplit:
         return len(self.x)
 
 
-class _EpochBatchSampler:
-    """Shuffled batches whose order depends only on ``(seed, epoch)``.
-
-    A loop calls :meth:`set_epoch` before every epoch, so a run resumed from a checkpoint sees exactly
-    the batches an uninterrupted run would have seen.
-    """
-
-    def __init__(self, n: int, batch_size: int, seed: int) -> None:
-        self.n, self.batch_size, self.seed, self.epoch = n, batch_size, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    @staticmethod
-    def _rank_world() -> tuple[int, int]:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_rank(), torch.distributed.get_world_size()
-        return 0, 1
-
-    def __iter__(self):
-        gen = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        order = torch.randperm(self.n, generator=gen)
-        rank, world = self._rank_world()
-        if world > 1:
-            # DDP: every rank takes every world-th sample of the same permutation, padded by wrapping around so
-            # that all ranks run the same number of steps (as torch's DistributedSampler does).
-            total = -(-self.n // world) * world
-            order = torch.cat([order, order[: total - self.n]])[rank::world]
-        for idx in order.split(self.batch_size):
-            yield self.epoch, idx
-
-    def __len__(self) -> int:
-        _, world = self._rank_world()
-        per_rank = -(-self.n // world)
-        return -(-per_rank // self.batch_size)
-
-
-class _ShardedBatchSampler:
-    """Ordered batches of this DDP rank's share (every world-th sample, no padding); all samples outside DDP.
-
-    Validation under DDP: each rank evaluates its share and the metrics' sums and counts are added over the ranks,
-    so every sample counts once.
-    """
-
-    def __init__(self, n: int, batch_size: int) -> None:
-        self.n, self.batch_size = n, batch_size
-
-    def _indices(self) -> torch.Tensor:
-        rank, world = _EpochBatchSampler._rank_world()
-        return torch.arange(rank, self.n, world)
-
-    def __iter__(self):
-        yield from (idx.tolist() for idx in self._indices().split(self.batch_size))
-
-    def __len__(self) -> int:
-        return -(-len(self._indices()) // self.batch_size)
-
-
 class Crop:
     """Cuts one box out of a batch (a picklable function, so data modules survive ``ddp_spawn``)."""
 
@@ -248,58 +188,7 @@ class RowSubset:
         return out
 
 
-class _IndexDataset(Dataset):
-    """A :class:`Batches` as a dataset: indexed by ``(epoch, indices)`` (training) or by indices, whole batches."""
-
-    def __init__(self, batches: Batches, split: str, train: bool) -> None:
-        self.batches, self.split, self.train = batches, split, train
-
-    def __len__(self) -> int:
-        return self.batches.size(self.split)
-
-    def __getitem__(self, index):
-        epoch = 0
-        if isinstance(index, tuple):
-            epoch, index = index
-        idx = torch.as_tensor(index, dtype=torch.long)
-        cpu = torch.device("cpu")
-        if self.train:
-            return self.batches.train_batch(idx, epoch, cpu)
-        return self.batches.eval_batch(self.split, idx, cpu)
-
-
-def _identity(batch):
-    return batch
-
-
-class _Loaders:
-    """``torch.utils.data.DataLoader`` views of a :class:`Batches` (ddcnn's loop does not use them; a notebook or a
-    user's own training loop may): the same batches as :meth:`train_batch` and :meth:`eval_batch` on the host, in the
-    same order (the training order depends only on ``(seed, epoch)``, set through the sampler's ``set_epoch``; under
-    DDP each rank gets its share)."""
-
-    def loader(self, split: str, shuffle: bool = False, shard: bool = False) -> DataLoader:
-        n = self.size(split)
-        if shuffle:
-            sampler = _EpochBatchSampler(n, self.batch_size, self.seed)
-        elif shard:
-            sampler = _ShardedBatchSampler(n, self.eval_batch_size)
-        else:
-            sampler = BatchSampler(SequentialSampler(range(n)), self.eval_batch_size, drop_last=False)
-        dataset = _IndexDataset(self, split, train=shuffle)
-        return DataLoader(dataset, sampler=sampler, batch_size=None, collate_fn=_identity)
-
-    def train_dataloader(self) -> DataLoader:
-        return self.loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.loader("val", shard=True)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.loader("test")
-
-
-class TensorDataModule(_Loaders):
+class TensorDataModule:
     """Serves in-memory ``(x, y)`` tensors of the three splits in shuffled (train) or ordered batches.
 
     Args:
@@ -356,7 +245,7 @@ class TensorDataModule(_Loaders):
         return x.contiguous().to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-class PreparedBatches(_Loaders):
+class PreparedBatches:
     """Batches of a prepared dataset for one network: the full images, or one box (a sub-domain), on a device.
 
     Args:

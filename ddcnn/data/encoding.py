@@ -3,7 +3,7 @@
 Prepared data keep the source's compact type where that loses nothing: ``uint8`` images stay ``uint8`` (divided by 255
 when they are read), other integer types (``int16`` CT in Hounsfield units, ``uint16``, ``int8``, booleans as
 ``uint8``) stay as they are. Values that are not integers (a float source, or images resized by ``data.image_size``)
-are kept as ``float32``, exactly as before, or as ``float16`` with ``data.float_storage=float16``: half the memory and
+are kept as ``float32``, or as ``float16`` with ``data.float_storage=float16``: half the memory and
 disk, each value rounded to 11 significant bits (a relative error of at most 2^-11 = 4.9e-4; for values in [0, 1],
 as after a CT window or a ``uint8`` source's scaling, an absolute error of at most 2^-12 = 2.4e-4, which is 0.34 HU
 for the window [-1000, 400]).
@@ -12,10 +12,9 @@ for the window [-1000, 400]).
 stored raw), the optional intensity window (``data.window``), then ``(x - mean) / std`` with the training split's
 per-channel statistics (computed once, in float64). It runs on the training device, per batch
 (:mod:`ddcnn.data.datamodule`), and inside the TorchScript export (:mod:`ddcnn.export`), so the two cannot drift
-apart. For lossless storage the network sees bitwise the numbers of the earlier float32 path: ``uint8`` values are
-divided by 255 on the CPU as that path did, and looked up in a table made by that operation on other devices (where
-a division by a constant may be compiled as a multiplication by its reciprocal), so the result is the same on every
-device.
+apart. For lossless storage the network sees bitwise the numbers of float32 storage: ``uint8`` values are divided
+by 255 on the CPU, and looked up in a table made by that division on other devices (where a division by a constant
+may be compiled as a multiplication by its reciprocal), so the result is the same on every device.
 """
 
 from __future__ import annotations

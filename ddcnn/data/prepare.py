@@ -17,8 +17,8 @@ Where the prepared data live (``data.memory.mode``; no setting here changes a re
   whenever the entry already exists in the store.
 
 Preparation reads the source a few megabytes at a time (sources called with ``lazy=True`` never hold it whole), so a
-study larger than memory is prepared in a flat amount of memory. The splits, labels and order are those of the
-earlier float32 path, sample for sample, and so are the network's inputs (bitwise for lossless storage).
+study larger than memory is prepared in a flat amount of memory. The splits, labels and order do not depend on how
+the values are stored, and neither do the network's inputs (bitwise for lossless storage, :mod:`ddcnn.data.encoding`).
 """
 
 from __future__ import annotations

@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ddcnn.rundir import L2_GRID
+
 log = logging.getLogger(__name__)
 
-__all__ = ["L2_GRID", "LogisticFit", "fit_logistic"]
-
-# L2 strengths tried, strongest first: from nearly the prior (1e1 on standardised features) to nearly unpenalised.
-L2_GRID = (1e1, 1.0, 1e-1, 1e-2, 1e-3, 1e-4)
+__all__ = ["LogisticFit", "fit_logistic"]
 
 
 @dataclass

@@ -51,6 +51,7 @@ from lightning_fabric.plugins.environments import ClusterEnvironment, LightningE
 from lightning_fabric.plugins.environments.lightning import find_free_network_port  # noqa: E402
 from lightning_fabric.plugins.precision import DoublePrecision, MixedPrecision  # noqa: E402
 from lightning_fabric.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
+from lightning_fabric.utilities.seed import seed_everything as _fabric_seed_everything  # noqa: E402
 
 __all__ = [
     "LAUNCHERS",
@@ -61,6 +62,7 @@ __all__ = [
     "precision_plugin",
     "rendezvous_port",
     "isolated_launch",
+    "seed_everything",
 ]
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,12 @@ def _first_host(nodelist: str) -> str:
     prefix, _, rest = head.partition("[")
     first = rest.rstrip("]").split(",")[0].split("-")[0]
     return prefix + first
+
+
+def seed_everything(seed: int) -> int:
+    """Fabric's ``seed_everything`` without its log line: seeds Python's ``random``, NumPy's and torch's global
+    generators with ``seed`` (0 to 2**32 - 1; Fabric refuses others) and sets ``PL_GLOBAL_SEED`` for spawned ranks."""
+    return _fabric_seed_everything(seed, verbose=False)
 
 
 def rendezvous_port(job_id: str | None, step_id: str | None) -> int:

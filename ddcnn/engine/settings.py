@@ -19,8 +19,9 @@ Every key of ``conf/trainer`` and ``conf/engine`` changes what the loop does, or
 - the GPU policy (:mod:`ddcnn.engine.gpu`): ``engine.channels_last``, ``tf32``, ``cudnn_benchmark``,
   ``data_on_device`` (each ``auto``, ``true`` or ``false``), ``device_data_fraction``, and the opt-ins ``compile`` and
   ``profile_steps``;
-- ``engine.loop`` is gone (ddcnn has one loop); ``trainer.monitor`` and the other keys that moved are refused with
-  their new names; any other Lightning ``Trainer`` argument is refused with the list of those implemented.
+- keys ddcnn does not read are refused with what to do: ``engine.loop`` (ddcnn has one loop: remove it),
+  ``trainer.monitor`` and the other keys that live elsewhere (the key to use), any other Lightning ``Trainer``
+  argument (the list of those implemented).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ ENGINE_KEYS = (
 )
 # engine.* settings that are auto (decided from the device), true or false.
 AUTO_SWITCHES = ("channels_last", "tf32", "cudnn_benchmark", "data_on_device")
-# Keys that moved, or Lightning Trainer arguments whose job another setting does: what to use instead.
+# Keys ddcnn reads elsewhere, or Lightning Trainer arguments whose job another setting does: what to use instead.
 _INSTEAD = {
     "trainer.monitor": "engine.monitor",
     "trainer.monitor_mode": "engine.monitor_mode",

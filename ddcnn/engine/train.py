@@ -8,12 +8,9 @@ any stage clock starts) pays for them, never a training's clock.
 
 from __future__ import annotations
 
-import os
-import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 # The first optimizer a process builds imports torch._dynamo (torch.optim wraps its methods in torch._disable_dynamo):
@@ -24,20 +21,12 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ddcnn.engine.gpu import POLICY_OFF
+from ddcnn.engine.launch import seed_everything
 from ddcnn.engine.loggers import EpochReporter
 from ddcnn.engine.loop import FitResult, fit_batches
 from ddcnn.engine.settings import check_schedule, default_min_epochs, engine_settings, trainer_settings
 
 __all__ = ["FitResult", "fit", "loop_settings", "seed_everything"]
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's generators (as Lightning's ``seed_everything``)."""
-    seed = int(seed)
-    os.environ["PL_GLOBAL_SEED"] = str(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def loop_settings(cfg: DictConfig) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,13 +73,18 @@ _IGNORED = (
     "data.source.root",
 )
 
-CSV_COLUMNS = (
+# The leading columns of every row: its dataset and its configuration (see _config_columns).
+_CONFIG_COLUMNS = (
     "dataset",
     "backbone",
     "grid",
     "num_subdomains",
     "overlap",
     "settings",
+)
+
+CSV_COLUMNS = (
+    *_CONFIG_COLUMNS,
     "timing_context",
     "method",
     "method_key",
@@ -106,12 +111,7 @@ CSV_COLUMNS = (
 )
 
 PAIRED_COLUMNS = (
-    "dataset",
-    "backbone",
-    "grid",
-    "num_subdomains",
-    "overlap",
-    "settings",
+    *_CONFIG_COLUMNS,
     "comparison",
     "method_key",
     "baseline_key",
@@ -307,24 +307,18 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
     and parameters are means over seeds. ``ignore`` names settings (dotted keys or prefixes) whose differences do not
     split groups, e.g. a key that a newer version of the configuration added with a value that changes nothing.
     """
-    by_dataset: dict[str, list[Run]] = {}
-    for run in runs:
-        by_dataset.setdefault(run.dataset, []).append(run)
     tables: dict[str, list[dict]] = {}
-    for dataset, group in sorted(by_dataset.items()):
-        keys = _varying_settings(group, ignore)
+    for dataset, group, keys in _by_dataset(runs, ignore):
         cells: dict[tuple, list[tuple[Run, dict]]] = {}
         for run in group:
-            label = _settings_label(run, keys)
+            config = _config_key(run, keys)
             for row in run.rows:
                 # The timing context is part of the group: times measured in different contexts never average.
-                context = run.timing_context
-                key = (run.backbone, math.prod(run.grid), run.grid_label, run.overlap_label, label, context, row["key"])
-                cells.setdefault(key, []).append((run, row))
+                cells.setdefault((*config, run.timing_context, row["key"]), []).append((run, row))
         order = list(METHODS)
         rows = []
         for key in sorted(cells, key=lambda k: (*k[:6], order.index(k[6]) if k[6] in order else len(order))):
-            backbone, n, grid, overlap, label, context, method = key
+            context, method = key[5:]
             entries = cells[key]
             acc = [float(row["accuracy"]) for _, row in entries]
             equal = [e for e in (_to_target(run, method) for run, _ in entries) if e is not None]
@@ -338,12 +332,7 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
             auc = _mean_std([row.get("auc") for _, row in entries])
             rows.append(
                 {
-                    "dataset": dataset,
-                    "backbone": backbone,
-                    "grid": grid,
-                    "num_subdomains": n,
-                    "overlap": overlap,
-                    "settings": label,
+                    **_config_columns(dataset, key[:5]),
                     "timing_context": context,
                     "method": METHODS.get(method, entries[0][1].get("name", method)),
                     "method_key": method,
@@ -410,8 +399,24 @@ def _to_target(run: Run, method: str) -> dict | None:
     return {"reached": reached, "speedup": g["time_s"] / cnn_dnn_s if reached else None}
 
 
+def _by_dataset(runs: Sequence[Run], ignore: Sequence[str]) -> Iterator[tuple[str, list[Run], list[str]]]:
+    """Per dataset, in name order: its runs and the settings that split them into groups (:func:`_varying_settings`)."""
+    by_dataset: dict[str, list[Run]] = {}
+    for run in runs:
+        by_dataset.setdefault(run.dataset, []).append(run)
+    for dataset, group in sorted(by_dataset.items()):
+        yield dataset, group, _varying_settings(group, ignore)
+
+
 def _config_key(run: Run, keys: Sequence[str]) -> tuple:
+    """A run's configuration: backbone, number of sub-domains, grid, overlap and the settings that split groups."""
     return (run.backbone, math.prod(run.grid), run.grid_label, run.overlap_label, _settings_label(run, keys))
+
+
+def _config_columns(dataset: str, config: tuple) -> dict[str, Any]:
+    """The leading columns of a row (:data:`_CONFIG_COLUMNS`): its dataset and configuration (:func:`_config_key`)."""
+    backbone, n, grid, overlap, label = config
+    return dict(zip(_CONFIG_COLUMNS, (dataset, backbone, grid, n, overlap, label), strict=True))
 
 
 def paired_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, list[dict]]:
@@ -420,18 +425,13 @@ def paired_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, li
     mean, sample std, n, 95% t-interval and verdict (:func:`ddcnn.report.stats.paired_difference`). A seed with several
     runs (timed in different contexts) counts once, with its first run. The verdict is ``baseline not converged`` when
     the baseline of any seed did not converge."""
-    by_dataset: dict[str, list[Run]] = {}
-    for run in runs:
-        by_dataset.setdefault(run.dataset, []).append(run)
     tables: dict[str, list[dict]] = {}
-    for dataset, group in sorted(by_dataset.items()):
-        keys = _varying_settings(group, ignore)
+    for dataset, group, keys in _by_dataset(runs, ignore):
         configs: dict[tuple, dict[int, Run]] = {}
         for run in sorted(group, key=lambda r: str(r.path)):
             configs.setdefault(_config_key(run, keys), {}).setdefault(run.seed, run)
         rows = []
         for key in sorted(configs):
-            backbone, n, grid, overlap, label = key
             by_seed = configs[key]
             for what, method, baseline, training in PAIRS:
                 pairs = [
@@ -448,12 +448,7 @@ def paired_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, li
                 stats = paired_difference(diffs, converged, [seed for seed, _ in pairs])
                 rows.append(
                     {
-                        "dataset": dataset,
-                        "backbone": backbone,
-                        "grid": grid,
-                        "num_subdomains": n,
-                        "overlap": overlap,
-                        "settings": label,
+                        **_config_columns(dataset, key),
                         "comparison": what,
                         "method_key": method,
                         "baseline_key": baseline,

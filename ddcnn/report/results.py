@@ -486,7 +486,8 @@ def _time_to_target_line(results: Mapping[str, Any], key: str = "time_to_target"
         note = (
             " **The CNN-DNN did not converge: the target is not a converged training's (not converged).**"
             if reverse
-            else " **The global CNN did not converge: the target is not a converged baseline's (baseline not converged).**"
+            else " **The global CNN did not converge: the target is not a converged baseline's "
+            "(baseline not converged).**"
         )
     elif target.get("baseline_converged") is None:
         note = " (convergence unknown)"

@@ -55,13 +55,13 @@ from torch import nn
 
 from ddcnn.context import Context, build_coarse_net, coarse_net_spec
 from ddcnn.data.datamodule import TensorDataModule
-from ddcnn.engine.convex import L2_GRID, fit_logistic
+from ddcnn.engine.convex import fit_logistic
 from ddcnn.engine.loggers import EpochReporter
 from ddcnn.engine.loop import EVAL_CHUNK, FitResult, fit_tensors, torch_threads
 from ddcnn.engine.train import loop_settings
 from ddcnn.io import atomic_write_json
 from ddcnn.metrics import chance_margin, majority_rate, near_chance
-from ddcnn.rundir import CURVE_FILE, SPLITS, TARGET_SPLIT
+from ddcnn.rundir import CURVE_FILE, L2_GRID, SPLITS, TARGET_SPLIT
 from ddcnn.stages.common import (
     SNAPSHOT_DIR,
     curve_settings,
@@ -143,7 +143,10 @@ def _scores(net: nn.Module, x: torch.Tensor, y: torch.Tensor, device) -> dict[st
     return {"acc": float((logits.argmax(-1) == y).float().mean()), "loss": float(F.cross_entropy(logits, y))}
 
 
-def _better(candidate: dict[str, float], incumbent: dict[str, float], monitor: str) -> bool:
+def _outscores(candidate: dict[str, float], incumbent: dict[str, float], monitor: str) -> bool:
+    """Whether ``candidate``'s validation scores (``acc``, ``loss``) beat ``incumbent``'s: on ``val_acc`` the higher
+    accuracy, ties to the lower loss; otherwise the lower loss. Picks between two finished fits; epochs within one
+    training are compared by :func:`ddcnn.engine.loop.improves`."""
     if monitor == "val_acc":
         return (candidate["acc"], -candidate["loss"]) > (incumbent["acc"], -incumbent["loss"])
     return candidate["loss"] < incumbent["loss"]
@@ -293,7 +296,7 @@ def fit_coarse(
             (folder / "last.ckpt").unlink(missing_ok=True)
         candidates["trained"] = trained
         result = fitted
-        if start_name is not None and not _better(trained, candidates[start_name], monitor):
+        if start_name is not None and not _outscores(trained, candidates[start_name], monitor):
             net.load_state_dict(start_state)
             kept = start_name
         else:
@@ -350,7 +353,7 @@ def _fit_linear_path(
     report["linear"] = {"l2": fit.l2, "rows": len(rows), "time_s": fit.time_s, "path": fit.path}
     layer = net.linear_layer()
     linear = {"acc": fit.val_acc, "loss": fit.val_loss}
-    if skip_on and not _better(linear, _averaging_scores(x_val, y_val, net.inputs), monitor):
+    if skip_on and not _outscores(linear, _averaging_scores(x_val, y_val, net.inputs), monitor):
         with torch.no_grad():  # the averaging combiner alone (skip weight 1, no linear path)
             layer.weight.zero_()
             layer.bias.zero_()

@@ -18,9 +18,10 @@ import torch
 
 from ddcnn.context import Context
 from ddcnn.data.datamodule import TensorDataModule
-from ddcnn.engine.convex import L2_GRID, fit_logistic
+from ddcnn.engine.convex import fit_logistic
 from ddcnn.engine.loop import EVAL_CHUNK, FitResult, torch_threads
 from ddcnn.models.coarse import CoarseMLP
+from ddcnn.rundir import L2_GRID
 from ddcnn.stages.coarse import coarse_inputs
 from ddcnn.stages.common import finish_stage, logistic_convergence, method_settings, skip, stage_seed
 

@@ -219,19 +219,6 @@ def test_data_in_memory_are_normalised_once_per_split_and_box():
     assert set(cached._cached) == {"train"} and tuple(cached._cached["train"].shape[2:]) == dec.sub_shape
 
 
-def test_dataloaders_serve_the_same_batches():
-    data = prepare(_splits((20, 24)), num_classes=3, in_channels=1, spatial_dims=2)
-    batches = PreparedBatches(data, 8, seed=5, augment=Augment(flip_axes=(0,), seed=1))
-    loader = batches.train_dataloader()
-    loader.sampler.set_epoch(2)  # as a training loop does before every epoch
-    first_x, first_y = next(iter(loader))
-    order = torch.randperm(batches.size("train"), generator=torch.Generator().manual_seed(5 * 100_003 + 2))
-    x, y = batches.train_batch(order[:8], 2, "cpu")
-    assert torch.equal(first_x, x) and torch.equal(first_y, y)
-    val = torch.cat([b[0] for b in batches.loader("val")])
-    assert torch.equal(val, batches.eval_batch("val", torch.arange(batches.size("val")), "cpu")[0])
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_on_a_gpu_the_batches_are_bitwise_those_of_the_cpu():
     data = prepare(_splits((12, 16, 20)), num_classes=3, in_channels=1, spatial_dims=3)

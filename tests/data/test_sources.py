@@ -136,17 +136,12 @@ def test_datamodule_batches_and_view():
     x = {s: torch.arange(40, dtype=torch.float32).view(10, 1, 2, 2) for s in ("train", "val", "test")}
     y = {s: torch.arange(10) for s in x}
     dm = TensorDataModule(x, y, batch_size=4, seed=3, view=lambda t: t[..., :1, :])
-    batches = list(dm.train_dataloader())
-    assert [len(b[1]) for b in batches] == [4, 4, 2]
-    assert batches[0][0].shape == (4, 1, 1, 2)
-    assert sorted(torch.cat([b[1] for b in batches]).tolist()) == list(range(10))
-    again = [b[1].tolist() for b in TensorDataModule(x, y, batch_size=4, seed=3).train_dataloader()]
-    assert again == [b[1].tolist() for b in batches]
-    assert torch.cat([b[1] for b in dm.test_dataloader()]).tolist() == list(range(10))
-    # The loader of an epoch serves the batches the loop's train_batch gives for that epoch.
-    loader = dm.train_dataloader()
-    loader.sampler.set_epoch(2)
-    first_x, first_y = next(iter(loader))
-    order = torch.randperm(10, generator=torch.Generator().manual_seed(3 * 100_003 + 2))
-    x, y = dm.train_batch(order[:4], 2, "cpu")
-    assert torch.equal(first_x, x) and torch.equal(first_y, y)
+    assert (dm.batch_size, dm.eval_batch_size, dm.seed) == (4, 16, 3)
+    assert dm.size("train") == 10 and dm.labels("val").tolist() == list(range(10))
+    idx = torch.tensor([7, 2, 5])
+    bx, by = dm.train_batch(idx, 2, "cpu")
+    assert by.tolist() == [7, 2, 5] and torch.equal(bx, x["train"][idx][..., :1, :])  # the samples asked for, viewed
+    tx, ty = dm.eval_batch("test", torch.arange(10), "cpu")
+    assert tx.shape == (10, 1, 1, 2) and ty.tolist() == list(range(10))
+    with pytest.raises(ValueError, match="differ in length"):
+        TensorDataModule({"train": x["train"]}, {"train": y["train"][:9]})

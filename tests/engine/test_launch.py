@@ -4,11 +4,21 @@ plugin, and a process left as it was after a launch. No cluster needed: the SLUR
 from __future__ import annotations
 
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
 
-from ddcnn.engine.launch import SrunEnvironment, _first_host, build_fabric, isolated_launch, rendezvous_port
+from ddcnn.context import subdomain_seed
+from ddcnn.engine.launch import (
+    SrunEnvironment,
+    _first_host,
+    build_fabric,
+    isolated_launch,
+    rendezvous_port,
+    seed_everything,
+)
 
 SLURM_VARS = (
     "SLURM_JOB_ID",
@@ -163,3 +173,34 @@ def test_the_precision_plugin_is_what_was_asked_on_cpu_too(precision, plugin, dt
         with fabric.autocast():
             assert torch.nn.Linear(3, 2)(torch.randn(1, 3)).dtype == dtype
     assert (getattr(fabric.strategy.precision, "scaler", None) is not None) == (precision == "16-mixed")
+
+
+def _draws() -> tuple:
+    return (
+        [random.random() for _ in range(3)],
+        np.random.random(3).tolist(),
+        np.random.randint(0, 2**31, 3).tolist(),
+        torch.rand(3).tolist(),
+        torch.randperm(10).tolist(),
+        os.environ["PL_GLOBAL_SEED"],
+    )
+
+
+def _seed_everything_before_fabric(seed: int) -> None:
+    """ddcnn's own seeding before it called Fabric's: every recorded run was trained from these streams."""
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345, subdomain_seed(0, 3), subdomain_seed(7, 15) + 104_729 * 5, 2**32 - 1])
+def test_seeding_gives_the_streams_recorded_runs_were_trained_from(seed, monkeypatch):
+    # Seeds ddcnn derives (stage and sub-domain seeds, cross-fitting folds) lie in [0, 2**32): Fabric's range.
+    monkeypatch.setenv("PL_GLOBAL_SEED", "")  # both restored after the test
+    monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
+    _seed_everything_before_fabric(seed)
+    expected = _draws()
+    random.seed(None), np.random.seed(None), torch.seed()
+    assert seed_everything(seed) == seed
+    assert _draws() == expected
