@@ -214,7 +214,9 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
         return [Dataset("digits", "Digits (tiny mode)", tuple(tiny), ("2x2",), (0, 2), auc_table=True)]
     subset = [f"data.train_subset={args.train_subset}"] if args.train_subset else []
     subset += [f"data.test_subset={args.test_subset}"] if args.test_subset else []
-    two_d = ["model=vgg_small", "methods=all", *recipe(args), *subset]
+    # coarse.input stated: the page measures both inputs (coarse on probabilities, coarse_alt on logits) whatever
+    # the default is, so that the default can be decided from it (issue #31 item 7) without invalidating its runs.
+    two_d = ["model=vgg_small", "methods=all", "coarse.input=probs", *recipe(args), *subset]
     two_d += [f"data.val_fraction={args.val_fraction}", f"data.batch_size={args.batch_size}"]
     two_d += [f"data.val_target_fraction={args.val_target_fraction}"] if args.val_target_fraction else []
     two_d += [f"report.curves.points={args.curve_points}", f"methods.local_oof.folds={args.oof_folds}"]
@@ -227,7 +229,7 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
         "adrenal3d": Dataset(
             "adrenal3d",
             "AdrenalMNIST3D 28³",
-            ("experiment=adrenal3d", "methods=default", "engine.patience=null"),
+            ("experiment=adrenal3d", "methods=default", "coarse.input=probs", "engine.patience=null"),
             ("2x2x2",),
             (None,),
             auc_table=True,
