@@ -1025,25 +1025,6 @@ def _dataset_of(name: str) -> str:
     return name.split("/")[0]
 
 
-def _paired_means(root: Path, names: list[str], other: str) -> list[float]:
-    """Per configuration (backbone, grid, overlap) of the runs ``names``: the CNN-DNN minus ``other`` in accuracy
-    points, the mean over the seeds of the paired differences."""
-    groups: dict[tuple, list[float]] = {}
-    for run in _load_runs(root, names):
-        acc = {r["key"]: float(r["accuracy"]) for r in run.rows}
-        key = _cnn_dnn_key(run)
-        if key in acc and other in acc:
-            groups.setdefault((run.backbone, run.grid_label, run.overlap_label), []).append(
-                100 * (acc[key] - acc[other])
-            )
-    return [sum(d) / len(d) for d in groups.values()]
-
-
-def _span(values: list[float]) -> str:
-    low, high = min(values), max(values)
-    return f"{low:+.2f}" if round(low, 2) == round(high, 2) else f"{low:+.2f} to {high:+.2f}"
-
-
 def _by_dataset(manifest: dict) -> dict[str, list[str]]:
     datasets: dict[str, list[str]] = {}
     for name in manifest["runs"]:
@@ -1052,25 +1033,31 @@ def _by_dataset(manifest: dict) -> dict[str, list[str]]:
 
 
 def summary_block(manifest: dict, root: Path) -> list[str]:
-    """README's lines on the committed page: what it ran, what it cost, and the CNN-DNN's paired differences."""
+    """README's lines on the committed page: what it ran, what it cost, and a table of the CNN-DNN's paired
+    differences, each with its 95% interval and verdict (:func:`lead_cell`, as the page's glance tables print them)."""
     names = sorted(manifest["runs"])
     runs = runs_summary(root, names)
-    parts = []
-    for group in _by_dataset(manifest).values():
-        seeds = sorted({json.loads((root / n / "results.json").read_text()).get("seed", 0) for n in group})
-        global_cnn = _paired_means(root, group, "global")
-        mean_prob = _paired_means(root, group, "mean_prob")
-        configs = len(group) // max(1, len(seeds))
-        parts.append(
-            f"{_dataset_of(group[0])} ({configs} configuration(s) x {len(seeds)} seeds): {_span(global_cnn)} "
-            f"against the global CNN, {_span(mean_prob)} against the mean probability"
-        )
-    return [
+    lines = [
         f"The committed page: {runs['runs']} runs, {runs['cpu_s'] / 3600:.1f} CPU-hours, {runs['span_h']:.1f} h from "
         f"the first run's start to the last one's end ({'; '.join(runs['machines']) or 'machine not recorded'}). "
-        "The CNN-DNN minus the other method in test-accuracy points, paired by seed and averaged over the seeds of "
-        "each grid and overlap (the range over them): " + "; ".join(parts) + ". The page's tables give each spread.",
+        "The CNN-DNN minus the other method in test-accuracy points, paired by seed: the mean, its 95% interval and "
+        "the verdict the interval gives.",
+        "",
+        "| dataset | seeds | grid, overlap | CNN-DNN − global CNN | CNN-DNN − mean probability |",
+        "|---|---|---|---|---|",
     ]
+    for group in _by_dataset(manifest).values():
+        seeds = len({json.loads((root / n / "results.json").read_text()).get("seed", 0) for n in group})
+        cells: dict[tuple, dict[str, str]] = {}
+        for row in paired_table(root, group):
+            if row["method_key"] == "cnn_dnn":
+                cells.setdefault((row["grid"], row["overlap"]), {})[row["baseline_key"]] = lead_cell(row)
+        for (grid, overlap), by in cells.items():
+            lines.append(
+                f"| {_dataset_of(group[0])} | {seeds} | {grid}, {overlap} | {by.get('global', '-')} | "
+                f"{by.get('mean_prob', '-')} |"
+            )
+    return lines
 
 
 def _config(root: Path, name: str) -> dict:
@@ -1186,10 +1173,14 @@ def estimate_block(manifest: dict, root: Path) -> list[str]:
 
 
 def _generated(name: str, manifest: dict, root: Path) -> list[str]:
-    """The lines of block ``name``, wrapped at the docs' 120 columns (a list item's continuation indented)."""
+    """The lines of block ``name``, wrapped at the docs' 120 columns (a list item's continuation indented; table rows
+    and blank lines as they are)."""
     lines = {"summary": summary_block, "recipe": recipe_block, "estimate": estimate_block}[name](manifest, root)
     wrapped = []
     for line in lines:
+        if not line or line.startswith("|"):
+            wrapped.append(line)
+            continue
         indent = "  " if line.startswith("- ") else ""
         wrapped += textwrap.wrap(line, 120, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False)
     return wrapped
