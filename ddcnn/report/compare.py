@@ -106,6 +106,9 @@ CSV_COLUMNS = (
     "speedup_to_target_mean",
     "speedup_to_target_std",
     "target_reached",
+    "speedup_to_reverse_target_mean",
+    "speedup_to_reverse_target_std",
+    "reverse_target_reached",
     "unconverged_runs",
     "params",
 )
@@ -322,6 +325,9 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
             entries = cells[key]
             acc = [float(row["accuracy"]) for _, row in entries]
             equal = [e for e in (_to_target(run, method) for run, _ in entries) if e is not None]
+            back = [e for e in (_to_target(run, method, "time_to_target_reverse") for run, _ in entries) if e]
+            back_reached = [e for e in back if e.get("reached")]
+            back_speedup = _mean_std([e["speedup"] for e in back_reached]) if back_reached else (None, None)
             vs_ddp = [e for e in (_vs_ddp(run, method) for run, _ in entries) if e is not None]
             marks = sorted({m for run, _ in entries for m in run.timing_marks})
             marked = sum(bool(run.timing_marks) for run, _ in entries)
@@ -362,6 +368,9 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
                         if any(e is not None for e in equal)
                         else None
                     ),
+                    "speedup_to_reverse_target_mean": back_speedup[0],
+                    "speedup_to_reverse_target_std": back_speedup[1],
+                    "reverse_target_reached": f"{len(back_reached)}/{len(back)}" if back else None,
                     "params": _mean(row.get("params") for _, row in entries),
                 }
             )
@@ -385,11 +394,12 @@ def _row_unconverged(run: Run, method: str) -> bool:
     return any(f.get("kind") == "unconverged" and f.get("method") == method for f in run.results.get("flags") or [])
 
 
-def _to_target(run: Run, method: str) -> dict | None:
-    """The run's speedup to the fixed target on one device (the global CNN's time over the CNN-DNN's with its local
-    nets one after another, ``results.json`` ``time_to_target``) if ``method`` is its CNN-DNN row; ``None`` for runs
-    without a fixed target (an older ddcnn) or another row."""
-    ttt = run.results.get("time_to_target")
+def _to_target(run: Run, method: str, key: str = "time_to_target") -> dict | None:
+    """The run's speedup to a fixed target on one device (the global CNN's time over the CNN-DNN's with its local
+    nets one after another; ``results.json`` ``time_to_target``, or ``time_to_target_reverse`` for the target the
+    CNN-DNN set) if ``method`` is its CNN-DNN row; ``None`` for runs without that target (an older ddcnn, no
+    ``val_target`` split) or another row."""
+    ttt = run.results.get(key)
     inputs = run.results.get("coarse_input") or {}
     if not ttt or method != f"cnn_dnn_{inputs.get('coarse', 'probs')}":
         return None
@@ -484,11 +494,11 @@ def paired_markdown(rows: Sequence[Mapping]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _target_cell(row: Mapping) -> str:
-    reached = row.get("target_reached")
+def _target_cell(row: Mapping, which: str = "target") -> str:
+    reached = row.get(f"{which}_reached")
     if not reached:
         return "-"
-    mean, std = row.get("speedup_to_target_mean"), row.get("speedup_to_target_std")
+    mean, std = row.get(f"speedup_to_{which}_mean"), row.get(f"speedup_to_{which}_std")
     if mean is None:
         return f"not reached ({reached})"
     return (f"{mean:.2f}x" if std is None else f"{mean:.2f} ± {std:.2f}x") + f" ({reached})"
@@ -513,6 +523,7 @@ def _accuracy(row: Mapping, key: str = "accuracy") -> str:
 def table_markdown(rows: Sequence[Mapping]) -> str:
     """The Markdown table of one dataset's :func:`comparison_rows` (accuracy in percent)."""
     with_settings = any(r["settings"] for r in rows)
+    reverse = any(r.get("reverse_target_reached") for r in rows)
     contexts = {r.get("timing_context") for r in rows}
     with_context = len(contexts) > 1 or any(str(c).startswith("mixed") for c in contexts)
     head = ["backbone", "grid", "overlap", *(["settings"] if with_settings else []), "method", "seeds"]
@@ -528,6 +539,7 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
         "speedup vs global, 1 device",
         "speedup vs DDP, P devices",
         "speedup to target, 1 device",
+        *(["speedup to reverse target, 1 device"] if reverse else []),
         "timing comparable",
         "parameters",
         "unconverged runs",
@@ -547,6 +559,7 @@ def table_markdown(rows: Sequence[Mapping]) -> str:
             "-" if r.get("speedup_1_device") is None else f"{r['speedup_1_device']:.2f}x",
             "-" if r.get("speedup_vs_ddp") is None else f"{r['speedup_vs_ddp']:.2f}x (P={r['ddp_devices']})",
             _target_cell(r),
+            *([_target_cell(r, "reverse_target")] if reverse else []),
             str(r.get("timing_comparable") or "-"),
             "-" if r["params"] is None else f"{int(round(r['params'])):,}",
             f"**{r['unconverged_runs']}**" if r.get("unconverged_runs") else "-",
