@@ -50,7 +50,11 @@ What a fit may ask of the loop beyond plain mini-batch steps:
 
 The loop reads every batch through the ``Batches`` protocol (``train_batch``, ``eval_batch``: on the device, ready for
 the network); it prepares no batch itself. The network is set up on the device in one place (:meth:`_Training.setup`)
-and trained by one step function (:meth:`_Training.train_step`).
+and trained by one step function (:meth:`_Training.train_step`). The settings of a training are one frozen
+:class:`_FitSettings`, checked once; what it carries from epoch to epoch is one :class:`TrainState`, which writes
+``last.ckpt`` and resumes from it (its keys: :data:`CHECKPOINT_KEYS`). :meth:`_Training.fit` runs
+:meth:`_Training.fit_epoch` until the budget or early stopping ends the training, as ``fit`` does in Lightning Fabric's
+trainer example; each step of an epoch is a method of its own.
 """
 
 from __future__ import annotations
@@ -112,6 +116,8 @@ __all__ = [
     "num_batches",
     "shard_order",
     "CHECKPOINT_FORMAT",
+    "CHECKPOINT_KEYS",
+    "TrainState",
     "METRIC_COLUMNS",
     "MONITORS",
     "EVAL_CHUNK",
@@ -614,9 +620,10 @@ class _Clock:
 @dataclass(frozen=True)
 class _FitSettings:
     """The settings of one training: :func:`fit_batches`' keywords (see there for each), checked once, here, in the
-    order of its signature, and normalised (numbers as ``int``/``float``, Hydra nodes as plain containers, the
-    precision as Fabric's name, ``gpu`` with every policy key). Frozen: nothing changes them during the training.
-    Picklable, so that spawned DDP ranks receive them (hooks then must be picklable too)."""
+    order of its signature, and held normalised (numbers as ``int``/``float``, Hydra nodes as plain containers, the
+    precision as Fabric's name, ``min_epochs`` ``None`` as 0, ``gpu`` with every policy key). Frozen: nothing
+    changes them during the training. Picklable, so that spawned DDP ranks receive them (hooks then must be
+    picklable too)."""
 
     optimizer: Any
     scheduler: Any
@@ -642,9 +649,9 @@ class _FitSettings:
     divergence_lr_factor: float
     patience: int | None
     min_delta: float
-    min_epochs: int | None
+    min_epochs: int
     write_best: bool
-    gpu: Mapping[str, Any] | None
+    gpu: Mapping[str, Any]
 
     def __post_init__(self) -> None:
         self._check()
@@ -737,8 +744,7 @@ class _FitSettings:
 
 
 # last.ckpt: its keys, in the order TrainState.state_dict writes them and TrainState.load_state_dict reads them back.
-# The keys from "resumed_from" on (and "scheduler", "precision_state") came after the first checkpoints of this layout;
-# a checkpoint without them resumes with the values of _LATER_KEYS.
+# A resume reads the keys of _LATER_KEYS with these defaults: a checkpoint of an older ddcnn may lack them.
 CHECKPOINT_KEYS = (
     "format",
     "epoch",
@@ -1153,6 +1159,7 @@ class _Training:
                 self.settings.reporter.close(status)
 
     def _run(self, fabric, prefit_s: float | None) -> FitResult:
+        """Plan the batches, place data and network, start or resume, train, hand back the kept weights."""
         clock = self.start_clock(prefit_s)
         self.plan(fabric.world_size)
         engine = self.place(fabric, clock)
@@ -1729,19 +1736,31 @@ def fit_batches(
         write_best=write_best,
         gpu=gpu,
     )
+    _check_data(data)
+    threads = max(1, torch.get_num_threads() // int(num_devices)) if launcher == "spawn" else None
+    began = time.perf_counter()
+    training = _Training(settings, net, data, str(folder), start, threads)
+    fabric = build_fabric(device, int(num_devices), launcher, settings.precision)
+    with _disk_errors(folder):
+        if launcher == "spawn":
+            return _fit_spawned(fabric, training, net, start)
+        return _fit_here(fabric, training, launcher, began)
+
+
+def _check_data(data: Batches) -> None:
     for split in ("train", "val"):
         if data.size(split) == 0:
             raise ValueError(f"{split}: no samples; the {split} split must not be empty.")
     if int(data.batch_size) < 1 or int(data.eval_batch_size) < 1:
         raise ValueError(f"batch sizes must be >= 1, got {data.batch_size} and {data.eval_batch_size}.")
-    threads = max(1, torch.get_num_threads() // int(num_devices)) if launcher == "spawn" else None
-    began = time.perf_counter()
-    training = _Training(settings, net, data, str(folder), start, threads)
-    fabric = build_fabric(device, int(num_devices), launcher, settings.precision)
+
+
+@contextlib.contextmanager
+def _disk_errors(folder: str | Path) -> Iterator[None]:
+    """A full or unwritable disk met by the training in ``folder`` as an :class:`ArtifactWriteError` that says what
+    to do."""
     try:
-        if launcher == "spawn":
-            return _fit_spawned(fabric, training, net, start)
-        return _fit_here(fabric, training, launcher, began)
+        yield
     except OSError as err:
         if isinstance(err, ArtifactWriteError) or not is_space_or_permission(err):
             raise
