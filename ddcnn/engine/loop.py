@@ -50,7 +50,11 @@ What a fit may ask of the loop beyond plain mini-batch steps:
 
 The loop reads every batch through the ``Batches`` protocol (``train_batch``, ``eval_batch``: on the device, ready for
 the network); it prepares no batch itself. The network is set up on the device in one place (:meth:`_Training.setup`)
-and trained by one step function (:meth:`_Training.train_step`).
+and trained by one step function (:meth:`_Training.train_step`). The settings of a training are one frozen
+:class:`_FitSettings`, checked once; what it carries from epoch to epoch is one :class:`TrainState`, which writes
+``last.ckpt`` and resumes from it (its keys: :data:`CHECKPOINT_KEYS`). :meth:`_Training.fit` runs
+:meth:`_Training.fit_epoch` until the budget or early stopping ends the training, as ``fit`` does in Lightning Fabric's
+trainer example; each step of an epoch is a method of its own.
 """
 
 from __future__ import annotations
@@ -114,6 +118,8 @@ __all__ = [
     "num_batches",
     "shard_order",
     "CHECKPOINT_FORMAT",
+    "CHECKPOINT_KEYS",
+    "TrainState",
     "METRIC_COLUMNS",
     "MONITORS",
     "EVAL_CHUNK",
@@ -612,13 +618,320 @@ class _Clock:
             self.left_out[what] += time.perf_counter() - began
 
 
+# --- the settings of a training and its state -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class _FitSettings:
+    """The settings of one training: :func:`fit_batches`' keywords (see there for each), checked once, here, in the
+    order of its signature, and held normalised (numbers as ``int``/``float``, Hydra nodes as plain containers, the
+    precision as Fabric's name, ``min_epochs`` ``None`` as 0, ``gpu`` with every policy key). Frozen: nothing
+    changes them during the training. Picklable, so that spawned DDP ranks receive them (hooks then must be
+    picklable too)."""
+
+    optimizer: Any
+    scheduler: Any
+    max_epochs: int
+    seed: int
+    monitor: str
+    monitor_mode: str
+    checkpoint_every: int
+    checkpoint_every_s: float | None
+    precision: str
+    gradient_clip_val: float | None
+    gradient_clip_algorithm: str
+    accumulate_grad_batches: int
+    limit_train_batches: int | float | None
+    limit_val_batches: int | float | None
+    deterministic: bool
+    log_every_n_steps: int | None
+    reporter: Reporter | None
+    on_epoch_end: Callable[[int, Mapping[str, float]], None] | None
+    after_epoch: Callable[[int, Mapping[str, float], nn.Module], Mapping[str, float] | None] | None
+    divergence_restarts: int | None
+    divergence_factor: float
+    divergence_lr_factor: float
+    patience: int | None
+    min_delta: float
+    min_epochs: int
+    write_best: bool
+    gpu: Mapping[str, Any]
+
+    def __post_init__(self) -> None:
+        self._check()
+        unknown = sorted(set(self.gpu or {}) - set(POLICY_OFF))
+        if unknown:
+            raise ValueError(f"gpu settings {unknown} are not ones the loop knows; it knows {', '.join(POLICY_OFF)}.")
+        gpu = {**POLICY_OFF, **(self.gpu or {})}
+        if int(gpu["profile_steps"]) < 0:
+            raise ValueError(f"profile_steps must be >= 0 (0: no profile), got {gpu['profile_steps']!r}.")
+        optional = {"checkpoint_every_s": float, "gradient_clip_val": float, "log_every_n_steps": int}
+        optional |= {"divergence_restarts": int, "patience": int}
+        normalised = {
+            key: None if getattr(self, key) is None else kind(getattr(self, key)) for key, kind in optional.items()
+        }
+        normalised |= {
+            "optimizer": _spec(self.optimizer),
+            "scheduler": _spec(self.scheduler),
+            "max_epochs": int(self.max_epochs),
+            "seed": int(self.seed),
+            "checkpoint_every": int(self.checkpoint_every),
+            "precision": PRECISIONS[str(self.precision)],
+            "accumulate_grad_batches": int(self.accumulate_grad_batches),
+            "deterministic": bool(self.deterministic),
+            "divergence_factor": float(self.divergence_factor),
+            "divergence_lr_factor": float(self.divergence_lr_factor),
+            "min_delta": float(self.min_delta),
+            "min_epochs": int(self.min_epochs or 0),
+            "write_best": bool(self.write_best),
+            "gpu": gpu,
+        }
+        for key, value in normalised.items():
+            object.__setattr__(self, key, value)
+
+    def _check(self) -> None:
+        """Refuse a bad setting, naming it, its value and what would work."""
+        if int(self.max_epochs) < 1:
+            raise ValueError(f"max_epochs must be >= 1, got {self.max_epochs!r}.")
+        if int(self.checkpoint_every) < 1:
+            raise ValueError(
+                f"checkpoint_every must be >= 1 (epochs between checkpoints), got {self.checkpoint_every!r}."
+            )
+        if self.monitor_mode not in ("max", "min"):
+            raise ValueError(f"monitor_mode must be 'max' or 'min', got {self.monitor_mode!r}.")
+        if self.monitor not in MONITORS:
+            raise ValueError(f"monitor must be one of {list(MONITORS)}, got {self.monitor!r}.")
+        every_s, clip = self.checkpoint_every_s, self.gradient_clip_val
+        if every_s is not None and float(every_s) < 0:
+            raise ValueError(f"checkpoint_every_s must be >= 0 (0: after every epoch), got {every_s!r}.")
+        if clip is not None and float(clip) <= 0:
+            raise ValueError(f"gradient_clip_val must be > 0 (or null: no clipping), got {clip!r}.")
+        if self.gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(
+                f"gradient_clip_algorithm must be 'norm' or 'value', got {self.gradient_clip_algorithm!r}."
+            )
+        if int(self.accumulate_grad_batches) < 1:
+            raise ValueError(f"accumulate_grad_batches must be >= 1, got {self.accumulate_grad_batches!r}.")
+        if str(self.precision) not in PRECISIONS:
+            raise ValueError(f"precision must be 32-true, bf16-mixed, 16-mixed or 64-true, got {self.precision!r}.")
+        if self.log_every_n_steps is not None and int(self.log_every_n_steps) < 1:
+            raise ValueError(f"log_every_n_steps must be >= 1 or null, got {self.log_every_n_steps!r}.")
+        if self.limit_train_batches in (0, 0.0):
+            raise ValueError("limit_train_batches=0 trains nothing; use a positive number of batches or null.")
+        for name in ("limit_train_batches", "limit_val_batches"):
+            num_batches(1, getattr(self, name), name)
+        restarts, patience, min_epochs = self.divergence_restarts, self.patience, self.min_epochs
+        if restarts is not None and int(restarts) < 0:
+            raise ValueError(f"divergence_restarts must be >= 0 or null (no check), got {restarts!r}.")
+        if patience is not None and (isinstance(patience, bool) or int(patience) < 1):
+            raise ValueError(
+                f"patience must be a positive number of epochs or null (no early stopping), got {patience!r}."
+            )
+        if not float(self.min_delta) >= 0.0:
+            raise ValueError(f"min_delta must be >= 0 (in the units of the monitored metric), got {self.min_delta!r}.")
+        if min_epochs is not None and (isinstance(min_epochs, bool) or int(min_epochs) < 0):
+            raise ValueError(f"min_epochs must be a whole number of epochs >= 0 (or null: 0), got {min_epochs!r}.")
+        check_schedule(
+            self.scheduler,
+            patience=patience,
+            monitor_mode=self.monitor_mode,
+            min_delta=float(self.min_delta),
+            refuse_fixed=False,
+            names={"patience": "patience", "monitor_mode": "monitor_mode", "min_delta": "min_delta"},
+        )
+        if float(self.divergence_factor) <= 1.0:
+            raise ValueError(f"divergence_factor must be > 1, got {self.divergence_factor!r}.")
+        if not 0.0 < float(self.divergence_lr_factor) < 1.0:
+            raise ValueError(
+                f"divergence_lr_factor must lie strictly between 0 and 1, got {self.divergence_lr_factor!r}."
+            )
+
+
+# last.ckpt: its keys, in the order TrainState.state_dict writes them and TrainState.load_state_dict reads them back.
+# A resume reads the keys of _LATER_KEYS with these defaults: a checkpoint of an older ddcnn may lack them.
+CHECKPOINT_KEYS = (
+    "format",
+    "epoch",
+    "settings",
+    "net",
+    "optimizer",
+    "scheduler",
+    "precision_state",
+    "best",
+    "history",
+    "fit_time_s",
+    "resumed_from",
+    "restarts",
+    "lr_scale",
+    "initial_loss",
+    "num_classes",
+    "initial_state",
+    "stopped_epoch",
+)
+_LATER_KEYS: dict[str, Any] = {
+    "scheduler": None,
+    "precision_state": None,
+    "resumed_from": [],
+    "restarts": [],
+    "lr_scale": 1.0,
+    "initial_loss": None,
+    "num_classes": 2,
+    "initial_state": None,
+    "stopped_epoch": None,
+}
+
+
+@dataclass
+class TrainState:
+    """What one training carries from epoch to epoch: with its stateful objects (the network, the optimizer, the
+    schedule, Fabric's precision plugin with the loss scaler), everything an exact resume needs. Saved whole by
+    :meth:`state_dict` and restored whole by :meth:`load_state_dict`, the one pair that knows the keys of
+    ``last.ckpt`` (:data:`CHECKPOINT_KEYS`).
+
+    Attributes:
+        clock: The training clock (the time of earlier processes is in ``last.ckpt``).
+        epoch: The next epoch to train (0-based); ``last.ckpt`` records the last finished one.
+        step: Optimizer steps so far (in the current attempt).
+        history: Per finished epoch, its row of ``logs/metrics.csv``.
+        best_epoch: The kept epoch (the last one that improved), ``-1`` before the first.
+        best_metric: Its monitored metric.
+        best_net: Its weights (on the CPU).
+        restarts: One entry per divergence restart: ``{"epoch", "reason", "lr_scale"}``.
+        lr_scale: What the current attempt multiplies the learning rates by.
+        initial_loss: The first training batch's loss before the first step (of the current attempt).
+        num_classes: The number of the network's outputs, for the divergence rule's ``ln K``.
+        initial_net: The weights a divergence restart starts from (on the CPU; ``None`` without the check).
+        stopped_epoch: The epoch after which early stopping ended the training.
+        resumed_from: The last finished epoch of each checkpoint this training resumed from.
+    """
+
+    clock: _Clock
+    epoch: int = 0
+    step: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    best_epoch: int = -1
+    best_metric: float | None = None
+    best_net: dict[str, torch.Tensor] | None = None
+    restarts: list[dict] = field(default_factory=list)
+    lr_scale: float = 1.0
+    initial_loss: float | None = None
+    num_classes: int = 2
+    initial_net: dict[str, torch.Tensor] | None = None
+    stopped_epoch: int | None = None
+    resumed_from: list[int] = field(default_factory=list)
+
+    def finished(self, max_epochs: int) -> bool:
+        return self.epoch >= max_epochs or self.stopped_epoch is not None
+
+    def state_dict(self, stateful: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
+        """``last.ckpt``'s content: this state, the state of the objects in ``stateful`` (:meth:`_Training.stateful`)
+        and the ``settings`` a resume must agree on (:func:`_load_checkpoint`)."""
+        scheduler = stateful["scheduler"]
+        values = {
+            "format": CHECKPOINT_FORMAT,
+            "epoch": self.epoch - 1,
+            "settings": settings,
+            "net": _cpu_state(stateful["net"]),
+            "optimizer": stateful["optimizer"].state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "precision_state": stateful["precision_state"].state_dict(),
+            "best": {
+                "epoch": self.best_epoch,
+                "metric": self.best_metric,
+                "monitor": settings["monitor"],
+                "net": self.best_net,
+            },
+            "history": self.history,
+            "fit_time_s": self.clock(),
+            "resumed_from": self.resumed_from,
+            "restarts": self.restarts,
+            "lr_scale": self.lr_scale,
+            "initial_loss": self.initial_loss,
+            "num_classes": self.num_classes,
+            "initial_state": self.initial_net,
+            "stopped_epoch": self.stopped_epoch,
+        }
+        return {key: values[key] for key in CHECKPOINT_KEYS}
+
+    def load_state_dict(self, checkpoint: Mapping[str, Any], stateful: Mapping[str, Any]) -> None:
+        """Restore this state and the objects in ``stateful`` from ``checkpoint`` (a :meth:`state_dict`).
+
+        The optimizer's state brings its learning rates (those of the attempt it was in) and the schedule's its own,
+        so they may have been built with any learning-rate scale."""
+        missing = [key for key in CHECKPOINT_KEYS if key not in checkpoint and key not in _LATER_KEYS]
+        if missing:
+            raise ValueError(
+                f"the checkpoint lacks {missing}: it is damaged. Delete it (last.ckpt; force=true for a stage) to "
+                f"start this training over."
+            )
+        saved = {key: checkpoint[key] if key in checkpoint else _LATER_KEYS[key] for key in CHECKPOINT_KEYS}
+        stateful["net"].load_state_dict(saved["net"])
+        stateful["optimizer"].load_state_dict(saved["optimizer"])
+        if stateful["scheduler"] is not None and saved["scheduler"] is not None:
+            stateful["scheduler"].load_state_dict(saved["scheduler"])
+        if saved["precision_state"]:
+            stateful["precision_state"].load_state_dict(saved["precision_state"])
+        self.epoch, self.clock.previous = int(saved["epoch"]) + 1, float(saved["fit_time_s"])
+        self.history = list(saved["history"])
+        self.step = int(self.history[-1]["step"]) if self.history else 0
+        best = saved["best"]
+        self.best_net, self.best_metric, self.best_epoch = best["net"], best["metric"], best["epoch"]
+        self.resumed_from = [*saved["resumed_from"], int(saved["epoch"])]
+        self.restarts, self.lr_scale = list(saved["restarts"]), float(saved["lr_scale"])
+        self.initial_loss, self.num_classes = saved["initial_loss"], int(saved["num_classes"])
+        self.stopped_epoch = saved["stopped_epoch"]
+        if saved["initial_state"] is not None:
+            self.initial_net = saved["initial_state"]
+
+    def add(self, row: dict[str, float]) -> None:
+        """A finished epoch's row."""
+        self.history.append(row)
+        self.epoch += 1
+
+    def restart(self, epoch: int, reason: str, lr_factor: float) -> None:
+        """A new attempt after ``epoch`` diverged: from epoch 0, with the learning rates times ``lr_factor`` once
+        more (the network and the optimizer are the caller's)."""
+        self.lr_scale *= lr_factor
+        self.restarts.append({"epoch": epoch, "reason": reason, "lr_scale": self.lr_scale})
+        self.history, self.best_net, self.best_metric, self.best_epoch = [], None, None, -1
+        self.step, self.initial_loss, self.epoch = 0, None, 0
+
+
 # --- the loop -----------------------------------------------------------------------------------------------------
 class _Training:
-    """One training with the settings of :func:`fit_batches`; :meth:`run` trains it in one rank (every rank under
-    DDP). Picklable, so that spawned DDP ranks receive it whole."""
+    """One training: :func:`fit_batches`' settings, network, data and folder; :meth:`run` trains it in one rank
+    (every rank under DDP). Picklable, so that spawned DDP ranks receive it whole.
 
-    def __init__(self, **settings: Any) -> None:
-        self.__dict__.update(settings)
+    Its steps, in the order of an epoch (:meth:`fit_epoch`): :meth:`train_epoch`, :meth:`restart` after a
+    divergence, :meth:`validate`, :meth:`run_after_epoch` (the stage's hook), :meth:`select`,
+    :meth:`step_scheduler`, :meth:`checkpoint_due`, :meth:`decide_stop`, :meth:`save`, :meth:`report` and the
+    ``on_epoch_end`` hook."""
+
+    # Set by run(), from the data and the device: the batches of an epoch and of a validation (this rank's), where
+    # the data are placed, the network on the device (module: plain; model: as Fabric set it up) and its optimizer.
+    n_train: int
+    batch: int
+    train_batches: int
+    eval_batch_size: int
+    val_batches: int
+    prefetch: bool
+    policy: dict[str, Any]
+    format: torch.memory_format
+    net_dtype: torch.dtype
+    fabric: Any
+    module: nn.Module
+    model: nn.Module
+    raw_opt: torch.optim.Optimizer
+    opt: torch.optim.Optimizer
+    sched: Any
+    closure_steps: bool
+    resume_settings: dict[str, Any]
+    last_write: float
+
+    def __init__(
+        self, settings: _FitSettings, net: nn.Module, data: Batches, folder: str, start: float, threads: int | None
+    ) -> None:
+        self.settings, self.net, self.data, self.folder = settings, net, data, folder
+        # The clock's start (perf_counter), the CPU threads of a spawned rank, and the start-up left out of the clock.
+        self.start, self.threads, self.startup_s = start, threads, 0.0
 
     # -- the network on the device: the one place where it is set up --
     def setup(self, fabric) -> None:
@@ -639,7 +952,7 @@ class _Training:
 
     def eval_batch(self, split: str, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xb, yb = self.data.eval_batch(split, idx, self.fabric.device)
-        if self.precision == "64-true" and xb.is_floating_point():  # evaluation runs the plain module: no conversion
+        if self.settings.precision == "64-true" and xb.is_floating_point():  # evaluation runs the plain module
             xb = xb.double()
         return (xb.contiguous(memory_format=self.format) if self.policy["channels_last"] else xb), yb
 
@@ -672,15 +985,16 @@ class _Training:
         return items if mode is None else _under_sync_debug(items, mode)
 
     def build_optimizer(self, lr_scale: float) -> None:
-        opt = build_optimizer(self.optimizer, self.module.parameters())
+        s = self.settings
+        opt = build_optimizer(s.optimizer, self.module.parameters())
         if lr_scale != 1.0:
             for group in opt.param_groups:
                 group["lr"] = float(group["lr"]) * lr_scale
                 if "initial_lr" in group:
                     group["initial_lr"] = float(group["initial_lr"]) * lr_scale
         self.raw_opt = opt
-        rule = {"mode": self.monitor_mode, "threshold_mode": "abs", "threshold": self.min_delta}
-        self.sched = build_scheduler(self.scheduler, opt, self.max_epochs, plateau=rule)
+        rule = {"mode": s.monitor_mode, "threshold_mode": "abs", "threshold": s.min_delta}
+        self.sched = build_scheduler(s.scheduler, opt, s.max_epochs, plateau=rule)
         if isinstance(self.sched, torch.optim.lr_scheduler.ReduceLROnPlateau):  # also one a Python factory built
             built = {key: getattr(self.sched, key) for key in rule}
             if built != rule:
@@ -689,31 +1003,38 @@ class _Training:
                     f"early stopping) by {rule}: build it with those arguments (or pass it as a Hydra node, which "
                     f"gets them)."
                 )
-            if self.patience is not None and self.patience < self.sched.patience + 2:
+            if s.patience is not None and s.patience < self.sched.patience + 2:
                 raise ValueError(
-                    f"patience={self.patience} with a ReduceLROnPlateau of patience {self.sched.patience}: early "
+                    f"patience={s.patience} with a ReduceLROnPlateau of patience {self.sched.patience}: early "
                     f"stopping needs patience >= {self.sched.patience + 2}."
                 )
         self.opt = self.fabric.setup_optimizers(opt)
         self.closure_steps = _needs_closure(opt)
-        if self.closure_steps and self.accumulate_grad_batches > 1:
+        if self.closure_steps and s.accumulate_grad_batches > 1:
             raise ValueError(
                 f"{type(opt).__name__} steps with a closure over one batch; it cannot accumulate gradients over "
-                f"{self.accumulate_grad_batches} batches: set trainer.accumulate_grad_batches=1 (or null)."
+                f"{s.accumulate_grad_batches} batches: set trainer.accumulate_grad_batches=1 (or null)."
             )
-        if self.closure_steps and self.precision == "16-mixed":
+        if self.closure_steps and s.precision == "16-mixed":
             raise ValueError(
                 f"{type(opt).__name__} cannot step through a float16 loss scaler: use trainer.precision=32-true or "
                 f"bf16-mixed for it."
             )
 
+    @property
+    def stateful(self) -> dict[str, Any]:
+        """The objects whose state ``last.ckpt`` holds, by their key there (:class:`TrainState`)."""
+        precision = self.fabric.strategy.precision
+        return {"net": self.module, "optimizer": self.raw_opt, "scheduler": self.sched, "precision_state": precision}
+
     def clip(self) -> None:
-        if self.gradient_clip_val is None:
+        s = self.settings
+        if s.gradient_clip_val is None:
             return
-        if self.gradient_clip_algorithm == "value":
-            self.fabric.clip_gradients(self.model, self.opt, clip_val=self.gradient_clip_val)
+        if s.gradient_clip_algorithm == "value":
+            self.fabric.clip_gradients(self.model, self.opt, clip_val=s.gradient_clip_val)
         else:
-            self.fabric.clip_gradients(self.model, self.opt, max_norm=self.gradient_clip_val, error_if_nonfinite=False)
+            self.fabric.clip_gradients(self.model, self.opt, max_norm=s.gradient_clip_val, error_if_nonfinite=False)
 
     def no_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         if enabled and self.fabric.world_size > 1:
@@ -740,7 +1061,7 @@ class _Training:
 
             opt.step(closure)
             return first[0]
-        accumulate = self.accumulate_grad_batches
+        accumulate = self.settings.accumulate_grad_batches
         with self.no_sync(not stepping):
             logits = model(xb)
             loss = F.cross_entropy(_loss_dtype(logits), yb)
@@ -782,7 +1103,7 @@ class _Training:
 
         The order is drawn on the CPU (the same permutation on every device) and moved where the data cut their
         batches once per epoch, in one copy; the batches are views of it."""
-        gen = _epoch_generator(self.seed, epoch)
+        gen = _epoch_generator(self.settings.seed, epoch)
         order = torch.randperm(self.n_train, generator=gen) if self.batch < self.n_train else torch.arange(self.n_train)
         order = shard_order(order, self.fabric.global_rank, self.fabric.world_size)
         _seed_global_rng(int(torch.randint(2**62, (1,), generator=gen)), self.fabric.device)
@@ -825,6 +1146,7 @@ class _Training:
         if fabric.device.type == "cuda":
             torch.cuda.synchronize(fabric.device)
 
+    # -- the training, start to end --
     def run(self, fabric, prefit_s: float | None = None) -> FitResult:
         """Train in this rank (see :func:`fit_batches`); ``prefit_s``: a spawned rank's share of the parent's time."""
         status = "failed"
@@ -835,60 +1157,75 @@ class _Training:
             return result
         finally:
             self.data = data  # the placed view goes; the device copy of the splits is the process's (datamodule)
-            if self.reporter is not None and fabric.global_rank == 0:
-                self.reporter.close(status)
+            if self.settings.reporter is not None and fabric.global_rank == 0:
+                self.settings.reporter.close(status)
 
     def _run(self, fabric, prefit_s: float | None) -> FitResult:
-        if prefit_s is not None:  # a spawned DDP rank: its clock starts now, plus the parent's set-up of the training
+        """Plan the batches, place data and network, start or resume, train, hand back the kept weights."""
+        clock = self.start_clock(prefit_s)
+        self.plan(fabric.world_size)
+        engine = self.place(fabric, clock)
+        state = self.start_or_resume(clock)
+        first_epoch = state.epoch
+        compile_time_s = self.fit(state, engine)
+        return self.finish(state, engine, first_epoch, compile_time_s)
+
+    def start_clock(self, prefit_s: float | None) -> _Clock:
+        """The training clock, from the caller's start (a spawned DDP rank: from now, plus the parent's set-up of the
+        training), the start-up already left out."""
+        if prefit_s is not None:
             self.start = time.perf_counter() - prefit_s
             if self.threads is not None:
                 torch.set_num_threads(self.threads)
         clock = _Clock(self.start)
         clock.left_out["startup"] = self.startup_s
-        rank, world = fabric.global_rank, fabric.world_size
-        folder = Path(self.folder)
-        last, best_path, metrics_path = folder / "last.ckpt", folder / "best.ckpt", folder / "logs" / "metrics.csv"
+        return clock
+
+    def plan(self, world: int) -> None:
+        """The batches of an epoch and of a validation in this rank, and the settings a resume must agree on."""
+        s = self.settings
         self.n_train = self.data.size("train")
         self.batch = min(int(self.data.batch_size), self.n_train)
         per_rank = -(-self.n_train // world)
-        self.train_batches = num_batches(-(-per_rank // self.batch), self.limit_train_batches, "limit_train_batches")
+        self.train_batches = num_batches(-(-per_rank // self.batch), s.limit_train_batches, "limit_train_batches")
         self.eval_batch_size = int(self.data.eval_batch_size)
         per_rank_val = -(-self.data.size("val") // world)
         self.val_batches = num_batches(
-            -(-per_rank_val // self.eval_batch_size), self.limit_val_batches, "limit_val_batches"
+            -(-per_rank_val // self.eval_batch_size), s.limit_val_batches, "limit_val_batches"
         )
-        if self.val_batches == 0 and self.monitor.startswith("val_"):
+        if self.val_batches == 0 and s.monitor.startswith("val_"):
             raise ValueError(
-                f"limit_val_batches={self.limit_val_batches!r} skips validation, so monitor={self.monitor} has nothing "
+                f"limit_val_batches={s.limit_val_batches!r} skips validation, so monitor={s.monitor} has nothing "
                 f"to select on: monitor train_loss (mode min) or train_acc (max), or validate."
             )
-        settings = {
-            "seed": int(self.seed),
+        recorded = {
+            "seed": int(s.seed),
             "batch_size": self.batch,
-            "max_epochs": self.max_epochs,
-            "monitor": self.monitor,
-            "monitor_mode": self.monitor_mode,
+            "max_epochs": s.max_epochs,
+            "monitor": s.monitor,
+            "monitor_mode": s.monitor_mode,
             "n_train": self.n_train,
         }
-        optional = {
-            "limit_train_batches": self.limit_train_batches,
-            "limit_val_batches": self.limit_val_batches,
-            "divergence_restarts": self.divergence_restarts,
-            "patience": self.patience,
-            "min_delta": self.min_delta or None,
-            "min_epochs": self.min_epochs if self.patience is not None and self.min_epochs > 0 else None,
+        optional = {  # recorded only where set, so that checkpoints written before they existed still resume
+            "limit_train_batches": s.limit_train_batches,
+            "limit_val_batches": s.limit_val_batches,
+            "divergence_restarts": s.divergence_restarts,
+            "patience": s.patience,
+            "min_delta": s.min_delta or None,
+            "min_epochs": s.min_epochs if s.patience is not None and s.min_epochs > 0 else None,
             "world_size": world if world > 1 else None,
-            "precision": self.precision if self.precision != "32-true" else None,
-            "accumulate_grad_batches": self.accumulate_grad_batches if self.accumulate_grad_batches > 1 else None,
+            "precision": s.precision if s.precision != "32-true" else None,
+            "accumulate_grad_batches": s.accumulate_grad_batches if s.accumulate_grad_batches > 1 else None,
         }
-        settings.update({k: v for k, v in optional.items() if v is not None})
+        self.resume_settings = recorded | {k: v for k, v in optional.items() if v is not None}
 
+    def place(self, fabric, clock: _Clock) -> dict[str, Any]:
+        """The data and the network on the device, under the GPU policy; the policy used (``FitResult.engine``)."""
+        gpu = self.settings.gpu
         reset_peak_memory(fabric.device)
         # Where the batches come from: the stored splits on the device when they fit, else pinned host memory
         # (CUDA) with the next batch prefetched. Inside the clock: the streamed path pays its copies there too.
-        self.data, placement = place_data(
-            self.data, fabric.device, self.gpu["data_on_device"], self.gpu["device_data_fraction"]
-        )
+        self.data, placement = place_data(self.data, fabric.device, gpu["data_on_device"], gpu["device_data_fraction"])
         self.prefetch = placement == "pinned"
         with clock.outside("warmup"):  # the network on the device (the first use of a device pays for its context)
             # A 2D convnet's weights are 4D as its inputs are (5D: 3D); anything else has no channels-last format.
@@ -896,274 +1233,303 @@ class _Training:
             self.net_dtype = next((p.dtype for p in self.net.parameters() if p.is_floating_point()), torch.float32)
             self.policy = resolve_policy(
                 fabric.device,
-                deterministic=self.deterministic,
-                channels_last=self.gpu["channels_last"],
-                tf32=self.gpu["tf32"],
-                cudnn_benchmark=self.gpu["cudnn_benchmark"],
-                compile=self.gpu["compile"],
+                deterministic=self.settings.deterministic,
+                channels_last=gpu["channels_last"],
+                tf32=gpu["tf32"],
+                cudnn_benchmark=gpu["cudnn_benchmark"],
+                compile=gpu["compile"],
                 input_dims=weight_dims,
             )
             self.format = memory_format(self.policy)
             self.setup(fabric)
-        engine = {
+        return {
             **self.policy,
             "data_on_device": placement == "device",
             "data_placement": placement,
             "prefetch": self.prefetch,
-            "profile_steps": int(self.gpu["profile_steps"]),
+            "profile_steps": int(gpu["profile_steps"]),
         }
-        check_divergence = self.divergence_restarts is not None
-        initial_state = _cpu_state(self.module) if check_divergence else None  # what a restart starts from
-        history: list[dict[str, float]] = []
-        best_state, best_metric, best_epoch = None, None, -1
-        first_epoch, resumed_from, step = 0, [], 0
-        restarts: list[dict] = []
-        stopped_epoch: int | None = None
-        lr_scale, initial_loss, num_classes = 1.0, None, 2
-        state = _load_checkpoint(last, settings)
-        if state is not None:
-            restarts = list(state.get("restarts", []))
-            lr_scale, initial_loss = float(state.get("lr_scale", 1.0)), state.get("initial_loss")
-            num_classes = int(state.get("num_classes", num_classes))
-            stopped_epoch = state.get("stopped_epoch")
-            if state.get("initial_state") is not None:
-                initial_state = state["initial_state"]
-            self.module.load_state_dict(state["net"])
-            self.build_optimizer(lr_scale)
-            self.raw_opt.load_state_dict(state["optimizer"])
-            if self.sched is not None and state.get("scheduler") is not None:
-                self.sched.load_state_dict(state["scheduler"])
-            if state.get("precision_state"):
-                fabric.strategy.precision.load_state_dict(state["precision_state"])
-            history = list(state["history"])
-            best_state, best_metric, best_epoch = state["best"]["net"], state["best"]["metric"], state["best"]["epoch"]
-            first_epoch, clock.previous = int(state["epoch"]) + 1, float(state["fit_time_s"])
-            resumed_from = [*state.get("resumed_from", []), int(state["epoch"])]
-            step = int(history[-1]["step"]) if history else 0
-            if rank == 0:
-                log.info("%s: resuming from %s (after epoch %d)", folder, last, state["epoch"])
-        else:
-            self.build_optimizer(lr_scale)
+
+    def start_or_resume(self, clock: _Clock) -> TrainState:
+        """A fresh state (the outputs of an earlier training of this folder removed), or the one of ``last.ckpt``,
+        with the optimizer built."""
+        folder = Path(self.folder)
+        last = folder / "last.ckpt"
+        initial = _cpu_state(self.module) if self.settings.divergence_restarts is not None else None
+        state = TrainState(clock=clock, initial_net=initial)  # a restart starts from the initial weights
+        checkpoint = _load_checkpoint(last, self.resume_settings)
+        self.build_optimizer(state.lr_scale)  # a resumed optimizer's state brings its attempt's learning rates
+        rank = self.fabric.global_rank
+        if checkpoint is None:
             if rank == 0:  # outputs of an earlier training of this folder (force=true) must not pass for this one's
-                metrics_path.unlink(missing_ok=True)
-                best_path.unlink(missing_ok=True)
+                (folder / "logs" / "metrics.csv").unlink(missing_ok=True)
+                (folder / "best.ckpt").unlink(missing_ok=True)
+            return state
+        state.load_state_dict(checkpoint, self.stateful)
+        if rank == 0:
+            log.info("%s: resuming from %s (after epoch %d)", folder, last, checkpoint["epoch"])
+        return state
 
-        def save(epoch: int) -> None:
-            checkpoint = {
-                "format": CHECKPOINT_FORMAT,
-                "epoch": epoch,
-                "settings": settings,
-                "net": _cpu_state(self.module),
-                "optimizer": self.raw_opt.state_dict(),
-                "scheduler": self.sched.state_dict() if self.sched is not None else None,
-                "precision_state": fabric.strategy.precision.state_dict(),
-                "best": {"epoch": best_epoch, "metric": best_metric, "monitor": self.monitor, "net": best_state},
-                "history": history,
-                "fit_time_s": clock(),
-                "resumed_from": resumed_from,
-                "restarts": restarts,
-                "lr_scale": lr_scale,
-                "initial_loss": initial_loss,
-                "num_classes": num_classes,
-                "initial_state": initial_state,
-                "stopped_epoch": stopped_epoch,
-            }
-            atomic_torch_save(checkpoint, last)
-            atomic_write_text(metrics_path, _metrics_csv(history))
-
-        last_write = time.perf_counter()
-        report = self.reporter if rank == 0 else None
+    def fit(self, state: TrainState, engine: dict[str, Any]) -> float | None:
+        """Train the epochs left (after the warm-up, outside the clock), under the training's generators (restored
+        afterwards), deterministic algorithms, math flags and profiler; the compile time of the warm-up, if any."""
+        s, fabric, clock = self.settings, self.fabric, state.clock
         devices = [fabric.device] if fabric.device.type == "cuda" else []
-        epoch = first_epoch
+        steps = s.gpu["profile_steps"] if fabric.global_rank == 0 else 0
+        profile = profiled(steps, Path(self.folder) / "profile" / "trace.json", fabric.device)
         compile_time_s = None
-        profile = profiled(
-            self.gpu["profile_steps"] if rank == 0 else 0, folder / "profile" / "trace.json", fabric.device
-        )
+        self.last_write = time.perf_counter()
         with (
             torch.random.fork_rng(devices=devices),
-            _deterministic(self.deterministic),
+            _deterministic(s.deterministic),
             math_flags(self.policy, fabric.device),
             contextlib.closing(profile),
         ):
-            if epoch < self.max_epochs and stopped_epoch is None:
+            if not state.finished(s.max_epochs):
                 began_warmup = time.perf_counter()
                 with clock.outside("warmup"):
-                    self.warm_up(epoch)
+                    self.warm_up(state.epoch)
                 if self.policy["compile"]:  # the first training and evaluation passes compile the network
                     compile_time_s = time.perf_counter() - began_warmup
             compiled_before = _compiled_frames() if self.policy["compile"] else None
-            while epoch < self.max_epochs and stopped_epoch is None:
-                batches = self.epoch_batches(epoch)
-                lr = float(self.raw_opt.param_groups[0]["lr"])
-                self.model.train()
-                sums = torch.zeros(3, device=fabric.device, dtype=torch.float64)
-                window, points = [], []
-                log_steps = bool(self.log_every_n_steps and report is not None and getattr(report, "wants_steps", True))
-                accumulate = self.accumulate_grad_batches
-                first = None  # the first batch's loss, read after the epoch's steps: no host sync among them
-                for k, (_, (xb, yb)) in enumerate(self.batches_ahead(batches, epoch)):
-                    stepping = (k + 1) % accumulate == 0 or k == len(batches) - 1
-                    loss, logits = self.train_step(xb, yb, stepping)
-                    profile.step()
-                    if initial_loss is None and first is None:  # under DDP the global first batch's: all alike
-                        first = fabric.all_reduce(loss.clone(), reduce_op="mean") if world > 1 else loss
-                        num_classes = int(logits.shape[-1])
-                    sums[0] += loss.double() * len(yb)
-                    sums[1] += (logits.argmax(-1) == yb).sum()
-                    sums[2] += len(yb)
-                    if stepping:
-                        step += 1
-                        if log_steps:
-                            window.append(loss)
-                            if step % self.log_every_n_steps == 0:
-                                points.append((step, torch.stack(window).float().mean()))
-                                window = []
-                if world > 1:
-                    sums = fabric.all_reduce(sums, reduce_op="sum")
-                if first is not None:
-                    initial_loss = float(first)
-                train_loss = float(sums[0] / sums[2])
-                reason = (
-                    _divergence(train_loss, initial_loss, num_classes, self.divergence_factor)
-                    if check_divergence
-                    else None
-                )
-                if reason is not None:
-                    where = f"the training in {folder} diverged in epoch {epoch} ({reason})"
-                    if len(restarts) >= int(self.divergence_restarts):
-                        raise Diverged(
-                            f"{where}, after {len(restarts)} restart(s) with lower learning rates. Lower the learning "
-                            f"rate (or scale the inputs), then run again with force=true.",
-                            epoch,
-                            reason,
-                        )
-                    lr_scale *= float(self.divergence_lr_factor)
-                    restarts.append({"epoch": epoch, "reason": reason, "lr_scale": lr_scale})
-                    if rank == 0:
-                        log.warning(
-                            "%s: restarting from the initial weights with the learning rate x %g", where, lr_scale
-                        )
-                    self.module.load_state_dict(initial_state)
-                    self.build_optimizer(lr_scale)
-                    history, best_state, best_metric, best_epoch = [], None, None, -1
-                    step, initial_loss, epoch = 0, None, 0
-                    continue
-                if self.val_batches:
-                    val = self.evaluate("val")
-                    val_loss, val_acc = float(val[0] / val[2]), float(val[1] / val[2])
-                else:
-                    val_loss = val_acc = None
-                row = {
-                    "epoch": epoch,
-                    "step": step,
-                    "lr": lr,
-                    "train_loss": train_loss,
-                    "train_acc": float(sums[1] / sums[2]),
-                    "val_loss": val_loss,
-                    "val_acc": val_acc,
-                    "time_s": clock(),
-                }
-                if self.val_batches and TARGET_SPLIT in data_splits(self.data):
-                    with clock.outside("target"):  # a measurement for the fixed targets, never a choice
-                        sums_target = self.evaluate(TARGET_SPLIT)
-                    row["val_target_acc"] = float(sums_target[1] / sums_target[2])
-                if self.after_epoch is not None:
-                    with clock.outside("hook"):
-                        extra = None
-                        if rank == 0:
-                            self.module.eval()
-                            extra = self.after_epoch(epoch, dict(row), self.module)
-                        if world > 1:
-                            extra = fabric.broadcast(extra, src=0)
-                        row.update({k: v for k, v in (extra or {}).items() if k not in row})
-                history.append(row)
-                if improves(row[self.monitor], best_metric, self.monitor_mode, self.min_delta):
-                    best_state, best_metric, best_epoch = _cpu_state(self.module), row[self.monitor], epoch
-                if self.sched is not None:
-                    if isinstance(self.sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                        self.sched.step(row[self.monitor])
-                    else:
-                        self.sched.step()
-                if self.checkpoint_every_s is not None:
-                    due = time.perf_counter() - last_write >= float(self.checkpoint_every_s)
-                else:
-                    due = (epoch + 1) % self.checkpoint_every == 0
-                if world > 1:  # every rank follows rank 0's clock
-                    due = bool(fabric.broadcast(due, src=0))
-                if early_stop_due(epoch, best_epoch, self.patience, self.min_epochs, self.max_epochs):
-                    stopped_epoch = epoch  # the same on every rank: the monitored metric is the all-reduced one
-                    if rank == 0:
-                        log.debug(
-                            "%s: no improvement of %s by more than %g for %d epochs, stopping after epoch %d",
-                            folder,
-                            self.monitor,
-                            self.min_delta,
-                            self.patience,
-                            epoch,
-                        )
-                due = due or epoch == self.max_epochs - 1 or stopped_epoch is not None
-                if due and rank == 0:
-                    save(epoch)
-                if due:
-                    last_write = time.perf_counter()
-                if report is not None:
-                    with clock.outside("report"):
-                        if points:
-                            report.steps([(s, float(v)) for s, v in points])
-                        report.epoch(epoch, row)
-                if self.on_epoch_end is not None:
-                    self.on_epoch_end(epoch, row)
-                epoch += 1
+            while not state.finished(s.max_epochs):
+                self.fit_epoch(state, profile)
+            if compiled_before is not None:  # compilations inside the clock: a shape the warm-up did not cover
+                engine["compile_recompiles"] = _compiled_frames() - compiled_before
+        return compile_time_s
 
-        if best_state is None:
+    def fit_epoch(self, state: TrainState, profile) -> None:
+        """One epoch: train; after a divergence, restart; else validate, hand the row to the hooks, select, step the
+        schedule, decide on stopping and checkpointing, report."""
+        epoch, lr = state.epoch, float(self.raw_opt.param_groups[0]["lr"])
+        sums, points = self.train_epoch(state, profile)
+        train_loss = float(sums[0] / sums[2])
+        reason = self.divergence(state, train_loss)
+        if reason is not None:
+            self.restart(state, epoch, reason)
+            return
+        row = self.validate(epoch, lr, state.step, sums, state.clock)
+        self.run_after_epoch(row, state.clock)
+        state.add(row)
+        self.select(state, row)
+        self.step_scheduler(row)
+        due = self.checkpoint_due(epoch)
+        self.decide_stop(state, epoch)
+        if due or state.finished(self.settings.max_epochs):
+            if self.fabric.global_rank == 0:
+                self.save(state)
+            self.last_write = time.perf_counter()
+        self.report(state.clock, epoch, row, points)
+        if self.settings.on_epoch_end is not None:
+            self.settings.on_epoch_end(epoch, row)
+
+    def train_epoch(self, state: TrainState, profile) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+        """One pass over this rank's batches of ``state.epoch``: ``(loss sum, correct, count)`` over every rank, and
+        the mean loss of every ``log_every_n_steps`` steps for the reporter. The first epoch of an attempt records
+        the initial loss (under DDP the global first batch's) and the number of classes."""
+        s, fabric, world = self.settings, self.fabric, self.fabric.world_size
+        batches = self.epoch_batches(state.epoch)
+        self.model.train()
+        sums = torch.zeros(3, device=fabric.device, dtype=torch.float64)
+        window, points = [], []
+        report = s.reporter if fabric.global_rank == 0 else None
+        log_steps = bool(s.log_every_n_steps and report is not None and getattr(report, "wants_steps", True))
+        first = None  # the first batch's loss, read after the epoch's steps: no host sync among them
+        for k, (_, (xb, yb)) in enumerate(self.batches_ahead(batches, state.epoch)):
+            stepping = (k + 1) % s.accumulate_grad_batches == 0 or k == len(batches) - 1
+            loss, logits = self.train_step(xb, yb, stepping)
+            profile.step()
+            if state.initial_loss is None and first is None:
+                first = fabric.all_reduce(loss.clone(), reduce_op="mean") if world > 1 else loss
+                state.num_classes = int(logits.shape[-1])
+            sums[0] += loss.double() * len(yb)
+            sums[1] += (logits.argmax(-1) == yb).sum()
+            sums[2] += len(yb)
+            if stepping:
+                state.step += 1
+                if log_steps:
+                    window.append(loss)
+                    if state.step % s.log_every_n_steps == 0:
+                        points.append((state.step, torch.stack(window).float().mean()))
+                        window = []
+        if world > 1:
+            sums = fabric.all_reduce(sums, reduce_op="sum")
+        if first is not None:
+            state.initial_loss = float(first)
+        return sums, points
+
+    def divergence(self, state: TrainState, train_loss: float) -> str | None:
+        """Why the epoch with mean training loss ``train_loss`` diverged, ``None`` if it did not (or unchecked)."""
+        s = self.settings
+        if s.divergence_restarts is None:
+            return None
+        return _divergence(train_loss, state.initial_loss, state.num_classes, s.divergence_factor)
+
+    def restart(self, state: TrainState, epoch: int, reason: str) -> None:
+        """Start again from the initial weights with lower learning rates, or raise :class:`Diverged` when no
+        restart is left."""
+        s = self.settings
+        where = f"the training in {Path(self.folder)} diverged in epoch {epoch} ({reason})"
+        if len(state.restarts) >= int(s.divergence_restarts):
+            raise Diverged(
+                f"{where}, after {len(state.restarts)} restart(s) with lower learning rates. Lower the learning rate "
+                f"(or scale the inputs), then run again with force=true.",
+                epoch,
+                reason,
+            )
+        state.restart(epoch, reason, s.divergence_lr_factor)
+        if self.fabric.global_rank == 0:
+            log.warning("%s: restarting from the initial weights with the learning rate x %g", where, state.lr_scale)
+        self.module.load_state_dict(state.initial_net)
+        self.build_optimizer(state.lr_scale)
+
+    def validate(self, epoch: int, lr: float, step: int, sums: torch.Tensor, clock: _Clock) -> dict[str, float]:
+        """The epoch's row of ``logs/metrics.csv``: its training sums ``sums`` and the validation's metrics."""
+        if self.val_batches:
+            val = self.evaluate("val")
+            val_loss, val_acc = float(val[0] / val[2]), float(val[1] / val[2])
+        else:
+            val_loss = val_acc = None
+        return {
+            "epoch": epoch,
+            "step": step,
+            "lr": lr,
+            "train_loss": float(sums[0] / sums[2]),
+            "train_acc": float(sums[1] / sums[2]),
+            "val_loss": val_loss,
+            "val_acc": val_acc,
+            "time_s": clock(),
+            **self.target_metrics(clock),
+        }
+
+    def target_metrics(self, clock: _Clock) -> dict[str, float]:
+        """``val_target_acc``: the accuracy on the held-out target split where the data have one
+        (``data.val_target_fraction``), outside the clock: a measurement for the fixed targets, never a choice."""
+        if not self.val_batches or TARGET_SPLIT not in data_splits(self.data):
+            return {}
+        with clock.outside("target"):
+            sums = self.evaluate(TARGET_SPLIT)
+        return {"val_target_acc": float(sums[1] / sums[2])}
+
+    def run_after_epoch(self, row: dict[str, float], clock: _Clock) -> None:
+        """The stage's ``after_epoch`` hook (rank 0, outside the clock): the metrics it returns join ``row``."""
+        hook, fabric = self.settings.after_epoch, self.fabric
+        if hook is None:
+            return
+        with clock.outside("hook"):
+            extra = None
+            if fabric.global_rank == 0:
+                self.module.eval()
+                extra = hook(row["epoch"], dict(row), self.module)
+            if fabric.world_size > 1:
+                extra = fabric.broadcast(extra, src=0)
+            row.update({k: v for k, v in (extra or {}).items() if k not in row})
+
+    def select(self, state: TrainState, row: Mapping[str, float]) -> None:
+        """Keep this epoch's weights when its monitored metric improves on the kept epoch's (:func:`improves`)."""
+        s = self.settings
+        if improves(row[s.monitor], state.best_metric, s.monitor_mode, s.min_delta):
+            state.best_net, state.best_metric, state.best_epoch = _cpu_state(self.module), row[s.monitor], row["epoch"]
+
+    def step_scheduler(self, row: Mapping[str, float]) -> None:
+        if self.sched is None:
+            return
+        if isinstance(self.sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            self.sched.step(row[self.settings.monitor])
+        else:
+            self.sched.step()
+
+    def checkpoint_due(self, epoch: int) -> bool:
+        """Whether the cadence (``checkpoint_every_s`` or ``checkpoint_every``) asks for a checkpoint after ``epoch``;
+        every rank follows rank 0's clock."""
+        s = self.settings
+        if s.checkpoint_every_s is not None:
+            due = time.perf_counter() - self.last_write >= s.checkpoint_every_s
+        else:
+            due = (epoch + 1) % s.checkpoint_every == 0
+        if self.fabric.world_size > 1:
+            due = bool(self.fabric.broadcast(due, src=0))
+        return due
+
+    def decide_stop(self, state: TrainState, epoch: int) -> None:
+        """Early stopping after ``epoch`` (:func:`early_stop_due`): the same on every rank (the monitored metric is
+        the all-reduced one)."""
+        s = self.settings
+        if not early_stop_due(epoch, state.best_epoch, s.patience, s.min_epochs, s.max_epochs):
+            return
+        state.stopped_epoch = epoch
+        if self.fabric.global_rank == 0:
+            log.debug(
+                "%s: no improvement of %s by more than %g for %d epochs, stopping after epoch %d",
+                Path(self.folder),
+                s.monitor,
+                s.min_delta,
+                s.patience,
+                epoch,
+            )
+
+    def save(self, state: TrainState) -> None:
+        """``last.ckpt`` and ``logs/metrics.csv``, atomically (rank 0)."""
+        folder = Path(self.folder)
+        atomic_torch_save(state.state_dict(self.stateful, self.resume_settings), folder / "last.ckpt")
+        atomic_write_text(folder / "logs" / "metrics.csv", _metrics_csv(state.history))
+
+    def report(self, clock: _Clock, epoch: int, row: Mapping[str, float], points: list) -> None:
+        """The epoch's row and step losses to the reporter (rank 0, outside the clock)."""
+        reporter = self.settings.reporter
+        if reporter is None or self.fabric.global_rank != 0:
+            return
+        with clock.outside("report"):
+            if points:
+                reporter.steps([(s, float(v)) for s, v in points])
+            reporter.epoch(epoch, row)
+
+    def finish(
+        self, state: TrainState, engine: dict[str, Any], first_epoch: int, compile_time_s: float | None
+    ) -> FitResult:
+        """``best.ckpt``, the network with the kept weights in the layout and dtype it came in, and the result."""
+        s, fabric, clock = self.settings, self.fabric, state.clock
+        folder = Path(self.folder)
+        best_path = folder / "best.ckpt"
+        if state.best_net is None:
             raise ValueError(
-                f"{self.monitor} was NaN in every epoch of the training in {folder}: it diverged. Lower the learning "
+                f"{s.monitor} was NaN in every epoch of the training in {folder}: it diverged. Lower the learning "
                 f"rate, then run again with force=true."
             )
-        if self.write_best and rank == 0 and (first_epoch < self.max_epochs or not best_path.is_file()):
-            atomic_torch_save(
-                {
-                    "format": CHECKPOINT_FORMAT,
-                    "epoch": best_epoch,
-                    "monitor": self.monitor,
-                    "metric": best_metric,
-                    "net": best_state,
-                },
-                best_path,
-            )
-        self.module.load_state_dict(best_state)
+        if s.write_best and fabric.global_rank == 0 and (first_epoch < s.max_epochs or not best_path.is_file()):
+            best = {"format": CHECKPOINT_FORMAT, "epoch": state.best_epoch, "monitor": s.monitor}
+            atomic_torch_save({**best, "metric": state.best_metric, "net": state.best_net}, best_path)
+        self.module.load_state_dict(state.best_net)
         if self.policy["channels_last"]:  # the caller gets the network in the layout it handed over
             self.module.to(memory_format=torch.contiguous_format)
-        if self.precision == "64-true":  # and in the dtype it handed over (predictions, exports read it so)
+        if s.precision == "64-true":  # and in the dtype it handed over (predictions, exports read it so)
             self.module.to(self.net_dtype)
-        stopped_by = "early_stopping" if stopped_epoch is not None else "budget"
-        if compiled_before is not None:  # compilations inside the clock: a shape the warm-up did not cover
-            engine["compile_recompiles"] = _compiled_frames() - compiled_before
+        stopped_by = "early_stopping" if state.stopped_epoch is not None else "budget"
         left_out = clock.left_out
         return FitResult(
             net=self.module,
-            best_epoch=int(best_epoch),
-            best_metric=float(best_metric),
-            history=history,
+            best_epoch=int(state.best_epoch),
+            best_metric=float(state.best_metric),
+            history=state.history,
             fit_time_s=clock(),
             previous_time_s=clock.previous,
-            resumed_from_epoch=resumed_from[-1] if resumed_from else None,
+            resumed_from_epoch=state.resumed_from[-1] if state.resumed_from else None,
             hook_time_s=left_out["hook"],
-            stopped_epoch=stopped_epoch,
-            restarts=restarts,
-            initial_loss=initial_loss,
+            stopped_epoch=state.stopped_epoch,
+            restarts=state.restarts,
+            initial_loss=state.initial_loss,
             startup_s=left_out["startup"],
             warmup_s=left_out["warmup"],
             report_time_s=left_out["report"],
-            global_rank=rank,
-            world_size=world,
-            precision=self.precision,
+            global_rank=fabric.global_rank,
+            world_size=fabric.world_size,
+            precision=s.precision,
             engine=engine,
             gpu_peak_memory_bytes=peak_memory_bytes(fabric.device),
             compile_time_s=compile_time_s,
-            min_epochs=self.min_epochs,
+            min_epochs=s.min_epochs,
             stopped_by=stopped_by,
-            convergence=convergence(history, stopped_by, self.min_epochs, bool(self.scheduler), num_classes),
+            convergence=convergence(state.history, stopped_by, s.min_epochs, bool(s.scheduler), state.num_classes),
         )
 
 
@@ -1353,131 +1719,60 @@ def fit_batches(
     launcher = launcher or ("local" if int(num_devices) == 1 else "spawn")
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}.")
-    if int(max_epochs) < 1:
-        raise ValueError(f"max_epochs must be >= 1, got {max_epochs!r}.")
-    if int(checkpoint_every) < 1:
-        raise ValueError(f"checkpoint_every must be >= 1 (epochs between checkpoints), got {checkpoint_every!r}.")
-    if monitor_mode not in ("max", "min"):
-        raise ValueError(f"monitor_mode must be 'max' or 'min', got {monitor_mode!r}.")
-    if monitor not in MONITORS:
-        raise ValueError(f"monitor must be one of {list(MONITORS)}, got {monitor!r}.")
-    if checkpoint_every_s is not None and float(checkpoint_every_s) < 0:
-        raise ValueError(f"checkpoint_every_s must be >= 0 (0: after every epoch), got {checkpoint_every_s!r}.")
-    if gradient_clip_val is not None and float(gradient_clip_val) <= 0:
-        raise ValueError(f"gradient_clip_val must be > 0 (or null: no clipping), got {gradient_clip_val!r}.")
-    if gradient_clip_algorithm not in ("norm", "value"):
-        raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}.")
-    if int(accumulate_grad_batches) < 1:
-        raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches!r}.")
-    if str(precision) not in PRECISIONS:
-        raise ValueError(f"precision must be 32-true, bf16-mixed, 16-mixed or 64-true, got {precision!r}.")
-    if log_every_n_steps is not None and int(log_every_n_steps) < 1:
-        raise ValueError(f"log_every_n_steps must be >= 1 or null, got {log_every_n_steps!r}.")
-    if limit_train_batches in (0, 0.0):
-        raise ValueError("limit_train_batches=0 trains nothing; use a positive number of batches or null.")
-    for name, value in (("limit_train_batches", limit_train_batches), ("limit_val_batches", limit_val_batches)):
-        num_batches(1, value, name)
-    if divergence_restarts is not None and int(divergence_restarts) < 0:
-        raise ValueError(f"divergence_restarts must be >= 0 or null (no check), got {divergence_restarts!r}.")
-    if patience is not None and (isinstance(patience, bool) or int(patience) < 1):
-        raise ValueError(f"patience must be a positive number of epochs or null (no early stopping), got {patience!r}.")
-    if not float(min_delta) >= 0.0:
-        raise ValueError(f"min_delta must be >= 0 (in the units of the monitored metric), got {min_delta!r}.")
-    if min_epochs is not None and (isinstance(min_epochs, bool) or int(min_epochs) < 0):
-        raise ValueError(f"min_epochs must be a whole number of epochs >= 0 (or null: 0), got {min_epochs!r}.")
-    check_schedule(
-        scheduler,
-        patience=patience,
+    settings = _FitSettings(
+        optimizer=optimizer,
+        scheduler=scheduler,
+        max_epochs=max_epochs,
+        seed=data.seed if seed is None else seed,
+        monitor=monitor,
         monitor_mode=monitor_mode,
-        min_delta=float(min_delta),
-        refuse_fixed=False,
-        names={"patience": "patience", "monitor_mode": "monitor_mode", "min_delta": "min_delta"},
+        checkpoint_every=checkpoint_every,
+        checkpoint_every_s=checkpoint_every_s,
+        precision=precision,
+        gradient_clip_val=gradient_clip_val,
+        gradient_clip_algorithm=gradient_clip_algorithm,
+        accumulate_grad_batches=accumulate_grad_batches,
+        limit_train_batches=limit_train_batches,
+        limit_val_batches=limit_val_batches,
+        deterministic=deterministic,
+        log_every_n_steps=log_every_n_steps,
+        reporter=reporter,
+        on_epoch_end=on_epoch_end,
+        after_epoch=after_epoch,
+        divergence_restarts=divergence_restarts,
+        divergence_factor=divergence_factor,
+        divergence_lr_factor=divergence_lr_factor,
+        patience=patience,
+        min_delta=min_delta,
+        min_epochs=min_epochs,
+        write_best=write_best,
+        gpu=gpu,
     )
-    if float(divergence_factor) <= 1.0:
-        raise ValueError(f"divergence_factor must be > 1, got {divergence_factor!r}.")
-    if not 0.0 < float(divergence_lr_factor) < 1.0:
-        raise ValueError(f"divergence_lr_factor must lie strictly between 0 and 1, got {divergence_lr_factor!r}.")
+    _check_data(data)
+    threads = max(1, torch.get_num_threads() // int(num_devices)) if launcher == "spawn" else None
+    began = time.perf_counter()
+    training = _Training(settings, net, data, str(folder), start, threads)
+    fabric = build_fabric(device, int(num_devices), launcher, settings.precision)
+    with _disk_errors(folder):
+        if launcher == "spawn":
+            return _fit_spawned(fabric, training, net, start)
+        return _fit_here(fabric, training, launcher, began)
+
+
+def _check_data(data: Batches) -> None:
     for split in ("train", "val"):
         if data.size(split) == 0:
             raise ValueError(f"{split}: no samples; the {split} split must not be empty.")
     if int(data.batch_size) < 1 or int(data.eval_batch_size) < 1:
         raise ValueError(f"batch sizes must be >= 1, got {data.batch_size} and {data.eval_batch_size}.")
-    unknown = sorted(set(gpu or {}) - set(POLICY_OFF))
-    if unknown:
-        raise ValueError(f"gpu settings {unknown} are not ones the loop knows; it knows {', '.join(POLICY_OFF)}.")
-    gpu = {**POLICY_OFF, **(gpu or {})}
-    if int(gpu["profile_steps"]) < 0:
-        raise ValueError(f"profile_steps must be >= 0 (0: no profile), got {gpu['profile_steps']!r}.")
-    threads = max(1, torch.get_num_threads() // int(num_devices)) if launcher == "spawn" else None
-    began = time.perf_counter()
-    training = _Training(
-        net=net,
-        data=data,
-        folder=str(folder),
-        optimizer=_spec(optimizer),
-        scheduler=_spec(scheduler),
-        max_epochs=int(max_epochs),
-        seed=int(data.seed if seed is None else seed),
-        monitor=monitor,
-        monitor_mode=monitor_mode,
-        checkpoint_every=int(checkpoint_every),
-        checkpoint_every_s=None if checkpoint_every_s is None else float(checkpoint_every_s),
-        precision=PRECISIONS[str(precision)],
-        gradient_clip_val=None if gradient_clip_val is None else float(gradient_clip_val),
-        gradient_clip_algorithm=gradient_clip_algorithm,
-        accumulate_grad_batches=int(accumulate_grad_batches),
-        limit_train_batches=limit_train_batches,
-        limit_val_batches=limit_val_batches,
-        deterministic=bool(deterministic),
-        log_every_n_steps=None if log_every_n_steps is None else int(log_every_n_steps),
-        reporter=reporter,
-        on_epoch_end=on_epoch_end,
-        after_epoch=after_epoch,
-        divergence_restarts=None if divergence_restarts is None else int(divergence_restarts),
-        divergence_factor=float(divergence_factor),
-        divergence_lr_factor=float(divergence_lr_factor),
-        patience=None if patience is None else int(patience),
-        min_delta=float(min_delta),
-        min_epochs=int(min_epochs or 0),
-        start=start,
-        write_best=bool(write_best),
-        threads=threads,
-        startup_s=0.0,
-        gpu=gpu,
-    )
-    fabric = build_fabric(device, int(num_devices), launcher, training.precision)
+
+
+@contextlib.contextmanager
+def _disk_errors(folder: str | Path) -> Iterator[None]:
+    """A full or unwritable disk met by the training in ``folder`` as an :class:`ArtifactWriteError` that says what
+    to do."""
     try:
-        if launcher == "spawn":
-            prefit = time.perf_counter() - start
-            for stale in Path(folder).glob(_SPAWN_ERROR.format("*")):
-                stale.unlink(missing_ok=True)
-            try:
-                with isolated_launch():
-                    path = Path(fabric.launch(_run_spawned, training, prefit))
-            except Exception as err:  # raised in a rank: here as there, its message intact
-                raise _spawned_failure(Path(folder), err) from None
-            out = torch.load(path, map_location="cpu", weights_only=False)
-            path.unlink(missing_ok=True)
-            result: FitResult = out["result"]
-            net.load_state_dict(out["state"])
-            # Spawning the ranks (interpreters, imports, the data), their rendezvous and tear-down: start-up, apart.
-            wall = time.perf_counter() - start
-            own = result.fit_time_s - result.previous_time_s
-            result.startup_s = max(0.0, wall - own - result.warmup_s - result.hook_time_s - result.report_time_s)
-            return dataclasses.replace(result, net=net)
-        with isolated_launch():
-            fabric.launch()  # DDP across srun tasks: the ranks meet here
-        # Fabric's set-up and (srun) the rendezvous of the ranks: start-up, left out of the clock.
-        training.startup_s = time.perf_counter() - began
-        finished = False
-        try:
-            with failures_stop_every_rank(fabric):
-                result = training.run(fabric)
-            finished = True
-            return result
-        finally:
-            if launcher == "srun":
-                _leave_process_group(fabric, wait=finished)
+        yield
     except OSError as err:
         if isinstance(err, ArtifactWriteError) or not is_space_or_permission(err):
             raise
@@ -1486,6 +1781,45 @@ def fit_batches(
             f"training in {folder} stopped: {err}. Free disk space or choose a writable run directory, then run the "
             f"same command again: it resumes from the last checkpoint.",
         ) from err
+
+
+def _fit_spawned(fabric, training: _Training, net: nn.Module, start: float) -> FitResult:
+    """:func:`fit_batches` in DDP ranks spawned by this process: rank 0's result, its weights loaded into ``net``."""
+    folder = Path(training.folder)
+    prefit = time.perf_counter() - start
+    for stale in folder.glob(_SPAWN_ERROR.format("*")):
+        stale.unlink(missing_ok=True)
+    try:
+        with isolated_launch():
+            path = Path(fabric.launch(_run_spawned, training, prefit))
+    except Exception as err:  # raised in a rank: here as there, its message intact
+        raise _spawned_failure(folder, err) from None
+    out = torch.load(path, map_location="cpu", weights_only=False)
+    path.unlink(missing_ok=True)
+    result: FitResult = out["result"]
+    net.load_state_dict(out["state"])
+    # Spawning the ranks (interpreters, imports, the data), their rendezvous and tear-down: start-up, apart.
+    wall = time.perf_counter() - start
+    own = result.fit_time_s - result.previous_time_s
+    result.startup_s = max(0.0, wall - own - result.warmup_s - result.hook_time_s - result.report_time_s)
+    return dataclasses.replace(result, net=net)
+
+
+def _fit_here(fabric, training: _Training, launcher: str, began: float) -> FitResult:
+    """:func:`fit_batches` in this process: on one device, or as this task's rank of DDP across ``srun`` tasks."""
+    with isolated_launch():
+        fabric.launch()  # DDP across srun tasks: the ranks meet here
+    # Fabric's set-up and (srun) the rendezvous of the ranks: start-up, left out of the clock.
+    training.startup_s = time.perf_counter() - began
+    finished = False
+    try:
+        with failures_stop_every_rank(fabric):
+            result = training.run(fabric)
+        finished = True
+        return result
+    finally:
+        if launcher == "srun":
+            _leave_process_group(fabric, wait=finished)
 
 
 def _leave_process_group(fabric, wait: bool = True) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddcnn.engine.loop import CHECKPOINT_FORMAT, FitResult, fit_tensors
+from ddcnn.engine.loop import CHECKPOINT_FORMAT, CHECKPOINT_KEYS, FitResult, fit_tensors
 from ddcnn.models.coarse import CoarseMLP
 from ddcnn.pipeline import train
 from ddcnn.report.plots import read_metrics_csv
@@ -130,6 +130,57 @@ def test_interrupted_training_resumes_to_exactly_the_uninterrupted_weights(tmp_p
     assert got["epoch"].tolist() == list(range(8))
     for column in ("train_loss", "train_acc", "val_loss", "val_acc", "lr"):
         assert got[column].tolist() == want[column].tolist(), column
+
+
+# last.ckpt's layout, frozen: checkpoints already on disk must keep resuming.
+LAST_CKPT_KEYS = (
+    "format",
+    "epoch",
+    "settings",
+    "net",
+    "optimizer",
+    "scheduler",
+    "precision_state",
+    "best",
+    "history",
+    "fit_time_s",
+    "resumed_from",
+    "restarts",
+    "lr_scale",
+    "initial_loss",
+    "num_classes",
+    "initial_state",
+    "stopped_epoch",
+)
+
+
+def test_last_ckpt_holds_the_keys_of_its_format_and_a_checkpoint_without_the_later_ones_resumes(tmp_path):
+    """The one list of keys is what is written; a checkpoint of an older ddcnn, written before the keys from
+    ``resumed_from`` on (and the schedule's and loss scaler's states) existed, resumes to the uninterrupted weights."""
+    assert CHECKPOINT_KEYS == LAST_CKPT_KEYS
+    plain = {"scheduler": None}  # no schedule state, no divergence check: the later keys change nothing here
+    reference = _fit(tmp_path / "reference", **plain)
+    saved = torch.load(tmp_path / "reference" / "last.ckpt", weights_only=False)
+    assert tuple(saved) == LAST_CKPT_KEYS and saved["epoch"] == 7 and saved["best"]["monitor"] == "val_acc"
+
+    def stop_at_3(epoch, row):
+        if epoch == 3:
+            raise Interrupt
+
+    folder = tmp_path / "older"
+    with pytest.raises(Interrupt):
+        _fit(folder, on_epoch_end=stop_at_3, **plain)
+    later = LAST_CKPT_KEYS[LAST_CKPT_KEYS.index("resumed_from") :] + ("scheduler", "precision_state")
+    state = torch.load(folder / "last.ckpt", weights_only=False)
+    torch.save({k: v for k, v in state.items() if k not in later}, folder / "last.ckpt")
+    resumed = _fit(folder, net=_net(seed=3), **plain)
+    assert resumed.resumed_from_epoch == 3 and resumed.restarts == []
+    _assert_same_weights(resumed.net, reference.net)
+    assert _untimed(resumed.history) == _untimed(reference.history)
+    # One that lacks what no version could do without is refused with what to do.
+    torch.save({k: v for k, v in state.items() if k != "optimizer"}, folder / "last.ckpt")
+    with pytest.raises(ValueError, match=r"lacks \['optimizer'\]: it is damaged. Delete it"):
+        _fit(folder, **plain)
 
 
 def test_resuming_a_finished_training_trains_nothing(tmp_path):
