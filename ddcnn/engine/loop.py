@@ -79,6 +79,7 @@ from torch import nn
 from ddcnn.data.datamodule import Batches, TensorDataModule
 from ddcnn.engine.gpu import (
     POLICY_OFF,
+    amp_optimizer,
     math_flags,
     memory_format,
     peak_memory_bytes,
@@ -670,7 +671,8 @@ class _Training:
         return items if mode is None else _under_sync_debug(items, mode)
 
     def build_optimizer(self, lr_scale: float) -> None:
-        opt = build_optimizer(self.optimizer, self.module.parameters())
+        spec = amp_optimizer(_spec(self.optimizer), self.fabric.device, self.precision, self.gradient_clip_val)
+        opt = build_optimizer(spec, self.module.parameters())
         if lr_scale != 1.0:
             for group in opt.param_groups:
                 group["lr"] = float(group["lr"]) * lr_scale

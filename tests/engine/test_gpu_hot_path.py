@@ -1,0 +1,105 @@
+"""The GPU hot path's remaining host work (issue 34), checked on CPU through the code a CUDA run takes: the optimizer a
+``16-mixed`` training steps with (fused, so that the loss scaler's overflow check stays on the device) and the
+streamed batches' single host copy (gathered straight into the memory their copy to the GPU reads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ddcnn.engine import gpu
+from ddcnn.engine.loop import build_optimizer, fit_batches
+from tests.engine.test_train import _data, _net
+
+SGD = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "momentum": 0.9}
+ADAMW = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 2e-3, "weight_decay": 1e-4}
+
+
+# --- the optimizer under 16-mixed ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("spec", "device", "precision", "clip", "fused"),
+    [
+        (SGD, "cuda", "16-mixed", None, True),
+        (ADAMW, "cuda:1", "16-mixed", None, True),
+        ({**ADAMW, "_target_": "torch.optim.adamw.AdamW"}, "cuda", "16-mixed", None, True),
+        ({**SGD, "_target_": "torch.optim.Adam"}, "cuda", "16-mixed", None, True),
+        (SGD, "cpu", "16-mixed", None, None),  # CPU: exactly the node's optimizer
+        (SGD, "cuda", "bf16-mixed", None, None),  # no loss scaler
+        (SGD, "cuda", "32-true", None, None),
+        (SGD, "cuda", "16-mixed", 1.0, None),  # Fabric clips after unscaling, which a fused step does itself
+        ({**SGD, "fused": False}, "cuda", "16-mixed", None, False),  # the node's choice stands
+        ({**SGD, "foreach": True}, "cuda", "16-mixed", None, None),
+        ({**SGD, "differentiable": True}, "cuda", "16-mixed", None, None),
+        ({**SGD, "_target_": "torch.optim.RMSprop"}, "cuda", "16-mixed", None, None),  # no fused step
+        ({**SGD, "_target_": "mypackage.optim.SGD"}, "cuda", "16-mixed", None, None),
+    ],
+)
+def test_a_16_mixed_cuda_training_steps_with_a_fused_optimizer_where_the_node_leaves_it_open(
+    spec, device, precision, clip, fused
+):
+    chosen = gpu.amp_optimizer(spec, device, precision, clip)
+    assert chosen.get("fused") is fused
+    if fused is None:
+        assert chosen is spec
+    assert spec.get("fused") in (None, False)  # the node itself is never changed
+
+
+def test_the_fused_choice_is_an_optimizer_that_keeps_the_loss_scalers_check_on_the_device():
+    """What GradScaler.step asks before it reads ``found_inf`` on the host: the optimizer built from the chosen node
+    unscales and skips an overflowed step itself. On CPU the same contract runs: an overflow skips the step, a
+    finite step is the unscaled one."""
+    for spec in (SGD, ADAMW):
+        chosen = gpu.amp_optimizer(spec, "cuda", "16-mixed", None)
+        assert build_optimizer(chosen, nn.Linear(2, 2).parameters())._step_supports_amp_scaling
+        assert not getattr(build_optimizer(spec, nn.Linear(2, 2).parameters()), "_step_supports_amp_scaling", False)
+
+    def step(spec, grad_value: float) -> torch.Tensor:
+        torch.manual_seed(0)
+        net = nn.Linear(3, 2)
+        opt = build_optimizer(spec, net.parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        scaler.scale(net(torch.ones(1, 3)).sum() * grad_value).backward()
+        scaler.step(opt)
+        scaler.update()
+        return torch.cat([p.detach().flatten() for p in net.parameters()])
+
+    fused = gpu.amp_optimizer(SGD, "cuda", "16-mixed", None)
+    torch.manual_seed(0)
+    start = torch.cat([p.detach().flatten() for p in nn.Linear(3, 2).parameters()])
+    assert torch.equal(step(fused, float("inf")), start)  # overflow: the fused step is skipped on the device
+    assert torch.allclose(step(fused, 1.0), step(SGD, 1.0), rtol=0, atol=1e-7)
+    assert not torch.equal(step(fused, 1.0), start)
+
+
+def test_on_cpu_a_16_mixed_training_is_bitwise_the_one_of_the_nodes_optimizer(tmp_path):
+    """The loop asks the GPU policy for its optimizer: on CPU it is exactly the node's (a fused step would round
+    differently), so the weights equal those of a training handed that optimizer as a callable."""
+    settings = {"max_epochs": 2, "precision": "16-mixed", "device": "cpu", "write_best": False}
+    by_node = fit_batches(_net(), _data(), tmp_path / "node", optimizer=SGD, **settings)
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    by_callable = fit_batches(_net(), _data(), tmp_path / "callable", optimizer=sgd, **settings)
+    for a, b in zip(by_node.net.state_dict().values(), by_callable.net.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_fused_optimizer_with_clipping_under_16_mixed_is_refused_with_the_fix(tmp_path):
+    """Fabric unscales gradients before clipping them, which it cannot do for an optimizer that unscales inside its
+    step: refused before the first step, naming the settings and what works."""
+    with pytest.raises(ValueError, match=r"fused: true .* trainer.gradient_clip_val=1.0 .* optimizer.fused=false"):
+        gpu.amp_optimizer({**ADAMW, "fused": True}, "cpu", "16-mixed", 1.0)
+    with pytest.raises(ValueError, match=r"optimizer.fused=false"):
+        fit_batches(
+            _net(),
+            _data(),
+            tmp_path / "clip",
+            optimizer={**ADAMW, "fused": True},
+            max_epochs=1,
+            precision="16-mixed",
+            device="cpu",
+            gradient_clip_val=1.0,
+        )
+    assert gpu.amp_optimizer({**ADAMW, "fused": True}, "cpu", "bf16-mixed", 1.0)["fused"] is True
