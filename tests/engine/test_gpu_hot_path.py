@@ -103,3 +103,85 @@ def test_a_fused_optimizer_with_clipping_under_16_mixed_is_refused_with_the_fix(
             gradient_clip_val=1.0,
         )
     assert gpu.amp_optimizer({**ADAMW, "fused": True}, "cpu", "bf16-mixed", 1.0)["fused"] is True
+
+
+# --- streamed batches: one host copy ---------------------------------------------------------------------------------
+class _Recording:
+    """An ``into`` allocator that keeps what it handed out (plain host memory: pinning needs CUDA)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def __call__(self, shape, dtype) -> torch.Tensor:
+        self.buffers.append(torch.full(shape, 77, dtype=dtype))  # not zeros: every value must be written
+        return self.buffers[-1]
+
+
+@pytest.mark.parametrize(
+    ("region", "flips"),
+    [
+        (None, None),
+        ((slice(2, 9), slice(3, 15)), None),
+        (None, torch.tensor([[True, False], [False, False], [True, True], [False, True]])),
+        ((slice(1, 7), slice(4, 16)), torch.tensor([[True, False], [False, True], [True, True], [False, False]])),
+    ],
+)
+def test_a_host_gather_writes_the_batch_once_into_the_memory_it_travels_from(region, flips):
+    """The streamed path gathers a batch straight into the (pinned) memory its copy to the GPU reads: the values of
+    the plain gather, in the buffer handed out, for the whole image, a box, flips and both (3D: same code)."""
+    from tests.engine.test_gpu_first import _prepared
+
+    data = _prepared()
+    idx = torch.tensor([5, 0, 17, 5])
+    axes = (0, 1) if flips is not None else ()
+    into = _Recording()
+    got = data.read("train", idx, region, flips, axes, into=into)
+    assert torch.equal(got, data.read("train", idx, region, flips, axes))
+    (buffer,) = into.buffers
+    assert got.data_ptr() == buffer.data_ptr() and got.dtype == data.stored_dtype
+
+
+def test_streamed_batches_gather_images_and_labels_into_host_memory_of_the_loops_choice():
+    """Every host gather of a streamed PreparedBatches (images and labels, training with augmentation in a box and
+    evaluation) goes through ``_host_memory`` (pinned memory on CUDA), and the batches are the values they were."""
+    from ddcnn.data.augment import Augment
+    from ddcnn.data.datamodule import PreparedBatches
+    from tests.engine.test_gpu_first import _prepared
+
+    into = _Recording()
+
+    class Staged(PreparedBatches):
+        @property
+        def _host_memory(self):
+            return into
+
+    data, aug = _prepared(), Augment(flip_axes=(0, 1), rotate_deg=10.0, seed=3)
+    box = (slice(2, 10), slice(4, 12))
+    plain = PreparedBatches(data, 4, seed=0, box=box, augment=aug, cache=False)
+    staged = Staged(data, 4, seed=0, box=box, augment=aug, cache=False)
+    idx = torch.tensor([3, 9, 1, 30])
+    for got, want in zip(staged.train_batch(idx, 2, "cpu"), plain.train_batch(idx, 2, "cpu"), strict=True):
+        assert torch.equal(got, want)
+    support = tuple(part.stop - part.start for part in staged.support)  # the box and what rotation reads around it
+    assert [tuple(b.shape) for b in into.buffers] == [(4,), (4, 1, *support)]
+    idx = torch.tensor([3, 0, 1])
+    for got, want in zip(staged.eval_batch("val", idx, "cpu"), plain.eval_batch("val", idx, "cpu"), strict=True):
+        assert torch.equal(got, want)
+    assert len(into.buffers) == 4 and tuple(into.buffers[-1].shape) == (3, 1, 8, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_a_streamed_batch_is_gathered_into_pinned_memory_and_equals_the_device_resident_one():
+    from ddcnn.data.augment import Augment
+    from ddcnn.data.datamodule import PreparedBatches, pinned_empty
+    from tests.engine.test_gpu_first import _prepared
+
+    data = _prepared()
+    got = data.read("train", torch.tensor([4, 2]), into=pinned_empty)
+    assert got.is_pinned() and got.pin_memory().data_ptr() == got.data_ptr()  # no second host copy
+    batches = PreparedBatches(data, 8, seed=0, augment=Augment(flip_axes=(1,), rotate_deg=10.0, seed=2))
+    streamed, resident = batches.placed(None, pin=True), batches.placed("cuda", pin=False)
+    idx = torch.arange(8)
+    for a, b in zip(streamed.train_batch(idx, 1, "cuda"), resident.train_batch(idx.cuda(), 1, "cuda"), strict=True):
+        assert torch.equal(a, b)
