@@ -173,3 +173,18 @@ def test_on_a_gpu_the_loop_makes_no_host_sync_in_its_steps(gpu_check, tmp_path):
         assert row["fused"] == (row["variant"] != "2d-device-16mixed-unfused")  # AdamW's node, or made fused
     unfused = next(row for row in rows if row["variant"] == "2d-device-16mixed-unfused")
     assert unfused["host_syncs_per_step"] >= 1  # what the fused optimizer removes: GradScaler's found_inf read
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_sync_batch_norm_in_ddp_is_one_process_on_the_whole_batch_and_3d_layouts_are_timed(
+    gpu_check, tmp_path
+):
+    """torch.nn.SyncBatchNorm (ddcnn's conversion on CUDA) in a 2-rank DDP step gives one process's gradients and
+    running statistics on the whole batch; both 3D layouts train and are timed."""
+    out = tmp_path / "gpu_check.json"
+    args = ["--sections", "cl3d,syncbn", "--cl3d-steps", "3", "--cl3d-shape", "16,32,32", "--syncbn-steps", "3"]
+    assert gpu_check.main([*args, "--out", str(out)]) == 0
+    sections = {name: s["result"] for name, s in json.loads(out.read_text())["sections"].items()}
+    assert sections["syncbn"]["ok"] and sections["syncbn"]["norm"] == ["SyncBatchNorm"]
+    assert all(row["contiguous_step_ms"] > 0 and row["cl3d_step_ms"] > 0 for row in sections["cl3d"]["rows"])
