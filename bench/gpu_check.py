@@ -1,4 +1,5 @@
-"""One unattended GPU check (issues 23, 34): stacking probe, bare loop, ddcnn's loop, end-to-end runs, under 6 min.
+"""One unattended GPU check (issues 23, 34): stacking probe, bare loop, ddcnn's loop, channels_last_3d, SyncBatchNorm
+in DDP, end-to-end runs, parallel.workers; under 6 min.
 
 Sections, in this order (each prints as it goes; a section that raises is recorded and the next one still runs):
 
@@ -39,12 +40,27 @@ Sections, in this order (each prints as it goes; a section that raises is record
    CUDA; a CPU subset with ``--tiny``): 2D (MNIST) and 3D (random volumes), data held on the device and streamed
    from pinned memory (forced: ``engine.data_on_device=false``), ``32-true``, ``bf16-mixed`` and ``16-mixed``,
    ``torch.compile``, augmentation on the device; with ``DDCNN_SYNC_DEBUG=warn`` on CUDA (torch's sync debug mode
-   around the training steps), so every host synchronisation in a step is counted: any is a failure, except under
-   ``16-mixed``, whose loss scaler reads whether a gradient overflowed. Per variant: images/s, the step time (median
-   between batch fetches) and its ratio to the bare loop of the same precision and layout, peak memory, the
-   placement used and the recompiles inside the clock.
+   around the training steps), so every host synchronisation in a step is counted: any is a failure, except in
+   ``2d-device-16mixed-unfused`` (:data:`SYNCING_VARIANTS`). That one and ``2d-device-16mixed-sgd`` measure the
+   loss scaler's per-step check: SGD without ``fused`` in its node, which the loop makes fused under ``16-mixed`` on
+   CUDA (the scaler's ``found_inf`` stays on the device), against SGD with ``fused: false`` (the scaler reads
+   ``found_inf`` on the host before every step): steps/s and host syncs per step of each. Per variant: images/s,
+   the step time (median between batch fetches) and its ratio to the bare loop of the same precision and layout,
+   peak memory, the placement used, the optimizer (fused or not) and the recompiles inside the clock.
 
-4. **e2e**: ``ddcnn-train`` in subprocesses into temporary run directories, row ``digits`` (the default run) and
+4. **cl3d**: 3D convnets (``--cl3d-models``, default ``vgg_small`` and ``resnet10``, batch norm) in the bare loop on
+   random 32x64x64 volumes held on the device, NCDHW against ``channels_last_3d`` (NDHWC), fp32 and bf16: step
+   times, their ratio and peak memory, and a verdict: ``engine.channels_last=auto`` keeps 3D contiguous unless
+   channels-last is at least :data:`CL3D_FASTER` times as fast in every row.
+
+5. **syncbn**: batch norm over the global batch of 2 DDP ranks as ddcnn converts it
+   (``ddcnn.engine.sync_norm.convert_batch_norm``: ``torch.nn.SyncBatchNorm`` on CUDA, ``GlobalBatchNorm`` on CPU),
+   both ranks on this device with gloo (one GPU cannot hold two NCCL ranks; gloo reduces CUDA tensors through the
+   host, so the step time is an upper bound): the float64 check that one DDP step gives the gradients and running
+   statistics of one process on the whole batch (a failure otherwise), and the float32 step time against that one
+   process.
+
+6. **e2e**: ``ddcnn-train`` in subprocesses into temporary run directories, row ``digits`` (the default run) and
    row ``mnist_2x2`` (``data=mnist data.train_subset=... decomposition=2x2 trainer.max_epochs=...``), both with
    ``device=<--device>`` and ``trainer.precision=<--precision>`` (bf16-mixed on CUDA), and with
    ``engine.channels_last=true`` when the configuration has that setting (checked with ``ddcnn.config.compose``).
@@ -52,6 +68,12 @@ Sections, in this order (each prints as it goes; a section that raises is record
    run's ``results.json``: per stage time, images/s (training samples x epochs / fit time: validation and
    checkpoints are in the fit time), step time (fit time / steps) and peak GPU memory when ``meta.json`` records
    it (any numeric key whose name holds ``peak`` and ``mem``).
+
+7. **workers**: the local stage (``ddcnn-train stage=local``, MNIST ``--workers-subset`` images, ``--workers-grid``
+   4x4: 16 local nets, 1 epoch) with ``parallel.workers`` = each of ``--workers-counts`` (1,4), every worker on this
+   device: sub-domains/s of training and of the stage's wall (worker start-up included), the device memory all
+   processes held at their peak and one net's peak. Last, so that the budget cuts it first: run it on its own with
+   ``--sections workers`` when it was skipped.
 
 The header gives the machine (GPU, CUDA/cuDNN, torch, TF32 and ``cudnn.benchmark`` as found and as applied to the
 in-process sections; the e2e subprocesses follow the package's own policy); a summary table ends the output;
@@ -116,7 +138,7 @@ from torch import nn  # noqa: E402
 # GRAD_TOL (|g| + max |g| of that net).
 WEIGHT_ATOL, WEIGHT_RTOL, GRAD_TOL = 1e-6, 1e-6, 1e-7
 ROWS = ("digits", "mnist_2x2")
-SECTIONS = ("stacking", "bare", "loop", "e2e")
+SECTIONS = ("stacking", "bare", "loop", "cl3d", "syncbn", "e2e", "workers")
 # The loop section's trainings: (name, spatial dims, where the data are, precision, compile, augmentation). "pinned"
 # forces the streamed path (engine.data_on_device=false); 3D runs on synthetic volumes.
 LOOP_VARIANTS = {
@@ -127,10 +149,25 @@ LOOP_VARIANTS = {
     "2d-device-aug": (2, "device", "bf16-mixed", False, True),
     "3d-device-bf16": (3, "device", "bf16-mixed", False, True),
     "3d-pinned-bf16": (3, "pinned", "bf16-mixed", False, False),
+    "2d-device-16mixed-sgd": (2, "device", "16-mixed", False, False),
+    "2d-device-16mixed-unfused": (2, "device", "16-mixed", False, False),
 }
-# Precisions whose steps may synchronise with the host: 16-mixed's loss scaler reads whether a gradient overflowed.
-SYNCING_PRECISIONS = ("16-mixed",)
+# Variants trained with another optimizer node than the configured one (AdamW, fused: true): SGD, which the loop makes
+# fused under 16-mixed on CUDA (ddcnn.engine.gpu.amp_optimizer), and SGD with fused: false, whose loss scaler reads
+# found_inf on the host before every step: the pair measures what that read costs (steps/s, host syncs).
+SGD_NODE = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.05, "momentum": 0.9, "nesterov": True}
+LOOP_OPTIMIZERS = {
+    "2d-device-16mixed-sgd": SGD_NODE,
+    "2d-device-16mixed-unfused": {**SGD_NODE, "fused": False},
+}
+# Variants whose steps synchronise with the host by design: the unfused optimizer under 16-mixed (see above).
+SYNCING_VARIANTS = ("2d-device-16mixed-unfused",)
 BARE_VARIANTS = ("fp32", "bf16", "bf16+cl")
+# cl3d: channels_last_3d counts as faster from this ratio (contiguous step time / channels-last step time) on.
+CL3D_FASTER = 1.05
+# syncbn: the float64 check's bound on the gradients' and running statistics' largest relative difference; the ranks'
+# time limit.
+SYNCBN_TOL, SYNCBN_TIMEOUT_S = 1e-9, 180.0
 # Settings every e2e row gets: the evaluate stage's figures and TorchScript export change no time in meta.json.
 # Every row trains its global CNN: a copy reused from an earlier run (store.reuse) would time that run instead.
 E2E_COMMON = ["trainer.enable_progress_bar=false", "report.plots=false", "report.export=false", "store.reuse=false"]
@@ -162,6 +199,15 @@ DEFAULTS = {
     "bare_warmup": (30, 1),
     "loop_images": (20000, 48),
     "loop_epochs": (2, 1),
+    "cl3d_models": ("vgg_small,resnet10", "vgg_tiny,resnet_tiny"),
+    "cl3d_shape": ("32,64,64", "8,8,8"),
+    "cl3d_batch": (16, 2),
+    "cl3d_steps": (30, 2),
+    "cl3d_warmup": (5, 1),
+    "syncbn_model": ("vgg_small", "vgg_tiny"),
+    "syncbn_batch": (64, 4),
+    "syncbn_steps": (30, 2),
+    "workers_counts": ("1,4", "1,2"),
 }
 # The loop's channels-last setting once issue 23's data-path piece adds it: the first of these the config has.
 CHANNELS_LAST_KEYS = ("engine.channels_last", "trainer.channels_last")
@@ -673,18 +719,25 @@ def run_loop(args, device: torch.device, bare: dict | None = None) -> dict:
             self.fetched.append((epoch, time.perf_counter()))
             return super().train_batch(idx, epoch, device)
 
+    from omegaconf import OmegaConf
+
+    from ddcnn.engine.gpu import amp_optimizer
+
     cfg = compose(["data=mnist", *([f"model={args.bare_model}"] if args.bare_model else [])])
     batch = int(args.bare_batch or cfg.data.batch_size)
-    optimizer = cfg.optimizer
     rows, data_cache, sources = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="gpu_check_loop_") as tmp:
         for name in args.loop_variants:
             spatial, where, precision, compiled, augmented = LOOP_VARIANTS[name]
+            optimizer = LOOP_OPTIMIZERS.get(name) or OmegaConf.to_container(cfg.optimizer, resolve=True)
             row = {"variant": name, "precision": precision, "placement_asked": where, "compile": compiled}
+            # the optimizer the loop builds from that node (fused or not) on this device
+            row["optimizer"] = str(optimizer["_target_"]).rsplit(".", 1)[-1]
+            row["fused"] = bool(amp_optimizer(optimizer, device, precision, None).get("fused"))
             if compiled and device.type != "cuda":
                 row.update(status="skipped", reason="compile on a CPU builds C++ kernels for minutes")
                 rows.append(row)
-                log(f"  {name:18s} skipped: {row['reason']}")
+                log(f"  {name:26s} skipped: {row['reason']}")
                 continue
             if spatial not in data_cache:
                 data_cache[spatial], sources[spatial] = loop_data(spatial, args.loop_images, cfg, args.seed)
@@ -734,6 +787,8 @@ def run_loop(args, device: torch.device, bare: dict | None = None) -> dict:
                 steps=steps,
                 images_per_s=samples / result.fit_time_s if result.fit_time_s else None,
                 step_ms=step_ms,
+                steps_per_s=1e3 / step_ms if step_ms else None,
+                host_syncs_per_step=len(syncs) / steps if steps else None,
                 peak_mib=result.gpu_peak_memory_bytes / 2**20 if result.gpu_peak_memory_bytes else None,
                 compile_recompiles=engine.get("compile_recompiles"),
                 warmup_s=result.warmup_s,
@@ -745,7 +800,7 @@ def run_loop(args, device: torch.device, bare: dict | None = None) -> dict:
                 row["bare_variant"], row["step_ratio"] = bare_row["variant"], bare_row["step_ms"] / row["step_ms"]
             rows.append(row)
             log(
-                f"  {name:18s} {fmt(row['images_per_s'], '10.0f')} images/s {fmt(row['step_ms'], '8.2f')} ms/step "
+                f"  {name:26s} {fmt(row['images_per_s'], '10.0f')} images/s {fmt(row['step_ms'], '8.2f')} ms/step "
                 f"peak {fmt(row['peak_mib'], '.0f')} MiB  host syncs in steps: {row['host_syncs']}  "
                 f"placement {row['placement']}, {row['memory_format']}"
                 + (f"  bare/loop {row['step_ratio']:.2f}" if "step_ratio" in row else "")
@@ -767,17 +822,373 @@ def _matching_bare(bare: dict | None, precision: str, memory_format: str | None)
 
 
 def loop_failures(result: dict) -> list[str]:
-    """Host synchronisations in the steps of a variant whose precision needs none (on CUDA)."""
+    """Host synchronisations in the steps of a variant that should make none (every one but
+    :data:`SYNCING_VARIANTS`; on CUDA)."""
     if not result.get("on_cuda"):
         return []
     return [
         f"loop {row['variant']}: {row['host_syncs']} host sync(s) in the training steps ({row['first_sync']})"
         for row in result["rows"]
-        if row.get("status") == "ok" and row["host_syncs"] and row["precision"] not in SYNCING_PRECISIONS
+        if row.get("status") == "ok" and row["host_syncs"] and row["variant"] not in SYNCING_VARIANTS
     ]
 
 
-# --- 4. end to end through the package ------------------------------------------------------------------------
+# --- 4. channels_last_3d: cuDNN's NDHWC kernels against NCDHW ------------------------------------------------------
+def run_channels_last_3d(args, device: torch.device) -> dict:
+    """3D convnets (``--cl3d-models``, batch norm) in the bare loop on random volumes held on the device, contiguous
+    (NCDHW) against ``channels_last_3d`` (NDHWC), per precision: step time, their ratio (contiguous / channels-last:
+    above 1, channels-last is faster) and peak memory. ``engine.channels_last=auto`` leaves 3D contiguous until these
+    numbers say otherwise (:func:`ddcnn.engine.gpu.resolve_policy`)."""
+    shape = tuple(args.cl3d_shape)
+    gen = torch.Generator().manual_seed(args.seed)
+    pool = 4 * args.cl3d_batch
+    images = torch.randn(pool, 1, *shape, generator=gen).to(device)
+    labels = torch.randint(10, (pool,), generator=gen).to(device)
+    log(f"  volumes {'x'.join(map(str, shape))}, batch {args.cl3d_batch}, {args.cl3d_steps} timed steps")
+    rows = []
+    for model in args.cl3d_models:
+        cfg = compose([f"model={model}"])
+        for precision in args.cl3d_precisions:
+            row: dict[str, object] = {"model": model, "precision": precision, "batch": args.cl3d_batch}
+            for layout, memory_format in (("contiguous", torch.contiguous_format), ("cl3d", torch.channels_last_3d)):
+                torch.manual_seed(args.seed)
+                net = make_net(cfg, spatial_dims=3).to(device=device, memory_format=memory_format).train()
+                opt = make_optimizer(cfg, net.parameters())
+                steps_gen = torch.Generator(device=device).manual_seed(args.seed)
+                train = (
+                    net,
+                    opt,
+                    images,
+                    labels,
+                    args.cl3d_batch,
+                    steps_gen,
+                    memory_format,
+                    autocast(device, precision),
+                )
+                reset_peak(device)
+                bare_steps(*train, args.cl3d_warmup)
+                sync(device)
+                start = time.perf_counter()
+                bare_steps(*train, args.cl3d_steps)
+                sync(device)
+                row[f"{layout}_step_ms"] = 1e3 * (time.perf_counter() - start) / args.cl3d_steps
+                row[f"{layout}_peak_mib"] = peak_mib(device)
+                del net, opt, train
+            row["ratio"] = row["contiguous_step_ms"] / row["cl3d_step_ms"]
+            rows.append(row)
+            log(
+                f"  {model:12s} {precision:5s} contiguous {row['contiguous_step_ms']:8.2f} ms  channels_last_3d "
+                f"{row['cl3d_step_ms']:8.2f} ms  contiguous/cl3d {row['ratio']:.2f}  peak "
+                f"{fmt(row['contiguous_peak_mib'], '.0f')}/{fmt(row['cl3d_peak_mib'], '.0f')} MiB"
+            )
+    faster = bool(rows) and all(r["ratio"] >= CL3D_FASTER for r in rows)
+    verdict = (
+        f"channels_last_3d at least {CL3D_FASTER:.2f}x faster in every row: a case for channels_last=auto on 3D"
+        if faster
+        else "channels_last_3d not faster in every row: keep 3D contiguous under auto"
+    )
+    log(f"  {verdict}")
+    return {"rows": rows, "shape": list(shape), "cl3d_faster_everywhere": faster, "verdict": verdict}
+
+
+# --- 5. batch norm synchronised over DDP ranks ----------------------------------------------------------------------
+def syncbn_rank(
+    rank: int, world: int, init_file: str, out_file: str, device: str, model: str, batch: int, steps: int, seed: int
+) -> None:
+    """One DDP rank of the syncbn section (started by :func:`run_syncbn` as its own process). gloo on every device:
+    one GPU cannot hold two NCCL ranks, and gloo reduces CUDA tensors too."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddcnn.engine.sync_norm import convert_batch_norm
+
+    torch.set_num_threads(1)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        cfg = compose([f"model={model}"])
+        ids = [dev] if dev.type == "cuda" else None
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(world * batch, 1, 28, 28, generator=gen, dtype=torch.float64).to(dev)
+        y = torch.randint(10, (world * batch,), generator=gen).to(dev)
+        share = slice(rank * batch, (rank + 1) * batch)
+        # The check, in float64: one DDP step on this rank's share gives the gradients and running statistics of one
+        # process on the whole batch.
+        torch.manual_seed(seed)
+        single = make_net(cfg).train()
+        for module in single.modules():  # the same computation on both sides: no random dropout masks
+            if isinstance(module, nn.Dropout):
+                module.eval()
+        # converted first, then cast and moved, in the loop's order (it converts; Fabric casts and moves)
+        net = convert_batch_norm(copy.deepcopy(single), dev).double().to(dev)
+        single = single.double().to(dev)
+        norm = sorted({type(m).__name__ for m in net.modules() if "Norm" in type(m).__name__})
+        ddp = DistributedDataParallel(net, device_ids=ids)
+        F.cross_entropy(ddp(x[share]), y[share]).backward()
+        F.cross_entropy(single(x), y).backward()
+
+        def worst(pairs, scale: float) -> tuple[float, str]:
+            """The largest difference over ``scale``, and where."""
+            return max((float((a.double() - b.double()).abs().max()) / scale, name) for name, a, b in pairs)
+
+        # gradients relative to the net's largest (a convolution's bias before batch norm has a zero gradient in
+        # exact arithmetic: rounding noise only), buffers relative to max(1, the buffer's largest)
+        pairs = zip(net.named_parameters(), single.parameters(), strict=True)
+        params = [(name, a.grad, b.grad) for (name, a), b in pairs]
+        grad, grad_at = worst(params, max(float(b.abs().max()) for _, _, b in params))
+        buffers = [(name, a, b) for (name, a), b in zip(net.named_buffers(), single.buffers(), strict=True)]
+        buffer, buffer_at = max(worst([item], max(1.0, float(item[2].double().abs().max()))) for item in buffers)
+        check = {"grad_rel_diff": grad, "grad_tensor": grad_at, "buffer_rel_diff": buffer, "buffer_tensor": buffer_at}
+        check["norm"] = norm
+        check["ok"] = check["grad_rel_diff"] < SYNCBN_TOL and check["buffer_rel_diff"] < SYNCBN_TOL
+        # The time of a float32 DDP step with synchronised batch norm (this rank's share of the batch).
+        torch.manual_seed(seed)
+        ddp = DistributedDataParallel(convert_batch_norm(make_net(cfg).to(dev).train(), dev), device_ids=ids)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        xs, ys = x[share].float(), y[share]
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp(xs), ys).backward()
+            opt.step()
+
+        step()
+        sync(dev)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(dev)
+        seconds = time.perf_counter() - start
+        if rank == 0:
+            out = {**check, "ddp_step_ms": 1e3 * seconds / steps, "peak_mib": peak_mib(dev), "world": world}
+            Path(out_file).write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_syncbn(args, device: torch.device, deadline: float) -> dict:
+    """Batch norm over the global batch of 2 DDP ranks as ddcnn converts it (:func:`ddcnn.engine.sync_norm.
+    convert_batch_norm`: ``torch.nn.SyncBatchNorm`` on CUDA, ``GlobalBatchNorm`` elsewhere), both ranks on this
+    device (gloo): the float64 check that one DDP step equals one process on the whole batch (gradients and running
+    statistics within :data:`SYNCBN_TOL`, relative), and the float32 step time against one process training the
+    whole batch. On one GPU both ranks share it and gloo reduces through the host: the step time is an upper bound,
+    the check is what counts (SyncBatchNorm's CUDA kernels and the conversion)."""
+    world, batch, steps = 2, args.syncbn_batch, args.syncbn_steps
+    cfg = compose([f"model={args.syncbn_model}"])
+    torch.manual_seed(args.seed)
+    net = make_net(cfg).to(device).train()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(world * batch, 1, 28, 28, generator=gen).to(device)
+    y = torch.randint(10, (world * batch,), generator=gen).to(device)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    single_ms = 1e3 * (time.perf_counter() - start) / steps
+    log(
+        f"  {args.syncbn_model}, {world} ranks x batch {batch} on {device} (gloo); one process: {single_ms:.2f} ms/step"
+    )
+    with tempfile.TemporaryDirectory(prefix="gpu_check_syncbn_") as tmp:
+        out_file = Path(tmp) / "rank0.json"
+        params = {
+            "world": world,
+            "init_file": str(Path(tmp) / "rendezvous"),
+            "out_file": str(out_file),
+            "device": str(device),
+            "model": args.syncbn_model,
+            "batch": batch,
+            "steps": steps,
+            "seed": args.seed,
+        }
+        code = (
+            "import json, sys; sys.path.insert(0, sys.argv[1]); import gpu_check; "
+            "gpu_check.syncbn_rank(int(sys.argv[2]), **json.loads(sys.argv[3]))"
+        )
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, str(Path(__file__).resolve().parent), str(rank), json.dumps(params)],
+                cwd=ROOT,
+                env=_child_env(args),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(world)
+        ]
+        timeout = max(10.0, min(SYNCBN_TIMEOUT_S, deadline - time.perf_counter()))
+        outputs = []
+        for proc in procs:
+            try:
+                outputs.append(proc.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                for other in procs:
+                    other.kill()
+                raise RuntimeError(f"the DDP ranks did not finish within {timeout:.0f} s") from None
+        if any(proc.returncode for proc in procs) or not out_file.is_file():
+            tail = "\n".join(f"rank {r}: {out[-1500:]}" for r, out in enumerate(outputs))
+            raise RuntimeError(f"a DDP rank failed (exit codes {[p.returncode for p in procs]}):\n{tail}")
+        result = json.loads(out_file.read_text())
+    result.update(single_step_ms=single_ms, batch_per_rank=batch, model=args.syncbn_model)
+    result["ratio"] = single_ms / result["ddp_step_ms"]
+    log(
+        f"  check {'PASS' if result['ok'] else 'FAIL'} ({', '.join(result['norm'])}: gradients "
+        f"{result['grad_rel_diff']:.1e} at {result['grad_tensor']}, buffers {result['buffer_rel_diff']:.1e} at "
+        f"{result['buffer_tensor']}); DDP "
+        f"{result['ddp_step_ms']:.2f} ms/step, one process / DDP {result['ratio']:.2f}"
+    )
+    return result
+
+
+# --- 6. parallel.workers: local nets in worker processes sharing one device ----------------------------------------
+def run_workers(args, device: torch.device, deadline: float) -> dict:
+    """The local stage (``ddcnn-train stage=local``) of one decomposition with ``parallel.workers`` = each of
+    ``--workers-counts``, every worker on this device (``parallel.accelerator`` follows ``--device``): sub-domains
+    per second of training (the busiest worker's training time in ``parallel.json``; in this process for 1: the sum
+    of the nets' times) and of the stage's wall time (worker start-up and calibration included), the device memory
+    all processes held at their peak (polled free memory, against the free memory before) and the largest peak of
+    one net's allocator (``meta.json``)."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpu_check_workers_") as tmp:
+        for workers in args.workers_counts:
+            left = deadline - time.perf_counter()
+            if left <= 5:
+                rows.append({"workers": workers, "status": "skipped", "reason": "over the time budget"})
+                log(f"  workers={workers}: skipped, over the time budget")
+                continue
+            if args.tiny:
+                data = ["decomposition=2x2", *TINY_E2E]
+            else:
+                data = ["data=mnist", f"data.train_subset={args.workers_subset}", f"decomposition={args.workers_grid}"]
+                data.append("trainer.max_epochs=1")
+            accelerator = "cuda" if device.type == "cuda" else "cpu"
+            overrides = [
+                "stage=local",
+                *data,
+                f"device={device}",
+                f"parallel.workers={workers}",
+                f"parallel.accelerator={accelerator}",
+                f"trainer.precision={args.precision}",
+                f"seed={args.seed}",
+                *E2E_COMMON,
+            ]
+            run_dir = Path(tmp) / f"workers_{workers}"
+            log(f"  workers={workers}: ddcnn-train {' '.join(overrides)}")
+            with DeviceMemoryPoll(device) as memory:
+                proc, wall_s = ddcnn_train(overrides, run_dir, args, left)
+            row: dict[str, object] = {"workers": workers, "overrides": overrides, "wall_s": wall_s}
+            if proc is None or proc.returncode != 0:
+                reason = "killed at the budget" if proc is None else proc.stderr.strip().splitlines()[-1:]
+                row.update(status="failed" if proc is not None else "timeout", reason=str(reason)[-300:])
+                if proc is not None:
+                    row["stderr_tail"] = proc.stderr[-4000:]
+                rows.append(row)
+                log(f"  workers={workers}: {row['status'].upper()} {row['reason']}")
+                continue
+            metas = [json.loads(p.read_text()) for p in run_dir.glob("local/*/meta.json")]
+            parallel = run_dir / "parallel.json"
+            nets_s = sum(float(m.get("time_s") or 0) for m in metas)
+            if parallel.is_file():  # workers: the stage's wall, and the busiest worker's training time
+                pool = json.loads(parallel.read_text())
+                stage_s = float(pool["wall_s"])
+                training_s = max(float(w["actual_s"] or 0) for w in pool["workers"])
+            else:  # in this process: one net after another
+                stage_s = training_s = nets_s
+            peaks = [m.get("gpu_peak_memory_bytes") for m in metas if m.get("gpu_peak_memory_bytes")]
+            row.update(
+                status="ok",
+                subdomains=len(metas),
+                stage_s=stage_s,
+                training_s=training_s,
+                subdomains_per_s=len(metas) / training_s if training_s > 0 else None,
+                subdomains_per_s_wall=len(metas) / stage_s if stage_s > 0 else None,
+                device_peak_mib=memory.peak_mib,
+                net_peak_mib=max(peaks) / 2**20 if peaks else None,
+                devices=sorted({str(m.get("device")) for m in metas}),
+            )
+            rows.append(row)
+            log(
+                f"  workers={workers}: {row['subdomains']} sub-domains, training {training_s:.1f} s "
+                f"({fmt(row['subdomains_per_s'], '.2f')} sub-domains/s), stage {stage_s:.1f} s with start-up "
+                f"({fmt(row['subdomains_per_s_wall'], '.2f')}/s); device memory at peak "
+                f"{fmt(row['device_peak_mib'], '.0f')} MiB (all processes), one net "
+                f"{fmt(row['net_peak_mib'], '.0f')} MiB"
+            )
+    done = [r for r in rows if r.get("status") == "ok"]
+    if len(done) > 1 and done[0]["subdomains_per_s"]:
+        for r in done[1:]:
+            r["speedup"] = r["subdomains_per_s"] / done[0]["subdomains_per_s"]  # against the first count (1)
+    return {"rows": rows}
+
+
+class DeviceMemoryPoll:
+    """The most device memory in use (all processes: ``torch.cuda.mem_get_info``) while the block runs, beyond what
+    was in use when it began, polled every 0.1 s (``peak_mib``; ``None`` off CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peak_mib = device, None
+        self._stop = None
+
+    def _used(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def __enter__(self) -> DeviceMemoryPoll:
+        if self.device.type != "cuda":
+            return self
+        import threading
+
+        base, peak, self._stop = self._used(), [0], threading.Event()
+
+        def poll() -> None:
+            while not self._stop.wait(0.1):
+                peak[0] = max(peak[0], self._used() - base)
+
+        self._peak, self._thread = peak, threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak_mib = self._peak[0] / 2**20
+
+
+def _child_env(args) -> dict:
+    """The environment of a child Python: this checkout's ddcnn and the vendored packages on its path."""
+    paths = (str(ROOT), os.environ.get("PYTHONPATH"), str(VENDOR) if VENDOR.is_dir() else None)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    return env
+
+
+def ddcnn_train(overrides: list[str], run_dir: Path, args, timeout_s: float):
+    """``ddcnn-train`` with ``overrides`` into ``run_dir`` in a subprocess: ``(completed process or None when killed
+    at timeout_s, wall seconds)``."""
+    code = "import sys; from ddcnn.cli import train_main; sys.argv[0] = 'ddcnn-train'; train_main()"
+    cmd = [sys.executable, "-c", code, *overrides, f"hydra.run.dir={run_dir}"]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(args), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, time.perf_counter() - start
+    return proc, time.perf_counter() - start
+
+
+# --- 7. end to end through the package ------------------------------------------------------------------------
 def row_overrides(name: str, args, device: torch.device) -> list[str]:
     """The ``ddcnn-train`` overrides of e2e row ``name`` (without ``hydra.run.dir``)."""
     if name == "digits":
@@ -928,21 +1339,12 @@ def run_e2e_row(name: str, args, device: torch.device, base: Path, timeout_s: fl
         out.update(status="skipped", reason=f"{cfg.data.path} is missing (set DDCNN_DATA)")
         log(f"  {name}: skipped, {out['reason']}")
         return out
-    code = "import sys; from ddcnn.cli import train_main; sys.argv[0] = 'ddcnn-train'; train_main()"
-    cmd = [sys.executable, "-c", code, *overrides, f"hydra.run.dir={run_dir}"]
-    paths = (str(ROOT), os.environ.get("PYTHONPATH"), str(VENDOR) if VENDOR.is_dir() else None)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
     log(f"  {name}: ddcnn-train {' '.join(overrides)}")
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        out.update(status="timeout", wall_s=time.perf_counter() - start, reason=f"killed at {timeout_s:.0f} s")
+    proc, out["wall_s"] = ddcnn_train(overrides, run_dir, args, timeout_s)
+    if proc is None:
+        out.update(status="timeout", reason=f"killed at {timeout_s:.0f} s")
         log(f"  {name}: killed after {timeout_s:.0f} s (the budget): no figures")
         return out
-    out["wall_s"] = time.perf_counter() - start
     if proc.returncode != 0:
         last = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or [f"exit {proc.returncode}"]
         out.update(status="failed", returncode=proc.returncode, reason=last[0][-300:], stderr_tail=proc.stderr[-4000:])
@@ -1031,17 +1433,52 @@ def summary(report: dict) -> list[str]:
     if loop.get("status") == "ok":
         lines.append("\nddcnn's loop (host syncs counted in the training steps under CUDA's sync debug mode):")
         lines.append(
-            f"  {'variant':18s} {'images/s':>9s} {'ms/step':>8s} {'bare/loop':>9s} {'peak MiB':>9s} {'syncs':>6s} "
-            f"{'placement':>9s}"
+            f"  {'variant':26s} {'images/s':>9s} {'ms/step':>8s} {'bare/loop':>9s} {'peak MiB':>9s} {'syncs':>6s} "
+            f"{'placement':>9s}  optimizer"
         )
         for r in loop["result"]["rows"]:
             if r.get("status") != "ok":
-                lines.append(f"  {r['variant']:18s} {r['status']}: {r.get('reason', '')}")
+                lines.append(f"  {r['variant']:26s} {r['status']}: {r.get('reason', '')}")
                 continue
             lines.append(
-                f"  {r['variant']:18s} {fmt(r['images_per_s'], '9.0f')} {fmt(r['step_ms'], '8.2f')} "
+                f"  {r['variant']:26s} {fmt(r['images_per_s'], '9.0f')} {fmt(r['step_ms'], '8.2f')} "
                 f"{fmt(r.get('step_ratio'), '9.2f')} {fmt(r['peak_mib'], '9.0f')} {r['host_syncs']:6d} "
-                f"{r['placement']:>9s}"
+                f"{r['placement']:>9s}  {r['optimizer']}{' (fused)' if r['fused'] else ''}"
+            )
+    cl3d = report["sections"].get("cl3d", {})
+    if cl3d.get("status") == "ok":
+        r = cl3d["result"]
+        lines.append(f"\nchannels_last_3d, bare loop on {'x'.join(map(str, r['shape']))} volumes: {r['verdict']}")
+        lines.append(f"  {'model':12s} {'precision':9s} {'NCDHW ms':>9s} {'NDHWC ms':>9s} {'NCDHW/NDHWC':>11s}")
+        for row in r["rows"]:
+            lines.append(
+                f"  {row['model']:12s} {row['precision']:9s} {row['contiguous_step_ms']:9.2f} "
+                f"{row['cl3d_step_ms']:9.2f} {row['ratio']:11.2f}"
+            )
+    syncbn = report["sections"].get("syncbn", {})
+    if syncbn.get("status") == "ok":
+        r = syncbn["result"]
+        lines.append(
+            f"\nsynchronised batch norm, {r['world']} DDP ranks (gloo) x batch {r['batch_per_rank']}, {r['model']}: "
+            f"check {'PASS' if r['ok'] else 'FAIL'} ({', '.join(r['norm'])}; gradients {r['grad_rel_diff']:.1e}, "
+            f"buffers {r['buffer_rel_diff']:.1e}); {r['ddp_step_ms']:.2f} ms/step, one process on the whole batch "
+            f"{r['single_step_ms']:.2f}"
+        )
+    workers = report["sections"].get("workers", {})
+    if workers.get("status") == "ok":
+        lines.append("\nparallel.workers, the local stage with its workers sharing this device:")
+        lines.append(
+            f"  {'workers':>7s} {'nets':>5s} {'train s':>8s} {'nets/s':>7s} {'stage s':>8s} {'nets/s':>7s} "
+            f"{'device MiB':>10s} {'net MiB':>8s}"
+        )
+        for r in workers["result"]["rows"]:
+            if r.get("status") != "ok":
+                lines.append(f"  {r['workers']:7d} {r['status'].upper()}: {r.get('reason', '')}")
+                continue
+            lines.append(
+                f"  {r['workers']:7d} {r['subdomains']:5d} {r['training_s']:8.1f} {fmt(r['subdomains_per_s'], '7.2f')} "
+                f"{r['stage_s']:8.1f} {fmt(r['subdomains_per_s_wall'], '7.2f')} {fmt(r['device_peak_mib'], '10.0f')} "
+                f"{fmt(r['net_peak_mib'], '8.0f')}"
             )
     e2e = report["sections"].get("e2e", {})
     if e2e.get("status") == "ok":
@@ -1105,6 +1542,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--loop-variants", help=f"subset of {','.join(LOOP_VARIANTS)} (default: all on CUDA)")
     g.add_argument("--loop-images", type=int, help="training + validation images (20000; 3D: random volumes)")
     g.add_argument("--loop-epochs", type=int, help="epochs per variant (2)")
+    g = p.add_argument_group("channels_last_3d")
+    g.add_argument("--cl3d-models", help="3D model configs (vgg_small,resnet10)")
+    g.add_argument("--cl3d-shape", help="volume D,H,W (32,64,64)")
+    g.add_argument("--cl3d-batch", type=int, help="(16)")
+    g.add_argument("--cl3d-steps", type=int, help="timed steps per layout (30)")
+    g.add_argument("--cl3d-warmup", type=int, help="untimed steps first (5)")
+    g.add_argument("--cl3d-precisions", help="fp32[,bf16] (default: fp32,bf16 on CUDA, fp32 on CPU)")
+    g = p.add_argument_group("synchronised batch norm in DDP")
+    g.add_argument("--syncbn-model", help="model config (vgg_small)")
+    g.add_argument("--syncbn-batch", type=int, help="batch per rank (64)")
+    g.add_argument("--syncbn-steps", type=int, help="timed steps (30)")
+    g = p.add_argument_group("parallel.workers")
+    g.add_argument("--workers-counts", help="parallel.workers values, each a local stage (1,4)")
+    g.add_argument("--workers-grid", default="4x4", help="decomposition of the local stage (4x4: 16 nets)")
+    g.add_argument("--workers-subset", type=int, default=5000, help="data.train_subset of MNIST (5000)")
     g = p.add_argument_group("end to end")
     g.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     g.add_argument("--precision", help="trainer.precision (default: bf16-mixed on CUDA, 32-true on CPU)")
@@ -1130,17 +1582,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     default_precisions, default_variants = ("fp32,bf16", ",".join(BARE_VARIANTS)) if cuda else ("fp32", "fp32")
     args.probe_precisions = listed(args.probe_precisions or default_precisions, ("fp32", "bf16"), "--probe-precisions")
     args.bare_variants = listed(args.bare_variants or default_variants, BARE_VARIANTS, "--bare-variants")
-    default_loop = ",".join(LOOP_VARIANTS) if cuda else "2d-device-fp32,3d-pinned-bf16,2d-device-aug"
+    default_loop = (
+        ",".join(LOOP_VARIANTS)
+        if cuda
+        else "2d-device-fp32,3d-pinned-bf16,2d-device-aug,2d-device-16mixed-sgd,2d-device-16mixed-unfused"
+    )
     args.loop_variants = listed(args.loop_variants or default_loop, tuple(LOOP_VARIANTS), "--loop-variants")
     args.precision = args.precision or ("bf16-mixed" if cuda else "32-true")
+    args.cl3d_precisions = listed(args.cl3d_precisions or default_precisions, ("fp32", "bf16"), "--cl3d-precisions")
     for name, (normal, tiny) in DEFAULTS.items():  # what the user did not give: normal, or tiny with --tiny
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else normal)
+    args.cl3d_models = [m for m in str(args.cl3d_models).split(",") if m]
+    try:
+        args.cl3d_shape = tuple(int(n) for n in str(args.cl3d_shape).split(","))
+        args.workers_counts = [int(n) for n in str(args.workers_counts).split(",") if n]
+    except ValueError:
+        p.error("--cl3d-shape and --workers-counts take whole numbers separated by commas, e.g. 32,64,64 and 1,4")
+    if len(args.cl3d_shape) != 3:
+        p.error(f"--cl3d-shape is D,H,W, got {args.cl3d_shape}")
     try:
         args.probe_grid = tuple(int(g) for g in str(args.probe_grid).split(","))
     except ValueError:
         p.error(f"--probe-grid must be whole numbers separated by commas, e.g. 4,4; got {args.probe_grid!r}")
-    for name in ("probe_batches", "probe_steps", "probe_rounds", "check_steps", "bare_steps"):
+    for name in (
+        "probe_batches",
+        "probe_steps",
+        "probe_rounds",
+        "check_steps",
+        "bare_steps",
+        "cl3d_batch",
+        "cl3d_steps",
+        "syncbn_batch",
+        "syncbn_steps",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     return args
@@ -1218,13 +1693,19 @@ def run_all(args: argparse.Namespace) -> int:
         "stacking": lambda: run_stacking(args, device),
         "bare": lambda: run_bare(args, device),
         "loop": lambda: run_loop(args, device, report["sections"].get("bare", {}).get("result")),
+        "cl3d": lambda: run_channels_last_3d(args, device),
+        "syncbn": lambda: run_syncbn(args, device, deadline),
         "e2e": lambda: run_e2e(args, device, deadline),
+        "workers": lambda: run_workers(args, device, deadline),
     }
     titles = {
         "stacking": "1. stacking probe: local nets one after another against stacked under torch.func.vmap",
         "bare": "2. bare PyTorch loop, global CNN",
         "loop": "3. ddcnn's loop in this process (2D/3D, data on the device and streamed, precisions, compile)",
-        "e2e": "4. end to end: ddcnn-train",
+        "cl3d": "4. channels_last_3d against contiguous, 3D convnets in the bare loop",
+        "syncbn": "5. batch norm synchronised over 2 DDP ranks (gloo) on this device",
+        "e2e": "6. end to end: ddcnn-train",
+        "workers": "7. parallel.workers: the local stage in worker processes sharing this device",
     }
     for name in args.sections:
         log(f"\n{titles[name]}")
@@ -1255,6 +1736,15 @@ def run_all(args: argparse.Namespace) -> int:
                 for row in result["rows"]:
                     if row["status"] in ("failed", "error"):
                         report["failures"].append(f"e2e {row['row']} {row['status']}: {row['reason']}")
+            if name == "syncbn" and not result["ok"]:
+                report["failures"].append(
+                    f"DDP with {', '.join(result['norm'])} differs from one process on the whole batch (gradients "
+                    f"{result['grad_rel_diff']:.1e}, running statistics {result['buffer_rel_diff']:.1e})"
+                )
+            if name == "workers":
+                for row in result["rows"]:
+                    if row["status"] == "failed":
+                        report["failures"].append(f"workers={row['workers']} failed: {row['reason']}")
         log(f"  ({time.perf_counter() - start:.1f} s)")
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,5 +1,5 @@
 """bench/gpu_check.py: its tiny mode runs the GPU check's whole path on CPU (stacking probe, bare loop, ddcnn's loop,
-ddcnn-train)."""
+channels_last_3d, synchronised batch norm in DDP, ddcnn-train, parallel.workers)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,21 @@ def gpu_check():
     return load_script("bench/gpu_check.py", "gpu_check")
 
 
+# The sections of issue 34's second part, run by their own test (each starts processes).
+LATER_SECTIONS = ("cl3d", "syncbn", "workers")
+
+
 @pytest.mark.slow
 def test_tiny_mode_runs_every_section_and_reads_the_stages(gpu_check, tmp_path):
     out = tmp_path / "gpu_check.json"
     threads = torch.get_num_threads()
-    assert gpu_check.main(["--tiny", "--out", str(out), "--rows", "mnist_2x2"]) == 0
+    sections = [name for name in gpu_check.SECTIONS if name not in LATER_SECTIONS]
+    args = ["--tiny", "--out", str(out), "--rows", "mnist_2x2", "--sections", ",".join(sections)]
+    assert gpu_check.main(args) == 0
     assert torch.get_num_threads() == threads  # the tiny mode's single thread does not leak into the test process
     report = json.loads(out.read_text())
     assert report["failures"] == []
-    assert {name: s["status"] for name, s in report["sections"].items()} == dict.fromkeys(gpu_check.SECTIONS, "ok")
+    assert {name: s["status"] for name, s in report["sections"].items()} == dict.fromkeys(sections, "ok")
 
     stacking = report["sections"]["stacking"]["result"]
     check = stacking["check"]
@@ -36,6 +42,10 @@ def test_tiny_mode_runs_every_section_and_reads_the_stages(gpu_check, tmp_path):
     assert all(row["status"] == "ok" and row["host_syncs"] == 0 and row["step_ms"] > 0 for row in loop.values())
     assert loop["2d-device-fp32"]["placement"] == "device" and loop["3d-pinned-bf16"]["placement"] == "host"  # cpu
     assert loop["3d-pinned-bf16"]["spatial_dims"] == 3 and loop["2d-device-fp32"]["step_ratio"] > 0
+    # the loss scaler's pair: on CPU neither is made fused (the node's optimizer exactly), on CUDA the first is
+    sgd, unfused = loop["2d-device-16mixed-sgd"], loop["2d-device-16mixed-unfused"]
+    assert (sgd["optimizer"], sgd["fused"], unfused["fused"]) == ("SGD", False, False)
+    assert sgd["precision"] == "16-mixed" and sgd["steps_per_s"] > 0 and sgd["host_syncs_per_step"] == 0
 
     (row,) = report["sections"]["e2e"]["result"]["rows"]
     assert row["status"] == "ok" and "decomposition=2x2" in row["overrides"]
@@ -47,6 +57,34 @@ def test_tiny_mode_runs_every_section_and_reads_the_stages(gpu_check, tmp_path):
         assert stages[name]["images_per_s"] == pytest.approx(64 / stages[name]["fit_time_s"])
         assert stages[name]["step_ms"] == pytest.approx(1e3 * stages[name]["fit_time_s"] / 2)
         assert stages[name]["device"] == "cpu" and stages[name]["peak_mib"] is None
+
+
+@pytest.mark.slow
+def test_tiny_mode_runs_channels_last_3d_synchronised_batch_norm_and_parallel_workers(gpu_check, tmp_path):
+    """The sections that measure what only a GPU can settle (3D channels-last, SyncBatchNorm's kernels in DDP, local
+    nets in worker processes sharing a device) run on CPU with tiny settings, with the same code: the 2-rank DDP
+    step equals one process on the whole batch, and 2 workers train every sub-domain."""
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--tiny", "--out", str(out), "--sections", ",".join(LATER_SECTIONS)]) == 0
+    report = json.loads(out.read_text())
+    assert report["failures"] == []
+    assert {name: s["status"] for name, s in report["sections"].items()} == dict.fromkeys(LATER_SECTIONS, "ok")
+    sections = {name: s["result"] for name, s in report["sections"].items()}
+
+    cl3d = sections["cl3d"]
+    assert [(r["model"], r["precision"]) for r in cl3d["rows"]] == [("vgg_tiny", "fp32"), ("resnet_tiny", "fp32")]
+    assert all(r["contiguous_step_ms"] > 0 and r["cl3d_step_ms"] > 0 and r["ratio"] > 0 for r in cl3d["rows"])
+    assert cl3d["verdict"] and cl3d["shape"] == [8, 8, 8]
+
+    syncbn = sections["syncbn"]
+    assert syncbn["ok"] and syncbn["norm"] == ["GlobalBatchNorm"] and syncbn["world"] == 2  # SyncBatchNorm on CUDA
+    assert syncbn["grad_rel_diff"] < gpu_check.SYNCBN_TOL and syncbn["ddp_step_ms"] > 0
+
+    rows = {row["workers"]: row for row in sections["workers"]["rows"]}
+    assert sorted(rows) == [1, 2] and all(row["status"] == "ok" for row in rows.values())
+    assert all(row["subdomains"] == 4 and row["devices"] == ["cpu"] for row in rows.values())  # decomposition 2x2
+    assert rows[2]["training_s"] <= rows[2]["stage_s"] and rows[2]["speedup"] > 0
+    assert rows[1]["device_peak_mib"] is None  # polled on CUDA only
 
 
 def test_stacked_training_is_the_sequential_training_and_the_check_sees_a_difference(gpu_check):
@@ -120,7 +158,8 @@ def test_prepare_copies_what_the_gpu_machine_lacks_so_that_ddcnn_imports_without
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_on_a_gpu_the_loop_makes_no_host_sync_in_its_steps(gpu_check, tmp_path):
     """Every loop variant (2D/3D, on the device and pinned, precisions, compile, augmentation) under CUDA's sync
-    debug mode: no host synchronisation in a training step, except 16-mixed's loss scaler."""
+    debug mode: no host synchronisation in a training step (16-mixed included: its optimizer is fused), except the
+    variant that measures an unfused optimizer's loss scaler, which reads found_inf on the host every step."""
     out = tmp_path / "gpu_check.json"
     args = ["--sections", "loop", "--loop-images", "3000", "--loop-epochs", "1", "--out", str(out)]
     assert gpu_check.main(args) == 0
@@ -129,5 +168,23 @@ def test_on_a_gpu_the_loop_makes_no_host_sync_in_its_steps(gpu_check, tmp_path):
     assert {row["variant"] for row in rows} == set(gpu_check.LOOP_VARIANTS)
     for row in rows:
         assert row["status"] == "ok" and row["placement"] == ("device" if "device" in row["variant"] else "pinned")
-        assert row["precision"] == "16-mixed" or row["host_syncs"] == 0, row["first_sync"]
+        assert row["variant"] in gpu_check.SYNCING_VARIANTS or row["host_syncs"] == 0, row["first_sync"]
         assert row["memory_format"] == ("channels_last" if row["variant"].startswith("2d") else "contiguous_format")
+        assert row["fused"] == (row["variant"] != "2d-device-16mixed-unfused")  # AdamW's node, or made fused
+    unfused = next(row for row in rows if row["variant"] == "2d-device-16mixed-unfused")
+    assert unfused["host_syncs_per_step"] >= 1  # what the fused optimizer removes: GradScaler's found_inf read
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_sync_batch_norm_in_ddp_is_one_process_on_the_whole_batch_and_3d_layouts_are_timed(
+    gpu_check, tmp_path
+):
+    """torch.nn.SyncBatchNorm (ddcnn's conversion on CUDA) in a 2-rank DDP step gives one process's gradients and
+    running statistics on the whole batch; both 3D layouts train and are timed."""
+    out = tmp_path / "gpu_check.json"
+    args = ["--sections", "cl3d,syncbn", "--cl3d-steps", "3", "--cl3d-shape", "16,32,32", "--syncbn-steps", "3"]
+    assert gpu_check.main([*args, "--out", str(out)]) == 0
+    sections = {name: s["result"] for name, s in json.loads(out.read_text())["sections"].items()}
+    assert sections["syncbn"]["ok"] and sections["syncbn"]["norm"] == ["SyncBatchNorm"]
+    assert all(row["contiguous_step_ms"] > 0 and row["cl3d_step_ms"] > 0 for row in sections["cl3d"]["rows"])

@@ -32,7 +32,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ddcnn.data.augment import Augment
-from ddcnn.data.prepare import Prepared, prepare
+from ddcnn.data.prepare import Prepared, gather, prepare
 
 __all__ = [
     "Prepared",
@@ -43,6 +43,7 @@ __all__ = [
     "TensorDataModule",
     "Crop",
     "release_device_copies",
+    "pinned_empty",
 ]
 
 # The splits placed on a device, one copy per process and device for each host dataset: the local nets a process
@@ -333,7 +334,8 @@ class PreparedBatches:
         y = self._to(self._y(split, idx), device)
         if self.cache:
             return self._to(self._inputs(split)[_at(idx, torch.device("cpu"))], device), y
-        return self.data.normalizer(device)(self._to(self.data.read(split, idx, self.box), device)), y
+        x = self.data.read(split, idx, self.box, into=self._host_memory)
+        return self.data.normalizer(device)(self._to(x, device)), y
 
     def train_batch(self, idx: torch.Tensor, epoch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The training batch of samples ``idx`` in ``epoch``: without augmentation the evaluation batch; with it,
@@ -347,7 +349,7 @@ class PreparedBatches:
         y = self._to(self._y("train", idx), device)
         flips, angles = aug.draw(idx, epoch)
         region = self.support if self.box is not None else None
-        x = self.data.read("train", idx, region, flips, aug.flip_axes)
+        x = self.data.read("train", idx, region, flips, aug.flip_axes, into=self._host_memory)
         x = self.data.normalizer(device)(self._to(x, device))
         if aug.rotate_deg > 0:
             angles = self._to(angles, device)
@@ -366,19 +368,32 @@ class PreparedBatches:
     def _y(self, split: str, idx: torch.Tensor) -> torch.Tensor:
         """Labels of samples ``idx``, cut where they are held (the device of :meth:`placed`, or the host)."""
         y = self._labels.get(split, self.data.y[split])
-        return y[_at(idx, y.device)]
+        return gather(y, (_at(idx, y.device),), self._host_memory if y.device.type == "cpu" else None)
+
+    @property
+    def _host_memory(self) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None:
+        """Where a batch gathered on the host is written: pinned memory when :meth:`placed` asked for it (the batch
+        is gathered there and copied to the GPU from there, one host copy), else a new tensor."""
+        return pinned_empty if self.pin else None
 
     def _to(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``x`` on ``device``; from the host through pinned memory when :meth:`placed` asked for it, so that the
-        copy does not block the host."""
+        copy does not block the host (a batch gathered into pinned memory is copied from there as it is)."""
         if self.pin and x.device.type == "cpu":
-            x = x.pin_memory()
+            x = x.pin_memory()  # the tensor itself when it is pinned already
         return x if x.device == device else x.to(device, non_blocking=True)
 
     def _inputs(self, split: str) -> torch.Tensor:
         if split not in self._cached:
             self._cached[split] = self.data.inputs(split, region=self.box).contiguous()
         return self._cached[split]
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised pinned host tensor from torch's caching host allocator: a block is handed out again only once
+    the copies that read it have finished (torch records an event on the stream of each ``non_blocking`` copy), so
+    the streamed batches reuse a few pinned buffers with no host synchronisation (needs CUDA)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 def _at(idx: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -57,6 +57,7 @@ __all__ = [
     "prepare",
     "load_prepared",
     "class_counts",
+    "gather",
 ]
 
 PREPARED_KIND = "prepared"
@@ -513,9 +514,13 @@ class Prepared:
         region: Sequence[slice] | None = None,
         flips: torch.Tensor | None = None,
         flip_axes: Sequence[int] = (),
+        into: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Stored values of samples ``idx`` of ``split``, only within ``region`` (spatial slices), where the split is
         held (host memory, or the device of :meth:`on_device`: the indices are moved there if they are elsewhere).
+
+        ``into(shape, dtype)``: where a gather on the host writes (e.g. pinned memory, so that the batch travels to a
+        GPU from the memory it was gathered into: one host copy); ignored for a split held on a device.
 
         ``flips`` ``(B, len(flip_axes))`` (bool, sample ``b`` flipped along spatial axis ``flip_axes[k]``): the
         ``region`` of each sample's flipped image, read as one gather (a flipped sample's values come from the mirror
@@ -529,12 +534,13 @@ class Prepared:
         idx = torch.as_tensor(idx, dtype=torch.long)
         if idx.device != x.device:
             idx = idx.to(x.device, non_blocking=True)
+        into = into if x.device.type == "cpu" else None
         if flips is None or not len(flip_axes):
             if region is not None:
                 x = x[(slice(None), slice(None), *region)]
-            out = x[idx]
+            out = gather(x, (idx,), into)
         else:
-            out = _flipped_gather(x, idx, region, flips.to(x.device, non_blocking=True), tuple(flip_axes))
+            out = _flipped_gather(x, idx, region, flips.to(x.device, non_blocking=True), tuple(flip_axes), into)
         if split in self._maps and self.nbytes(split) > KEEP_MAPPED_BYTES:
             self._maps[split].madvise(mmap.MADV_DONTNEED)
         return out
@@ -921,8 +927,27 @@ def _check_fits(plan: _Plan, limit_gb: float | None) -> None:
         )
 
 
+def gather(
+    x: torch.Tensor,
+    index: Sequence[torch.Tensor],
+    into: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``x[tuple(index)]`` (advanced indexing of the leading axes), written into ``into(shape, dtype)`` when given:
+    the same values, gathered in one copy into memory of the caller's choosing (pinned host memory for a batch on its
+    way to a GPU)."""
+    if into is None:
+        return x[tuple(index)]
+    shape = (*torch.broadcast_shapes(*(i.shape for i in index)), *x.shape[len(index) :])
+    return torch.ops.aten.index.Tensor_out(x, list(index), out=into(shape, x.dtype))
+
+
 def _flipped_gather(
-    x: torch.Tensor, idx: torch.Tensor, region: Sequence[slice] | None, flips: torch.Tensor, flip_axes: tuple[int, ...]
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    region: Sequence[slice] | None,
+    flips: torch.Tensor,
+    flip_axes: tuple[int, ...],
+    into: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x[idx]`` within ``region``, each sample flipped along the axes its row of ``flips`` marks, as one gather:
     along a flipped axis of length ``n``, output position ``p`` of the region ``[s, e)`` holds ``n - 1 - s - p``."""
@@ -945,4 +970,4 @@ def _flipped_gather(
             index.append(src.view(view))
         else:
             index.append(pos.view(view))
-    return x[tuple(index)]
+    return gather(x, index, into)

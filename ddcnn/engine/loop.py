@@ -84,6 +84,7 @@ from ddcnn.data.datamodule import Batches, TensorDataModule
 from ddcnn.engine.common import data_splits
 from ddcnn.engine.gpu import (
     POLICY_OFF,
+    amp_optimizer,
     math_flags,
     memory_format,
     peak_memory_bytes,
@@ -986,7 +987,8 @@ class _Training:
 
     def build_optimizer(self, lr_scale: float) -> None:
         s = self.settings
-        opt = build_optimizer(s.optimizer, self.module.parameters())
+        spec = amp_optimizer(_spec(s.optimizer), self.fabric.device, s.precision, s.gradient_clip_val)
+        opt = build_optimizer(spec, self.module.parameters())
         if lr_scale != 1.0:
             for group in opt.param_groups:
                 group["lr"] = float(group["lr"]) * lr_scale

@@ -82,9 +82,9 @@ def test_a_flip_reads_the_mirrored_box_and_a_rotation_a_slightly_larger_one(monk
     regions = []
     read = data.read
 
-    def spy(split, idx, region=None, flips=None, flip_axes=()):
+    def spy(split, idx, region=None, flips=None, flip_axes=(), **where):
         regions.append((tuple((r.start, r.stop) for r in region), tuple(flip_axes)))
-        return read(split, idx, region, flips, flip_axes)
+        return read(split, idx, region, flips, flip_axes, **where)
 
     monkeypatch.setattr(data, "read", spy)
     PreparedBatches(data, 8, box=box, augment=Augment(flip_axes=(1,), seed=0)).train_batch(torch.arange(16), 0, "cpu")

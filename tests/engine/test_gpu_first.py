@@ -339,21 +339,32 @@ def test_compile_compiles_the_network_outside_the_training_clock(make_cfg, tmp_p
 def test_the_streamed_cuda_path_pins_every_batch_and_prefetches_without_changing_the_training(
     make_cfg, tmp_path, monkeypatch
 ):
-    # Pinned memory needs a GPU; on CPU the pinning is recorded instead, so that the path a CUDA run takes when its
-    # splits do not fit (pinned batches, the next one read by a background thread) runs here.
-    plain = _fit(make_cfg, tmp_path / "plain")
-    pinned, threads = [], set()
+    # Pinned memory needs a GPU; on CPU torch's pinned allocator and pin_memory are stood in for (recording what they
+    # do), so that the path a CUDA run takes when its splits do not fit (batches gathered into pinned memory, the next
+    # one read by a background thread) runs here.
+    from ddcnn.data import datamodule
 
-    def pin_memory(tensor):
-        pinned.append(tensor.shape)
+    plain = _fit(make_cfg, tmp_path / "plain")
+    staged, copied, threads = [], [], set()
+
+    def pinned_empty(shape, dtype):
+        staged.append(torch.empty(shape, dtype=dtype))
         threads.add(threading.current_thread().name)
+        return staged[-1]
+
+    def pin_memory(tensor):  # as torch's: the tensor itself when it is pinned already, else a pinned copy
+        if any(tensor.data_ptr() == buffer.data_ptr() for buffer in staged):
+            return tensor
+        copied.append(tensor.shape)
         return tensor.clone()
 
+    monkeypatch.setattr(datamodule, "pinned_empty", pinned_empty)
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     monkeypatch.setattr(gpu, "data_placement", lambda *args, **kwargs: "pinned")
     streamed = _fit(make_cfg, tmp_path / "pinned")
     assert streamed.engine["data_placement"] == "pinned" and streamed.engine["prefetch"] is True
-    assert pinned and any(name.startswith("ddcnn-prefetch") for name in threads)
+    assert staged and any(name.startswith("ddcnn-prefetch") for name in threads)
+    assert copied == []  # every batch (images, labels) was gathered into pinned memory: one host copy each
     times = [row["time_s"] for row in streamed.history]
     assert streamed.history == [{**row, "time_s": t} for row, t in zip(plain.history, times, strict=True)]
 
