@@ -1,6 +1,7 @@
-"""What every stage of a run shares: the configuration, the data, the decomposition and the networks.
+"""What every stage of a run shares: the settings, the data, the decomposition and the networks.
 
-:func:`build_context` loads and checks everything a stage needs before anything is written; the network
+:func:`build_context` checks the settings (:class:`~ddcnn.settings.RunSettings`, unless the entry built them already)
+and loads everything a stage needs before anything is written; the network
 builders turn the ``model``, ``global_model`` and ``coarse.net`` settings into modules. Nothing here imports
 Lightning, so a process that only coordinates (the parent of ``parallel.workers`` processes, the rank-0 check
 of a launcher) starts in a fraction of the time a training process needs; the stages that train live in
@@ -20,7 +21,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ddcnn import registry
 from ddcnn.data.augment import Augment
 from ddcnn.data.prepare import Prepared, PrepareSettings, load_prepared
 from ddcnn.data.sources import NOT_IDENTITY
@@ -28,6 +28,7 @@ from ddcnn.decomposition import Decomposition
 from ddcnn.models import external, pretrained
 from ddcnn.models.cnn_dnn import CNNDNN
 from ddcnn.rundir import RunDir, file_sha256
+from ddcnn.settings import RunSettings, StoreSettings
 from ddcnn.store import Store, default_root
 
 log = logging.getLogger(__name__)
@@ -36,11 +37,10 @@ __all__ = [
     "Context",
     "load_data",
     "data_store",
+    "open_store",
     "build_context",
-    "check_settings",
     "resolve_data_counts",
     "check_networks",
-    "check_methods",
     "tuple_or_int",
     "build_augment",
     "subdomain_seed",
@@ -52,19 +52,25 @@ __all__ = [
     "coarse_net_spec",
     "finished_coarse_spec",
     "count_parameters",
-    "ddp_devices",
     "assemble_cnn_dnn",
 ]
 
 
 @dataclass
 class Context:
-    """What every stage of one run shares: the configuration, the data and the decomposition."""
+    """What every stage of one run shares: the configuration, the data, the decomposition and the checked settings
+    (``data.num_classes`` / ``data.in_channels`` as the data have them)."""
 
     cfg: DictConfig
     run: RunDir
     data: Prepared
     decomposition: Decomposition
+    settings: RunSettings
+
+
+def open_store(store: StoreSettings) -> Store:
+    """The store of ``store.root`` (else ``$DDCNN_STORE``, else ``~/.cache/ddcnn``): prepared data, reusable stages."""
+    return Store(default_root(store.root), stale_after_s=store.stale_after_s)
 
 
 def data_store(cfg: DictConfig) -> Store:
@@ -132,8 +138,13 @@ def build_context(
     claim: bool = True,
     data: Prepared | None = None,
     weights: bool = True,
+    settings: RunSettings | None = None,
 ) -> Context:
-    """Load the data, build the decomposition, check the networks and (``claim``) the run directory.
+    """Check the settings, load the data, build the decomposition, check the networks and (``claim``) the run
+    directory.
+
+    ``settings``: those the entry built from ``cfg`` already (:func:`ddcnn.pipeline.train`; a worker process receives
+    its parent's); ``None`` builds them here (notebooks, tools), which checks every setting.
 
     With ``claim=False`` the caller checks further settings first and then calls
     ``ctx.run.check_fingerprint(ctx.cfg)`` itself. ``ctx.cfg`` is ``cfg`` with ``data.num_classes`` and
@@ -143,28 +154,22 @@ def build_context(
     leaves the pretrained weights file (``model.weights``) unread: a finished run's networks come from its own
     ``net.pt`` files (the export).
     """
-    run = RunDir(run_dir if run_dir is not None else cfg.paths.run_dir)
-    check_settings(cfg)
+    if settings is None:
+        settings = RunSettings.from_config(cfg)
+    run_dir = run_dir if run_dir is not None else settings.run_dir
+    if run_dir is None:
+        raise ValueError("no run directory: pass run_dir, or set paths.run_dir (hydra.run.dir under ddcnn-train).")
+    run = RunDir(run_dir)
     if data is None:
         data = load_data(cfg)
     cfg = resolve_data_counts(cfg, data)
-    dec = Decomposition(tuple(cfg.decomposition.grid), data.image_shape, tuple_or_int(cfg.decomposition.overlap))
-    ctx = Context(cfg, run, data, dec)
+    settings = settings.with_data_counts(data.num_classes, data.in_channels)
+    grid, overlap = settings.decomposition.grid, settings.decomposition.overlap
+    ctx = Context(cfg, run, data, Decomposition(grid, data.image_shape, tuple_or_int(overlap)), settings)
     check_networks(ctx, weights=weights)
     if claim:  # only a configuration that can run claims the run directory
         run.check_fingerprint(cfg)
     return ctx
-
-
-def _positive_int(cfg: DictConfig, key: str, auto: bool = False) -> None:
-    value = OmegaConf.select(cfg, key)
-    if auto and value == "auto":
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        also = " or auto (taken from the data)" if auto else ""
-        raise ValueError(
-            f"{key} must be a positive whole number{also}, got {value!r}; set {key}=<n> with n >= 1{also}."
-        )
 
 
 def resolve_data_counts(cfg: DictConfig, data: Prepared) -> DictConfig:
@@ -182,67 +187,6 @@ def resolve_data_counts(cfg: DictConfig, data: Prepared) -> DictConfig:
         for key in auto:
             out.data[key] = int(getattr(data, key))
     return out
-
-
-def check_settings(cfg: DictConfig) -> None:
-    """Settings that would only fail deep inside a stage, checked before anything is read or written."""
-    for key in ("data.batch_size", "trainer.max_epochs"):
-        _positive_int(cfg, key)
-    for key in ("coarse.batch_size", "coarse.max_epochs", "coarse.steps"):
-        if OmegaConf.select(cfg, key) not in ("auto", None):
-            _positive_int(cfg, key)
-    kind = cfg.coarse.get("input", "probs")
-    if kind not in ("probs", "logits"):
-        raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
-    monitor = cfg.coarse.get("monitor", "val_acc")
-    if monitor not in ("val_loss", "val_acc"):
-        raise ValueError(f"coarse.monitor must be val_loss or val_acc (the validation split selects), got {monitor!r}.")
-    frac = cfg.data.get("val_fraction", 0.1)
-    if not isinstance(frac, int | float) or not 0 < frac < 1:
-        raise ValueError(f"data.val_fraction must lie strictly between 0 and 1, got {frac!r}.")
-    for key in ("data.num_classes", "data.in_channels"):
-        _positive_int(cfg, key, auto=True)
-    if cfg.data.spatial_dims not in (2, 3):
-        raise ValueError(f"data.spatial_dims must be 2 (images) or 3 (volumes), got {cfg.data.spatial_dims!r}.")
-    reuse = (cfg.get("store") or {}).get("reuse", True)
-    if not isinstance(reuse, bool):
-        raise ValueError(f"store.reuse must be true or false (reuse the global CNN of an earlier run), got {reuse!r}.")
-    check_methods(cfg)
-    enabled = (cfg.get("methods") or {}).get("enabled") or {}
-    if enabled.get("global_ddp") or cfg.get("stage") == "global_ddp":
-        ddp_devices(cfg)
-
-
-def check_methods(cfg: DictConfig) -> None:
-    """``methods``: ``enabled.<stage>`` and ``<stage>: {settings}`` only for optional stages of the registry."""
-    methods = cfg.get("methods") or {}
-    known = set(registry.OPTIONAL_STAGES)
-    unknown = sorted(set(methods.get("enabled") or {}) - known)
-    if unknown:
-        raise ValueError(f"methods.enabled has unknown stages {unknown}; the optional stages are {sorted(known)}.")
-    unknown = sorted(set(methods) - known - {"enabled"})
-    if unknown:
-        raise ValueError(
-            f"methods has settings for unknown stages {unknown}; the optional stages are {sorted(known)} "
-            f"(ddcnn/registry.py)."
-        )
-
-
-def ddp_devices(cfg: DictConfig) -> int:
-    """The number of DDP processes of the ``global_ddp`` stage, checked against the batch size."""
-    value = ((cfg.get("methods") or {}).get("global_ddp") or {}).get("num_devices", 2)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise ValueError(
-            f"methods.global_ddp.num_devices must be a whole number >= 2 (one device is the global CNN itself), "
-            f"got {value!r}."
-        )
-    batch = int(cfg.data.batch_size)
-    if batch % value:
-        raise ValueError(
-            f"methods.global_ddp.num_devices={value} does not divide data.batch_size={batch}: the DDP run keeps the "
-            f"global batch, {batch / value:g} samples per device. Choose a divisor of {batch}."
-        )
-    return value
 
 
 def check_networks(ctx: Context, weights: bool = True) -> None:
