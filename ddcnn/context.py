@@ -338,12 +338,12 @@ def tuple_or_int(value) -> int | float | tuple:
     return value if isinstance(value, int | float) else tuple(value)
 
 
-def build_augment(cfg: DictConfig) -> Augment | None:
-    """The configured augmentation of whole images (``data.augment``), or ``None``."""
-    spec = cfg.data.get("augment")
+def build_augment(settings: RunSettings) -> Augment | None:
+    """The configured augmentation of whole images (``data.augment``, drawn from the run's ``seed``), or ``None``."""
+    spec = settings.data.augment
     if not spec:
         return None
-    aug = Augment(spec.get("flip_axes", ()) or (), float(spec.get("rotate_deg", 0.0) or 0.0), seed=int(cfg.seed))
+    aug = Augment(spec.get("flip_axes") or (), float(spec.get("rotate_deg") or 0.0), seed=settings.seed)
     return aug if aug.active else None
 
 

@@ -202,7 +202,7 @@ def method_optimizer(ctx: Context, stage: str) -> dict:
 def full_image_data(ctx: Context, seed: int, batch: int | None = None) -> PreparedBatches:
     """The global CNN's batches: full images, the configured augmentation, batches fixed by the seed."""
     size = ctx.settings.data.batch_size if batch is None else batch
-    return PreparedBatches(ctx.data, size, seed=seed, augment=build_augment(ctx.cfg))
+    return PreparedBatches(ctx.data, size, seed=seed, augment=build_augment(ctx.settings))
 
 
 def val_accuracy(net: nn.Module, dm: Batches, device) -> float:

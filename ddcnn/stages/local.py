@@ -36,7 +36,7 @@ def run(ctx: Context, device=None, subdomain: int = 0) -> dict:
     # Only the sub-domain's box is read of every sample (with augmentation: the region of the augmented whole image
     # that the box shows), so every local net sees its part of the same augmented image.
     dm = PreparedBatches(
-        ctx.data, ctx.settings.data.batch_size, seed=seed, box=dec.box(subdomain), augment=build_augment(ctx.cfg)
+        ctx.data, ctx.settings.data.batch_size, seed=seed, box=dec.box(subdomain), augment=build_augment(ctx.settings)
     )
     start = time.perf_counter()
     seed_everything(seed)

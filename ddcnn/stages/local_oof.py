@@ -59,7 +59,7 @@ def _fold_data(ctx: Context, subdomain: int, keep: torch.Tensor, seed: int) -> R
         ctx.settings.data.batch_size,
         seed=seed,
         box=ctx.decomposition.box(subdomain),
-        augment=build_augment(ctx.cfg),
+        augment=build_augment(ctx.settings),
     )
     return RowSubset(full, {"train": keep})
 
