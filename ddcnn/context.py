@@ -10,6 +10,7 @@ the modules of :mod:`ddcnn.stages`.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import weakref
@@ -198,7 +199,7 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
     whose feature maps shrink to one pixel before its last downsampling stages runs, with a warning.
     """
     cfg, data, dec = ctx.cfg, ctx.data, ctx.decomposition
-    global_key = "global_model" if cfg.get("global_model") else "model"
+    global_key = "global_model" if ctx.settings.global_model else "model"
     checks = [
         ("model", "sub-domains", lambda: build_local_net(cfg, data, weights=weights), dec.sub_shape),
         (global_key, "full images", lambda: build_global_net(cfg, data, weights=weights), data.image_shape),
@@ -209,7 +210,7 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
         except (FileNotFoundError, external.MissingLibrary, pretrained.WeightsError):
             raise  # they name the setting and the fix already
         except Exception as err:
-            target = OmegaConf.select(cfg, f"{key}._target_", default="?")
+            target = _spec_of(ctx, key).get("_target_", "?")
             raise ValueError(
                 f"cannot build the network of {key} (_target_={target}): {' '.join(str(err).split())}. Check the "
                 f"name and arguments under {key} in the configuration (conf/{key.split('.')[0]}/ lists the available "
@@ -221,7 +222,7 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
     try:
         net = build_coarse_net(cfg, dec.num_subdomains, data.num_classes)
     except Exception as err:
-        target = OmegaConf.select(cfg, f"{key}._target_", default="?")
+        target = _spec_of(ctx, key).get("_target_", "?")
         raise ValueError(
             f"cannot build the network of {key} (_target_={target}): {' '.join(str(err).split())}. Check the name "
             "and arguments under coarse.net in the configuration (conf/coarse/ lists the available ones)."
@@ -232,6 +233,16 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
     except Exception as err:
         raise ValueError(f"the network of {key} fails on inputs of shape {shape[1:]}: {err}.") from err
     _check_output(key, out, data.num_classes)
+
+
+def _spec_of(ctx: Context, key: str) -> dict:
+    """The settings of the network of ``key`` (``model``, ``global_model``, ``coarse.net``) as plain data."""
+    specs = {
+        "model": ctx.settings.model,
+        "global_model": ctx.settings.global_model,
+        "coarse.net": ctx.settings.coarse.net,
+    }
+    return specs[key] or {}
 
 
 def _check_output(key: str, out, num_classes: int) -> None:
@@ -280,7 +291,7 @@ def _size_fixes(ctx: Context, key: str, smallest: int, local: bool) -> list[str]
     for n, g, d in zip(shape, grid if local else (1,) * len(shape), overlap, strict=True):
         sizes.append(next(m for m in range(n, n + smallest * g + 1) if _sub_length(m, g, d) >= smallest))
     fixes.append(f"larger images: data.image_size=[{','.join(map(str, sizes))}]")
-    target = str(OmegaConf.select(ctx.cfg, f"{key}._target_", default=""))
+    target = str(_spec_of(ctx, key).get("_target_", ""))
     if target.startswith("ddcnn.") and not target.startswith(external.__name__):  # ddcnn's own VGG, ResNet
         fixes.append(f"another {key}.norm (batch takes single pixels) or a network with fewer stages")
     else:
@@ -296,12 +307,12 @@ def _check_input_size(ctx: Context, key: str, what: str, net: nn.Module, spatial
     the settings that give it; warn when its feature maps collapse to one pixel before its last stages."""
     data = ctx.data
     channels, dims = data.in_channels, data.spatial_dims
-    arch = external.describe_arch(_network_spec(ctx.cfg[key])[0])
+    arch = external.describe_arch(_network_spec(_spec_of(ctx, key))[0])
     try:
         with torch.no_grad():
             out = net.eval()(torch.zeros(2, channels, *spatial))
     except Exception as err:
-        size_key = (json.dumps(_network_spec(ctx.cfg[key])[0], sort_keys=True, default=str), dims, channels)
+        size_key = (json.dumps(_network_spec(_spec_of(ctx, key))[0], sort_keys=True, default=str), dims, channels)
         smallest = external.smallest_input(net, dims, channels, key=size_key)
         if smallest is not None and min(spatial) < smallest:
             fixes = _size_fixes(ctx, key, smallest, local=what == "sub-domains")
@@ -373,14 +384,14 @@ _RECORDS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary
 _LOGGED: set[tuple] = set()
 
 
-def _network_spec(model_cfg: DictConfig) -> tuple[dict, str | None]:
+def _network_spec(model_spec: dict) -> tuple[dict, str | None]:
     """The constructor settings of a ``model``/``global_model`` node and its pretrained weights file (or ``None``).
 
     ``name`` is a label for run directories and reports and ``weights`` is loaded after building, so neither goes to
     the constructor. A ``_target_`` that names a library's constructor (``torchvision.models.mobilenet_v2``) goes
     through that library's adapter, as ``model=torchvision model.arch=mobilenet_v2`` does.
     """
-    spec = OmegaConf.to_container(model_cfg, resolve=True)
+    spec = copy.deepcopy(dict(model_spec))
     spec.pop("name", None)
     path = spec.pop("weights", None)
     spec, dropped = external.adapter_spec(spec)
@@ -410,7 +421,7 @@ def _read_weights(path: str, setting: str) -> tuple[dict[str, torch.Tensor], str
 
 
 def _build(model_cfg: DictConfig, data: Prepared, key: str, weights: bool) -> nn.Module:
-    spec, path = _network_spec(model_cfg)
+    spec, path = _network_spec(OmegaConf.to_container(model_cfg, resolve=True))
     net = instantiate(spec, spatial_dims=data.spatial_dims, in_channels=data.in_channels, num_classes=data.num_classes)
     if weights and path is not None:
         state, resolved = _read_weights(path, f"{key}.weights")
