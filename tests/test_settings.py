@@ -135,3 +135,12 @@ def test_the_context_holds_the_settings_with_the_data_counts(make_cfg):
     assert isinstance(ctx.settings, RunSettings)
     assert ctx.settings.data.num_classes == ctx.data.num_classes == 10
     assert ctx.settings.data.batch_size == int(ctx.cfg.data.batch_size)
+
+
+def test_global_ddp_devices_are_checked_whenever_the_method_is_enabled():
+    """Also in a run of another stage (its local nets first): the DDP baseline would fail only later otherwise."""
+    bad = ("methods.enabled.global_ddp=true", "methods.global_ddp.num_devices=3", "data.batch_size=32")
+    for stage in ("all", "local"):
+        with pytest.raises(ValueError, match=r"num_devices=3 does not divide data\.batch_size=32"):
+            _settings(*bad, f"stage={stage}")
+    assert _settings(*bad[1:], "stage=local").methods.global_ddp.num_devices == 3  # not enabled: not checked

@@ -588,8 +588,9 @@ class RunSettings:
         top.read += ["trainer", "engine"]
         data = DataSettings.read(top.sub("data"))
         methods = MethodsSettings.read(top.sub("methods"))
-        if stage == "global_ddp" or (stage == "all" and methods.enabled["global_ddp"]):
+        if stage == "global_ddp" or methods.enabled["global_ddp"]:
             _check_ddp_devices(methods.global_ddp.num_devices, data.batch_size)
+        if stage == "global_ddp" or (stage == "all" and methods.enabled["global_ddp"]):  # the srun step it spans
             check_srun_ddp(int(methods.global_ddp.num_devices), "methods.global_ddp.num_devices")
         paths = top.sub("paths")
         run_dir = paths("run_dir")
