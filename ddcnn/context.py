@@ -1,6 +1,7 @@
-"""What every stage of a run shares: the configuration, the data, the decomposition and the networks.
+"""What every stage of a run shares: the settings, the data, the decomposition and the networks.
 
-:func:`build_context` loads and checks everything a stage needs before anything is written; the network
+:func:`build_context` checks the settings (:class:`~ddcnn.settings.RunSettings`, unless the entry built them already)
+and loads everything a stage needs before anything is written; the network
 builders turn the ``model``, ``global_model`` and ``coarse.net`` settings into modules. Nothing here imports
 Lightning, so a process that only coordinates (the parent of ``parallel.workers`` processes, the rank-0 check
 of a launcher) starts in a fraction of the time a training process needs; the stages that train live in
@@ -9,6 +10,7 @@ the modules of :mod:`ddcnn.stages`.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import weakref
@@ -20,7 +22,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ddcnn import registry
 from ddcnn.data.augment import Augment
 from ddcnn.data.prepare import Prepared, PrepareSettings, load_prepared
 from ddcnn.data.sources import NOT_IDENTITY
@@ -28,6 +29,7 @@ from ddcnn.decomposition import Decomposition
 from ddcnn.models import external, pretrained
 from ddcnn.models.cnn_dnn import CNNDNN
 from ddcnn.rundir import RunDir, file_sha256
+from ddcnn.settings import RunSettings, StoreSettings
 from ddcnn.store import Store, default_root
 
 log = logging.getLogger(__name__)
@@ -36,11 +38,10 @@ __all__ = [
     "Context",
     "load_data",
     "data_store",
+    "open_store",
     "build_context",
-    "check_settings",
     "resolve_data_counts",
     "check_networks",
-    "check_methods",
     "tuple_or_int",
     "build_augment",
     "subdomain_seed",
@@ -52,19 +53,25 @@ __all__ = [
     "coarse_net_spec",
     "finished_coarse_spec",
     "count_parameters",
-    "ddp_devices",
     "assemble_cnn_dnn",
 ]
 
 
 @dataclass
 class Context:
-    """What every stage of one run shares: the configuration, the data and the decomposition."""
+    """What every stage of one run shares: the configuration, the data, the decomposition and the checked settings
+    (``data.num_classes`` / ``data.in_channels`` as the data have them)."""
 
     cfg: DictConfig
     run: RunDir
     data: Prepared
     decomposition: Decomposition
+    settings: RunSettings
+
+
+def open_store(store: StoreSettings) -> Store:
+    """The store of ``store.root`` (else ``$DDCNN_STORE``, else ``~/.cache/ddcnn``): prepared data, reusable stages."""
+    return Store(default_root(store.root), stale_after_s=store.stale_after_s)
 
 
 def data_store(cfg: DictConfig) -> Store:
@@ -134,8 +141,13 @@ def build_context(
     claim: bool = True,
     data: Prepared | None = None,
     weights: bool = True,
+    settings: RunSettings | None = None,
 ) -> Context:
-    """Load the data, build the decomposition, check the networks and (``claim``) the run directory.
+    """Check the settings, load the data, build the decomposition, check the networks and (``claim``) the run
+    directory.
+
+    ``settings``: those the entry built from ``cfg`` already (:func:`ddcnn.pipeline.train`; a worker process receives
+    its parent's); ``None`` builds them here (notebooks, tools), which checks every setting.
 
     With ``claim=False`` the caller checks further settings first and then calls
     ``ctx.run.check_fingerprint(ctx.cfg)`` itself. ``ctx.cfg`` is ``cfg`` with ``data.num_classes`` and
@@ -145,28 +157,22 @@ def build_context(
     leaves the pretrained weights file (``model.weights``) unread: a finished run's networks come from its own
     ``net.pt`` files (the export).
     """
-    run = RunDir(run_dir if run_dir is not None else cfg.paths.run_dir)
-    check_settings(cfg)
+    if settings is None:
+        settings = RunSettings.from_config(cfg)
+    run_dir = run_dir if run_dir is not None else settings.run_dir
+    if run_dir is None:
+        raise ValueError("no run directory: pass run_dir, or set paths.run_dir (hydra.run.dir under ddcnn-train).")
+    run = RunDir(run_dir)
     if data is None:
         data = load_data(cfg)
     cfg = resolve_data_counts(cfg, data)
-    dec = Decomposition(tuple(cfg.decomposition.grid), data.image_shape, tuple_or_int(cfg.decomposition.overlap))
-    ctx = Context(cfg, run, data, dec)
+    settings = settings.with_data_counts(data.num_classes, data.in_channels)
+    grid, overlap = settings.decomposition.grid, settings.decomposition.overlap
+    ctx = Context(cfg, run, data, Decomposition(grid, data.image_shape, tuple_or_int(overlap)), settings)
     check_networks(ctx, weights=weights)
     if claim:  # only a configuration that can run claims the run directory
         run.check_fingerprint(cfg)
     return ctx
-
-
-def _positive_int(cfg: DictConfig, key: str, auto: bool = False) -> None:
-    value = OmegaConf.select(cfg, key)
-    if auto and value == "auto":
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        also = " or auto (taken from the data)" if auto else ""
-        raise ValueError(
-            f"{key} must be a positive whole number{also}, got {value!r}; set {key}=<n> with n >= 1{also}."
-        )
 
 
 def resolve_data_counts(cfg: DictConfig, data: Prepared) -> DictConfig:
@@ -186,73 +192,6 @@ def resolve_data_counts(cfg: DictConfig, data: Prepared) -> DictConfig:
     return out
 
 
-def check_settings(cfg: DictConfig) -> None:
-    """Settings that would only fail deep inside a stage, checked before anything is read or written."""
-    for key in ("data.batch_size", "trainer.max_epochs"):
-        _positive_int(cfg, key)
-    for key in ("coarse.batch_size", "coarse.max_epochs", "coarse.steps"):
-        if OmegaConf.select(cfg, key) not in ("auto", None):
-            _positive_int(cfg, key)
-    kind = cfg.coarse.get("input", "probs")
-    if kind not in ("probs", "logits"):
-        raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
-    monitor = cfg.coarse.get("monitor", "val_acc")
-    if monitor not in ("val_loss", "val_acc"):
-        raise ValueError(f"coarse.monitor must be val_loss or val_acc (the validation split selects), got {monitor!r}.")
-    frac = cfg.data.get("val_fraction", 0.1)
-    if not isinstance(frac, int | float) or not 0 < frac < 1:
-        raise ValueError(f"data.val_fraction must lie strictly between 0 and 1, got {frac!r}.")
-    target = cfg.data.get("val_target_fraction", 0.0)
-    if target is not None and (isinstance(target, bool) or not isinstance(target, int | float) or not 0 <= target < 1):
-        raise ValueError(
-            f"data.val_target_fraction must lie in [0, 1) (the share of the validation split kept for the fixed "
-            f"targets of docs/protocol.md; 0 = none), got {target!r}."
-        )
-    for key in ("data.num_classes", "data.in_channels"):
-        _positive_int(cfg, key, auto=True)
-    if cfg.data.spatial_dims not in (2, 3):
-        raise ValueError(f"data.spatial_dims must be 2 (images) or 3 (volumes), got {cfg.data.spatial_dims!r}.")
-    reuse = (cfg.get("store") or {}).get("reuse", True)
-    if not isinstance(reuse, bool):
-        raise ValueError(f"store.reuse must be true or false (reuse the global CNN of an earlier run), got {reuse!r}.")
-    check_methods(cfg)
-    enabled = (cfg.get("methods") or {}).get("enabled") or {}
-    if enabled.get("global_ddp") or cfg.get("stage") == "global_ddp":
-        ddp_devices(cfg)
-
-
-def check_methods(cfg: DictConfig) -> None:
-    """``methods``: ``enabled.<stage>`` and ``<stage>: {settings}`` only for optional stages of the registry."""
-    methods = cfg.get("methods") or {}
-    known = set(registry.OPTIONAL_STAGES)
-    unknown = sorted(set(methods.get("enabled") or {}) - known)
-    if unknown:
-        raise ValueError(f"methods.enabled has unknown stages {unknown}; the optional stages are {sorted(known)}.")
-    unknown = sorted(set(methods) - known - {"enabled"})
-    if unknown:
-        raise ValueError(
-            f"methods has settings for unknown stages {unknown}; the optional stages are {sorted(known)} "
-            f"(ddcnn/registry.py)."
-        )
-
-
-def ddp_devices(cfg: DictConfig) -> int:
-    """The number of DDP processes of the ``global_ddp`` stage, checked against the batch size."""
-    value = ((cfg.get("methods") or {}).get("global_ddp") or {}).get("num_devices", 2)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise ValueError(
-            f"methods.global_ddp.num_devices must be a whole number >= 2 (one device is the global CNN itself), "
-            f"got {value!r}."
-        )
-    batch = int(cfg.data.batch_size)
-    if batch % value:
-        raise ValueError(
-            f"methods.global_ddp.num_devices={value} does not divide data.batch_size={batch}: the DDP run keeps the "
-            f"global batch, {batch / value:g} samples per device. Choose a divisor of {batch}."
-        )
-    return value
-
-
 def check_networks(ctx: Context, weights: bool = True) -> None:
     """Build the local, global and coarse networks once and run two samples through them.
 
@@ -262,7 +201,7 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
     whose feature maps shrink to one pixel before its last downsampling stages runs, with a warning.
     """
     cfg, data, dec = ctx.cfg, ctx.data, ctx.decomposition
-    global_key = "global_model" if cfg.get("global_model") else "model"
+    global_key = "global_model" if ctx.settings.global_model else "model"
     checks = [
         ("model", "sub-domains", lambda: build_local_net(cfg, data, weights=weights), dec.sub_shape),
         (global_key, "full images", lambda: build_global_net(cfg, data, weights=weights), data.image_shape),
@@ -273,7 +212,7 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
         except (FileNotFoundError, external.MissingLibrary, pretrained.WeightsError):
             raise  # they name the setting and the fix already
         except Exception as err:
-            target = OmegaConf.select(cfg, f"{key}._target_", default="?")
+            target = _spec_of(ctx, key).get("_target_", "?")
             raise ValueError(
                 f"cannot build the network of {key} (_target_={target}): {' '.join(str(err).split())}. Check the "
                 f"name and arguments under {key} in the configuration (conf/{key.split('.')[0]}/ lists the available "
@@ -285,7 +224,7 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
     try:
         net = build_coarse_net(cfg, dec.num_subdomains, data.num_classes)
     except Exception as err:
-        target = OmegaConf.select(cfg, f"{key}._target_", default="?")
+        target = _spec_of(ctx, key).get("_target_", "?")
         raise ValueError(
             f"cannot build the network of {key} (_target_={target}): {' '.join(str(err).split())}. Check the name "
             "and arguments under coarse.net in the configuration (conf/coarse/ lists the available ones)."
@@ -296,6 +235,16 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
     except Exception as err:
         raise ValueError(f"the network of {key} fails on inputs of shape {shape[1:]}: {err}.") from err
     _check_output(key, out, data.num_classes)
+
+
+def _spec_of(ctx: Context, key: str) -> dict:
+    """The settings of the network of ``key`` (``model``, ``global_model``, ``coarse.net``) as plain data."""
+    specs = {
+        "model": ctx.settings.model,
+        "global_model": ctx.settings.global_model,
+        "coarse.net": ctx.settings.coarse.net,
+    }
+    return specs[key] or {}
 
 
 def _check_output(key: str, out, num_classes: int) -> None:
@@ -344,7 +293,7 @@ def _size_fixes(ctx: Context, key: str, smallest: int, local: bool) -> list[str]
     for n, g, d in zip(shape, grid if local else (1,) * len(shape), overlap, strict=True):
         sizes.append(next(m for m in range(n, n + smallest * g + 1) if _sub_length(m, g, d) >= smallest))
     fixes.append(f"larger images: data.image_size=[{','.join(map(str, sizes))}]")
-    target = str(OmegaConf.select(ctx.cfg, f"{key}._target_", default=""))
+    target = str(_spec_of(ctx, key).get("_target_", ""))
     if target.startswith("ddcnn.") and not target.startswith(external.__name__):  # ddcnn's own VGG, ResNet
         fixes.append(f"another {key}.norm (batch takes single pixels) or a network with fewer stages")
     else:
@@ -360,12 +309,12 @@ def _check_input_size(ctx: Context, key: str, what: str, net: nn.Module, spatial
     the settings that give it; warn when its feature maps collapse to one pixel before its last stages."""
     data = ctx.data
     channels, dims = data.in_channels, data.spatial_dims
-    arch = external.describe_arch(_network_spec(ctx.cfg[key])[0])
+    arch = external.describe_arch(_network_spec(_spec_of(ctx, key))[0])
     try:
         with torch.no_grad():
             out = net.eval()(torch.zeros(2, channels, *spatial))
     except Exception as err:
-        size_key = (json.dumps(_network_spec(ctx.cfg[key])[0], sort_keys=True, default=str), dims, channels)
+        size_key = (json.dumps(_network_spec(_spec_of(ctx, key))[0], sort_keys=True, default=str), dims, channels)
         smallest = external.smallest_input(net, dims, channels, key=size_key)
         if smallest is not None and min(spatial) < smallest:
             fixes = _size_fixes(ctx, key, smallest, local=what == "sub-domains")
@@ -402,12 +351,12 @@ def tuple_or_int(value) -> int | float | tuple:
     return value if isinstance(value, int | float) else tuple(value)
 
 
-def build_augment(cfg: DictConfig) -> Augment | None:
-    """The configured augmentation of whole images (``data.augment``), or ``None``."""
-    spec = cfg.data.get("augment")
+def build_augment(settings: RunSettings) -> Augment | None:
+    """The configured augmentation of whole images (``data.augment``, drawn from the run's ``seed``), or ``None``."""
+    spec = settings.data.augment
     if not spec:
         return None
-    aug = Augment(spec.get("flip_axes", ()) or (), float(spec.get("rotate_deg", 0.0) or 0.0), seed=int(cfg.seed))
+    aug = Augment(spec.get("flip_axes") or (), float(spec.get("rotate_deg") or 0.0), seed=settings.seed)
     return aug if aug.active else None
 
 
@@ -437,14 +386,14 @@ _RECORDS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary
 _LOGGED: set[tuple] = set()
 
 
-def _network_spec(model_cfg: DictConfig) -> tuple[dict, str | None]:
+def _network_spec(model_spec: dict) -> tuple[dict, str | None]:
     """The constructor settings of a ``model``/``global_model`` node and its pretrained weights file (or ``None``).
 
     ``name`` is a label for run directories and reports and ``weights`` is loaded after building, so neither goes to
     the constructor. A ``_target_`` that names a library's constructor (``torchvision.models.mobilenet_v2``) goes
     through that library's adapter, as ``model=torchvision model.arch=mobilenet_v2`` does.
     """
-    spec = OmegaConf.to_container(model_cfg, resolve=True)
+    spec = copy.deepcopy(dict(model_spec))
     spec.pop("name", None)
     path = spec.pop("weights", None)
     spec, dropped = external.adapter_spec(spec)
@@ -474,7 +423,7 @@ def _read_weights(path: str, setting: str) -> tuple[dict[str, torch.Tensor], str
 
 
 def _build(model_cfg: DictConfig, data: Prepared, key: str, weights: bool) -> nn.Module:
-    spec, path = _network_spec(model_cfg)
+    spec, path = _network_spec(OmegaConf.to_container(model_cfg, resolve=True))
     net = instantiate(spec, spatial_dims=data.spatial_dims, in_channels=data.in_channels, num_classes=data.num_classes)
     if weights and path is not None:
         state, resolved = _read_weights(path, f"{key}.weights")

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddcnn.data.encoding import Normalize
+from ddcnn.settings import DataSettings, RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -163,36 +164,32 @@ class ExportedCNNDNN(nn.Module):
         return self.forward(x).softmax(dim=-1)
 
 
-def _plain(value: Any) -> Any:
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
-    if isinstance(value, DictConfig | ListConfig):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
-
-
-def _file_reading(cfg) -> dict:
+def _file_reading(data: DataSettings) -> dict:
     """How the training source read files, so ``ddcnn-predict`` reads image and NIfTI files the same way."""
-    source = cfg.data.get("source") or {}
+    source = data.source or {}
     target = str(source.get("_target_", ""))
-    images: dict[str, Any] = {"mode": "L" if int(cfg.data.in_channels) == 1 else "RGB", "size": None}
+    images: dict[str, Any] = {"mode": "L" if int(data.in_channels) == 1 else "RGB", "size": None}
     nifti: dict[str, Any] = {}
     if target.endswith(".image_folder"):
-        size = _plain(source.get("image_size"))
+        size = source.get("image_size")
         images["size"] = [size, size] if isinstance(size, int) else size
         # ddcnn.data.images decodes every PIL mode, then brings the image to size as resize_mode says
         images["resize_mode"] = str(source.get("resize_mode") or "stretch")
         images["background"] = int(source.get("background") or 0)
     if target.endswith(".nifti"):
-        nifti = {k: _plain(source.get(k)) for k in _NIFTI_KEYS if source.get(k) is not None}
+        nifti = {k: source[k] for k in _NIFTI_KEYS if source.get(k) is not None}
     return {"image_files": images, "nifti": nifti}
+
+
+def _model_name(settings: RunSettings) -> str:
+    return str(settings.model.get("name", settings.model.get("_target_", "")))
 
 
 def _metadata(ctx, model_results: dict | None = None) -> dict:
     import ddcnn
 
-    cfg, data, dec = ctx.cfg, ctx.data, ctx.decomposition
-    image_size = cfg.data.get("image_size")
+    settings, data, dec = ctx.settings, ctx.data, ctx.decomposition
+    image_size = settings.data.image_size
     return {
         "format": "ddcnn-cnn-dnn-torchscript",
         "format_version": FORMAT_VERSION,
@@ -216,7 +213,7 @@ def _metadata(ctx, model_results: dict | None = None) -> dict:
             "stored_as": "float16" if data.stored_dtype == torch.float16 else None,
             "window": list(data.window) if data.window is not None else None,
             "normalize": {"mean": data.mean.tolist(), "std": data.std.tolist()},
-            **_file_reading(cfg),
+            **_file_reading(settings.data),
         },
         "decomposition": {
             "grid": list(dec.grid),
@@ -224,8 +221,8 @@ def _metadata(ctx, model_results: dict | None = None) -> dict:
             "sub_shape": list(dec.sub_shape),
             "num_subdomains": dec.num_subdomains,
         },
-        "coarse_input": str(cfg.coarse.get("input", "probs")),
-        "model": str(cfg.model.get("name", cfg.model.get("_target_", ""))),
+        "coarse_input": settings.coarse.input,
+        "model": _model_name(settings),
         "data": data.name,
         "run_dir": str(Path(ctx.run.root).resolve()),
         "test_accuracy": model_results,
@@ -255,7 +252,7 @@ def _script(wrapped: ExportedCNNDNN, model: nn.Module, ctx) -> torch.jit.ScriptM
     except Exception as err:
         raise ValueError(
             f"cannot export the CNN-DNN of {ctx.run.root} as TorchScript: its model "
-            f"({ctx.cfg.model.get('name', ctx.cfg.model.get('_target_'))}) neither scripts ({reason}) nor traces at "
+            f"({_model_name(ctx.settings)}) neither scripts ({reason}) nor traces at "
             f"the sub-domain shape ({' '.join(str(err).split())[:300]}). The run's results are complete without it; "
             f"report.export=false skips the export."
         ) from err
@@ -294,7 +291,7 @@ def export_context(ctx, path: str | Path | None = None) -> Path:
         data.image_shape,
         data.mean,
         data.std,
-        resize=ctx.cfg.data.get("image_size") is not None,
+        resize=ctx.settings.data.image_size is not None,
         round_float16=data.stored_dtype == torch.float16,
         window=data.window,
     )

@@ -1,5 +1,8 @@
 """``train(cfg)``: run the configured stages of one CNN-DNN run in order (the CLI's entry point), then evaluate.
 
+It builds the run's :class:`~ddcnn.settings.RunSettings` from the composed configuration, which checks every setting
+once, before anything is read, written or started; the stages and executors below read those settings.
+
 The only module that imports every layer: the executors (:mod:`ddcnn.parallel`) for the local stage, the stage
 modules through the registry (:mod:`ddcnn.registry`), and the report and export for the evaluate stage.
 """
@@ -12,46 +15,30 @@ import math
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig, open_dict
+from omegaconf import DictConfig, open_dict
 
 from ddcnn import registry
 from ddcnn.context import Context, build_context
-from ddcnn.engine.settings import check_training_settings
 from ddcnn.runtime import resolve_device, run_generation, srun_task
+from ddcnn.settings import STAGES, RunSettings
 
 log = logging.getLogger(__name__)
 
 __all__ = ["train", "STAGES", "OPTIONAL_STAGES", "enabled_stages", "run_evaluate"]
 
 OPTIONAL_STAGES = registry.OPTIONAL_STAGES
-STAGES = (*registry.STAGE_NAMES, "evaluate")
 
 
-def enabled_stages(cfg: DictConfig) -> list[str]:
+def enabled_stages(settings: RunSettings) -> list[str]:
     """The optional stages that ``stage=all`` runs, in order (``methods.enabled.<stage>: true``)."""
-    enabled = (cfg.get("methods") or {}).get("enabled") or {}
-    unknown = sorted(set(enabled) - set(OPTIONAL_STAGES))
-    if unknown:
-        raise ValueError(
-            f"methods.enabled has unknown stages {unknown}; the optional stages are {list(OPTIONAL_STAGES)}."
-        )
-    wanted = {name for name in OPTIONAL_STAGES if bool(enabled.get(name, False))}
+    wanted = {name for name, on in settings.methods.enabled.items() if on}
     for name in list(wanted):  # an enabled method brings the optional stages it needs (coarse_oof: local_oof)
         wanted |= {r for r in registry.get(name).requires if r in OPTIONAL_STAGES}
     return [name for name in OPTIONAL_STAGES if name in wanted]
 
 
-def _subdomains(cfg: DictConfig, num_subdomains: int) -> list[int]:
-    sel = cfg.get("subdomain")
-    if sel is None:
-        return list(range(num_subdomains))
-    values = list(sel) if isinstance(sel, ListConfig | list | tuple) else [sel]
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"subdomain must be an integer index or a list of them, got {sel!r}.")
-        out.append(int(v))
-    return out
+def _subdomains(settings: RunSettings, num_subdomains: int) -> list[int]:
+    return list(range(num_subdomains)) if settings.subdomain is None else list(settings.subdomain)
 
 
 def run_evaluate(ctx: Context) -> dict:
@@ -59,13 +46,12 @@ def run_evaluate(ctx: Context) -> dict:
     from ddcnn.report.results import evaluate_run
 
     start = time.perf_counter()
-    results = evaluate_run(ctx.run, ctx.decomposition, ctx.data, ctx.cfg)
-    report = ctx.cfg.get("report") or {}
-    if report.get("plots", True):
+    results = evaluate_run(ctx.run, ctx.decomposition, ctx.data, ctx.settings)
+    if ctx.settings.report.plots:
         from ddcnn.report.plots import save_run_plots
 
         save_run_plots(ctx.run, ctx.decomposition, ctx.data, results)
-    if report.get("export", True) and ctx.run.is_done("coarse"):
+    if ctx.settings.report.export and ctx.run.is_done("coarse"):
         from ddcnn.export import export_context
 
         export_context(ctx)
@@ -81,7 +67,7 @@ def run_evaluate(ctx: Context) -> dict:
 
 def _wait_for_rank_zero(ctx: Context, stages: list[str], poll_s: float = 1.0) -> None:
     """Block until rank 0 finished ``stages`` in this run generation (with ``force=true``; else finished at all)."""
-    generation = ctx.cfg.get("run_generation") if ctx.cfg.get("force", False) else None
+    generation = ctx.settings.run_generation if ctx.settings.force else None
 
     def finished(name: str) -> bool:
         return ctx.run.is_done(name) and (generation is None or ctx.run.done_generation(name) == generation)
@@ -96,35 +82,35 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     Returns:
         The results of the evaluate stage when it ran, else a dict with the metadata of the stages that ran.
     """
-    stage = str(cfg.get("stage", "all"))
     # One run generation for everything this call trains (its worker processes receive it with the configuration):
     # with force=true each stage is cleared once, and only markers of this generation count as its work.
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
-        cfg.run_generation = run_generation(cfg)
-    if stage not in ("all", *STAGES):
-        raise ValueError(f"unknown stage {stage!r}; choose one of: all, {', '.join(STAGES)}.")
-    optional = enabled_stages(cfg) if stage == "all" else [stage] if stage in OPTIONAL_STAGES else []
+        cfg.run_generation = run_generation(cfg.get("run_generation"))
+    # Every setting checked once, before anything is read, written or started (and the srun step a DDP stage spans).
+    settings = RunSettings.from_config(cfg)
+    stage = settings.stage
+    optional = enabled_stages(settings) if stage == "all" else [stage] if stage in OPTIONAL_STAGES else []
+    run_dir = run_dir if run_dir is not None else settings.run_dir
     pool = None
-    if stage in ("all", "local"):
-        from ddcnn.parallel.workers import start_workers_early
+    if stage in ("all", "local") and settings.parallel.workers > 1:
+        from ddcnn.parallel.workers import start_workers_early, worker_config
 
         # Worker processes start now: their start-up overlaps the loading of the data below.
-        n = math.prod(int(g) for g in cfg.decomposition.grid)
-        early = [i for i in _subdomains(cfg, n) if 0 <= i < n]
-        pool = start_workers_early(cfg, run_dir if run_dir is not None else cfg.paths.run_dir, early)
+        n = math.prod(settings.decomposition.grid)
+        early = [i for i in _subdomains(settings, n) if 0 <= i < n]
+        pool = start_workers_early(settings, worker_config(cfg), run_dir, early)
     try:
-        return _train(cfg, run_dir, stage, optional, pool)
+        return _train(cfg, settings, run_dir, optional, pool)
     finally:
         if pool is not None:
             pool.close()
 
 
-def _train(cfg: DictConfig, run_dir, stage: str, optional: list[str], pool) -> dict:
-    # Every trainer/engine setting, and the srun step a DDP stage would span, before anything is read or trained.
-    check_training_settings(cfg)
-    ctx = build_context(cfg, run_dir, claim=False)
-    indices = _subdomains(cfg, ctx.decomposition.num_subdomains) if stage in ("all", "local") else []
+def _train(cfg: DictConfig, settings: RunSettings, run_dir, optional: list[str], pool) -> dict:
+    stage = settings.stage
+    ctx = build_context(cfg, run_dir, claim=False, settings=settings)
+    indices = _subdomains(settings, ctx.decomposition.num_subdomains) if stage in ("all", "local") else []
     bad = [i for i in indices if not 0 <= i < ctx.decomposition.num_subdomains]
     if bad:
         raise ValueError(
@@ -133,10 +119,10 @@ def _train(cfg: DictConfig, run_dir, stage: str, optional: list[str], pool) -> d
         )
     ctx.run.check_fingerprint(ctx.cfg)  # data.num_classes, data.in_channels as resolved from the data
     log.info("run directory %s: %s", ctx.run.root, ctx.decomposition.describe())
-    device = resolve_device(cfg.get("device"))  # auto: every stage of this process on the same kind of device
+    device = resolve_device(settings.device)  # auto: every stage of this process on the same kind of device
     out: dict = {}
     start = time.perf_counter()
-    task = srun_task(str((cfg.get("parallel") or {}).get("mode", "auto")))
+    task = srun_task(settings.parallel.mode)
     rank = task.rank if task is not None else 0
     if stage in ("all", "local"):
         # In this process, in parallel.workers processes, or this srun task's share: ddcnn.parallel decides.

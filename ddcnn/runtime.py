@@ -243,18 +243,17 @@ def quiet_process(env: bool = True) -> None:
         os.environ["PYTHONWARNINGS"] = ",".join(dict.fromkeys(current + ours))
 
 
-def run_generation(cfg=None) -> str:
+def run_generation(configured: str | None = None) -> str:
     """The id of this attempt at a run: ``done`` markers record it, so that ``force=true`` never takes a marker of
     an earlier attempt for one of this one.
 
-    From, in order: ``run_generation`` in the configuration (``ddcnn-slurm`` sets one for all its jobs), the
+    From, in order: ``configured`` (the run's ``run_generation``; ``ddcnn-slurm`` sets one for all its jobs), the
     ``DDCNN_RUN_GENERATION`` environment variable, the SLURM step (every ``srun`` task of one step shares it), the
     SLURM array (every task of one array shares it), else a fresh id: :func:`ddcnn.pipeline.train` draws one per call
     and puts it into the configuration that its worker processes receive.
     """
     import uuid
 
-    configured = cfg.get("run_generation") if cfg is not None else None
     if configured:
         return str(configured)
     if os.environ.get(GENERATION_ENV):

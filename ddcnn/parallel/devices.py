@@ -92,16 +92,17 @@ def configure_process(device: WorkerDevice | str, threads: int | None = None) ->
         torch.cuda.set_device(dev)
 
 
-def process_device(cfg, local_rank: int = 0) -> str:
+def process_device(device: str | None, threads_per_worker: int | None = None, local_rank: int = 0) -> str:
     """The device of a process that trains in place (``parallel.workers=1``, a SLURM task, an ``srun`` rank).
 
-    ``cfg.device`` resolved (:func:`ddcnn.runtime.resolve_device`: ``auto`` is ``cuda`` when CUDA exists), and a
-    bare ``cuda`` picks ``cuda:<local_rank % GPUs>`` so that the
-    ``srun`` tasks of one node spread over its GPUs. ``parallel.threads_per_worker``, when set, is applied; else the
-    tasks of one ``srun`` step on a node take ``--cpus-per-task`` threads each, or an equal share of the cores.
+    ``device`` (the run's ``device``) resolved (:func:`ddcnn.runtime.resolve_device`: ``auto`` is ``cuda`` when CUDA
+    exists), and a bare ``cuda`` picks ``cuda:<local_rank % GPUs>`` so that the
+    ``srun`` tasks of one node spread over its GPUs. ``threads_per_worker`` (``parallel.threads_per_worker``), when
+    set, is applied; else the tasks of one ``srun`` step on a node take ``--cpus-per-task`` threads each, or an equal
+    share of the cores.
     """
-    device = resolve_device(cfg.get("device"))
-    threads = cfg.get("parallel", {}).get("threads_per_worker")
+    device = resolve_device(device)
+    threads = threads_per_worker
     per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").split("(")[0].split(",")[0]
     if threads is None and per_node.isdigit() and int(per_node) > 1:
         # Tasks of one srun step share the node: each takes its CPUs (--cpus-per-task) or an equal share, never all

@@ -23,6 +23,7 @@ command again trains only what is missing. Why this is not ``concurrent.futures.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -34,14 +35,13 @@ import time
 import traceback
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
 from ddcnn import registry
 from ddcnn.io import atomic_write_json, atomic_write_text
 from ddcnn.parallel.devices import WorkerDevice, configure_process, plan_workers, process_device
 from ddcnn.parallel.heartbeat import MainThreadWatch, beat
 from ddcnn.rundir import RunDir
 from ddcnn.runtime import WORKERS_ENV, quiet_process, run_generation, shard, srun_task
+from ddcnn.settings import RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,6 @@ class LocalStageFailed(RuntimeError):
             + "\n".join(lines)
             + "\nFix the cause and run the same command again: finished sub-domains are skipped."
         )
-
-
-def _parallel_cfg(cfg: DictConfig):
-    return cfg.get("parallel") or {}
 
 
 def _check_indices(indices: list[int], num_subdomains: int, describe: str) -> None:
@@ -108,16 +104,15 @@ def run_local_stage(ctx, indices: list[int], pool: _Pool | None = None) -> list[
         The metadata of the local nets this process trained or found finished (every one of ``indices``,
         except on ``srun`` ranks other than 0, which return their share).
     """
-    cfg = ctx.cfg
+    settings = ctx.settings
     _check_indices(indices, ctx.decomposition.num_subdomains, ctx.decomposition.describe())
-    pcfg = _parallel_cfg(cfg)
-    task = srun_task(str(pcfg.get("mode", "auto")))
+    task = srun_task(settings.parallel.mode)
     if task is not None:
         # The tasks of this step on this node train side by side: their times say so (meta.json context).
         per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").split("(")[0].split(",")[0]
         os.environ[WORKERS_ENV] = per_node if per_node.isdigit() else str(task.ntasks)
         mine = shard(indices, task)
-        device = process_device(cfg, task.local_rank)
+        device = process_device(settings.device, settings.parallel.threads_per_worker, task.local_rank)
         where = f"srun task {task.rank}/{task.ntasks} ({device})"
         log.info("%s: trains sub-domains %s", where, mine)
         started = time.time()
@@ -133,13 +128,13 @@ def run_local_stage(ctx, indices: list[int], pool: _Pool | None = None) -> list[
         if task.rank != 0:
             return metas
         # With force=true only this generation's markers count: a peer may not have reached (and cleared) a net yet.
-        generation = run_generation(cfg) if cfg.get("force", False) else None
+        generation = run_generation(settings.run_generation) if settings.force else None
         wait_for_local(ctx.run, indices, since=started, generation=generation)
         return [ctx.run.meta("local", i) for i in indices]
-    workers = int(pcfg.get("workers", 1) or 1)
-    if workers > 1:
-        return run_local_parallel(cfg, ctx.run.root, indices, workers, data=ctx.data, pool=pool)
-    device = process_device(cfg)
+    if settings.parallel.workers > 1:
+        config = None if pool is not None else worker_config(ctx.cfg)
+        return run_local_parallel(settings, config, ctx.run.root, indices, data=ctx.data, pool=pool)
+    device = process_device(settings.device, settings.parallel.threads_per_worker)
     metas = []
     for i in indices:
         metas.append(registry.run("local", ctx, device, subdomain=i))
@@ -199,11 +194,11 @@ def _worker_costs(ctx) -> dict[int, float]:
     """Cost of every sub-domain of ``ctx`` in pixel-samples (:func:`ddcnn.parallel.schedule.local_costs`)."""
     from ddcnn.parallel.schedule import local_costs, train_samples_per_epoch
 
-    dec, data, t = ctx.decomposition, ctx.data, ctx.cfg.trainer
+    dec, data, trainer = ctx.decomposition, ctx.data, ctx.settings.fit.trainer
     pixels = {i: math.prod(s.stop - s.start for s in dec.box(i)) for i in range(dec.num_subdomains)}
     n = {s: len(data.y[s]) for s in ("train", "val", "test")}
-    per_epoch = train_samples_per_epoch(n["train"], int(ctx.cfg.data.batch_size), t.get("limit_train_batches"))
-    return local_costs(pixels, per_epoch, n["val"], int(t.max_epochs), sum(n.values()))
+    per_epoch = train_samples_per_epoch(n["train"], ctx.settings.data.batch_size, trainer.limit_train_batches)
+    return local_costs(pixels, per_epoch, n["val"], trainer.max_epochs, sum(n.values()))
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -239,7 +234,8 @@ def _exit_now(result_q, heartbeat: threading.Thread, stop: threading.Event) -> N
 
 def _worker_main(
     wdev: WorkerDevice,
-    cfg_dict: dict,
+    settings: RunSettings,
+    config: dict,
     run_dir: str,
     calibration: dict,
     task_q,
@@ -250,7 +246,9 @@ def _worker_main(
 ) -> None:
     """Body of one worker process: set up, calibrate, report ready, then train what the parent sends.
 
-    ``data`` is the parent's prepared data (its tensors in shared memory), or ``None`` to load it here.
+    ``data`` is the parent's prepared data (its tensors in shared memory), or ``None`` to load it here. ``settings``
+    are the parent's, checked there; ``config`` is the configuration as plain data (the run directory's fingerprint
+    and the stages that read ``ctx.cfg``).
     """
     rank = wdev.rank
     _die_with_parent(parent_pid)
@@ -270,7 +268,9 @@ def _worker_main(
             registry.load("local")
             with watch.waiting_for_parent():
                 data = task_q.get()
-        ctx = build_context(OmegaConf.create(cfg_dict), run_dir, data=data)
+        from omegaconf import OmegaConf
+
+        ctx = build_context(OmegaConf.create(config), run_dir, data=data, settings=settings)
         images_per_s = None
         if int(calibration.get("steps", 0)) > 0:
             net = build_local_net(ctx.cfg, ctx.data)
@@ -314,7 +314,8 @@ class _Pool:
     def __init__(
         self,
         devices: list[WorkerDevice],
-        cfg_dict: dict,
+        settings: RunSettings,
+        config: dict,
         run_dir: Path,
         calibration: dict,
         data=None,
@@ -338,7 +339,7 @@ class _Pool:
         self.procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(d, cfg_dict, str(run_dir), calibration, self.task_qs[d.rank], self.result_q, data),
+                args=(d, settings, config, str(run_dir), calibration, self.task_qs[d.rank], self.result_q, data),
                 kwargs={"parent_pid": os.getpid(), "heartbeat_s": heartbeat_s},
                 name=f"ddcnn-local-worker-{d.rank}",
                 daemon=True,
@@ -435,62 +436,81 @@ class _Pool:
                 p.join(timeout=5)
 
 
-def _todo(cfg: DictConfig, run: RunDir, indices: list[int]) -> list[int]:
+def worker_config(cfg) -> dict:
+    """The configuration as plain data for worker processes (they build their context from it: the run directory's
+    fingerprint and the stages that read ``ctx.cfg``), progress bars off (P bars on one terminal garble)."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    config.setdefault("trainer", {})["enable_progress_bar"] = False
+    return config
+
+
+def _todo(settings: RunSettings, run: RunDir, indices: list[int]) -> list[int]:
     """The sub-domains of ``indices`` that must train (not done, or done in an earlier generation with force)."""
-    force = bool(cfg.get("force", False))
-    generation = run_generation(cfg)
+    generation = run_generation(settings.run_generation)
     return [
         i
         for i in dict.fromkeys(indices)
-        if not run.is_done("local", i) or (force and run.done_generation("local", i) != generation)
+        if not run.is_done("local", i) or (settings.force and run.done_generation("local", i) != generation)
     ]
 
 
-def _pool_settings(cfg: DictConfig, workers: int, todo: list[int]) -> tuple[list[WorkerDevice], dict, dict, dict]:
-    pcfg = _parallel_cfg(cfg)
-    devices = plan_workers(
-        min(workers, len(todo)), str(pcfg.get("accelerator", "auto")), pcfg.get("threads_per_worker")
+def _start_pool(settings: RunSettings, config: dict, run_dir: Path, todo: list[int], data) -> _Pool:
+    parallel = settings.parallel
+    devices = plan_workers(min(parallel.workers, len(todo)), parallel.accelerator, parallel.threads_per_worker)
+    calibration = {"steps": parallel.calibration_steps, "batch_size": settings.data.batch_size}
+    # The workers' settings say what their configuration says: no progress bars.
+    trainer = dataclasses.replace(settings.fit.trainer, enable_progress_bar=False)
+    settings = dataclasses.replace(settings, fit=dataclasses.replace(settings.fit, trainer=trainer))
+    pool = _Pool(
+        devices,
+        settings,
+        config,
+        run_dir,
+        calibration,
+        data,
+        heartbeat_timeout_s=parallel.heartbeat_timeout_s,
+        startup_timeout_s=parallel.startup_timeout_s,
     )
-    calibration = {"steps": int(pcfg.get("calibration_steps", 5) or 0), "batch_size": int(cfg.data.batch_size)}
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    cfg_dict.setdefault("trainer", {})["enable_progress_bar"] = False  # P progress bars on one terminal garble
-    timeouts = {
-        "heartbeat_timeout_s": float(pcfg.get("heartbeat_timeout_s", 300) or 300),
-        "startup_timeout_s": float(pcfg.get("startup_timeout_s", 600) or 600),
-    }
-    return devices, calibration, cfg_dict, timeouts
+    pool.calibration = calibration
+    return pool
 
 
-def start_workers_early(cfg: DictConfig, run_dir: str | Path, indices: list[int]) -> _Pool | None:
+def start_workers_early(settings: RunSettings, config: dict, run_dir: str | Path, indices: list[int]) -> _Pool | None:
     """Start the worker processes of the local stage before the caller loads the data, or ``None`` when this
     process will not use workers (``parallel.workers`` <= 1, an ``srun`` task, nothing to train).
 
     Each worker's start-up (Python, torch, Lightning Fabric, the stage modules) then overlaps the parent's loading and
-    preparing of the data; :func:`run_local_parallel` hands them the data through their queues.
+    preparing of the data; :func:`run_local_parallel` hands them the data through their queues. ``config``: the
+    configuration as plain data (:func:`worker_config`).
     """
-    pcfg = _parallel_cfg(cfg)
-    workers = int(pcfg.get("workers", 1) or 1)
-    if workers <= 1 or srun_task(str(pcfg.get("mode", "auto"))) is not None:
+    if settings.parallel.workers <= 1 or srun_task(settings.parallel.mode) is not None:
         return None
-    todo = _todo(cfg, RunDir(run_dir), indices)
+    todo = _todo(settings, RunDir(run_dir), indices)
     if not todo:
         return None
-    devices, calibration, cfg_dict, timeouts = _pool_settings(cfg, workers, todo)
-    pool = _Pool(devices, cfg_dict, Path(run_dir), calibration, _FROM_QUEUE, **timeouts)
-    pool.calibration, pool.todo = calibration, todo
+    pool = _start_pool(settings, config, Path(run_dir), todo, _FROM_QUEUE)
+    pool.todo = todo
     return pool
 
 
 def run_local_parallel(
-    cfg: DictConfig, run_dir: str | Path, indices: list[int], workers: int, data=None, pool: _Pool | None = None
+    settings: RunSettings,
+    config: dict | None,
+    run_dir: str | Path,
+    indices: list[int],
+    data=None,
+    pool: _Pool | None = None,
 ) -> list[dict]:
-    """Train local nets ``indices`` in ``workers`` processes, each owning one device; see the module doc.
+    """Train local nets ``indices`` in ``parallel.workers`` processes, each owning one device; see the module doc.
 
     Each worker builds its own context from ``data`` (the caller's prepared data, whose tensors move to shared
     memory: one copy for all workers, nothing read or prepared twice) or, when ``data`` is ``None``, by loading the
     data itself. It measures its images/s and reports the cost of every sub-domain; the parent then places the
     sub-domains (LPT on the calibrated speeds) and collects the results. ``parallel.json`` in the run directory
-    records devices, speeds, the placement, predicted against actual time per worker, and failures.
+    records devices, speeds, the placement, predicted against actual time per worker, and failures. ``config``: the
+    configuration as plain data (:func:`worker_config`; unused when ``pool`` started the workers already).
 
     Returns:
         The metadata of every local net of ``indices`` (trained now or finished before).
@@ -506,12 +526,12 @@ def run_local_parallel(
             q.put(data)
         pool.handed = True
     else:
-        todo = _todo(cfg, run, indices)
+        todo = _todo(settings, run, indices)
         if not todo:
             log.info("local nets %s: all finished earlier, skipped (force=true recomputes)", list(indices))
             return [run.meta("local", i) for i in indices]
-        devices, calibration, cfg_dict, timeouts = _pool_settings(cfg, workers, todo)
-        pool = _Pool(devices, cfg_dict, run.root, calibration, data, **timeouts)
+        pool = _start_pool(settings, config, run.root, todo, data)
+        calibration, devices = pool.calibration, pool.devices
     log.info("local stage: %d sub-domains on %s", len(todo), ", ".join(d.describe() for d in devices))
     session = _Session(devices, todo, run)
     try:

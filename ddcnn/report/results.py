@@ -17,11 +17,10 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 
 from ddcnn import registry
 from ddcnn.io import atomic_write_json, atomic_write_text
@@ -38,6 +37,9 @@ from ddcnn.report.curves import (
 )
 from ddcnn.report.stats import PAIRS
 from ddcnn.rundir import TARGET_SPLIT
+
+if TYPE_CHECKING:
+    from ddcnn.settings import RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -693,10 +695,11 @@ def _time_to_target(results: dict, n: int, target: dict | None) -> dict | None:
     return out
 
 
-def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dict:
+def evaluate_run(run, decomposition, data, settings: RunSettings | None = None) -> dict:
     """Collect the finished stages of a run into ``results.json`` / ``results.md`` and return the results.
 
-    Stages that have not finished are reported as ``None``; missing local nets are an error.
+    Stages that have not finished are reported as ``None``; missing local nets are an error. ``settings`` adds the
+    run's model and seed.
     """
     n, k = decomposition.num_subdomains, data.num_classes
     probs, labels = run.local_outputs(n, "test", "probs")
@@ -817,10 +820,10 @@ def evaluate_run(run, decomposition, data, cfg: DictConfig | None = None) -> dic
         },
         "data": {"name": data.name, "image_shape": list(data.image_shape), "num_classes": k, **data.info},
     }
-    if cfg is not None:
-        results["model"] = str(cfg.model.get("_target_", ""))
-        results["model_name"] = str(cfg.model.get("name", results["model"]))
-        results["seed"] = int(cfg.seed)
+    if settings is not None:
+        results["model"] = str(settings.model.get("_target_", ""))
+        results["model_name"] = str(settings.model.get("name", results["model"]))
+        results["seed"] = settings.seed
     if not results["timing"]["comparable"]:
         log.warning("evaluate: %s", _context_note(results["timing"]).lstrip("- ").replace("**", ""))
     results["methods"] = method_rows(results)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from ddcnn import registry
@@ -34,8 +34,6 @@ __all__ = [
     "finish_stage",
     "logistic_convergence",
     "stage_seed",
-    "batch_size",
-    "method_settings",
     "method_epochs",
     "method_optimizer",
     "full_image_data",
@@ -59,11 +57,7 @@ def stage_seed(ctx: Context, stage: str) -> int:
     offset = registry.get(stage).seed_offset
     if offset is None:
         raise ValueError(f"stage {stage!r} has one seed per sub-domain: use subdomain_seed(seed, i).")
-    return subdomain_seed(ctx.cfg.seed, offset)
-
-
-def batch_size(cfg: DictConfig) -> int:
-    return int(cfg.data.batch_size)
+    return subdomain_seed(ctx.settings.seed, offset)
 
 
 def skip(ctx: Context, stage: str, subdomain: int | None = None) -> dict | None:
@@ -75,12 +69,12 @@ def skip(ctx: Context, stage: str, subdomain: int | None = None) -> dict | None:
     stage's lock, so the check and the clearing happen once per generation.
     """
     name = stage if subdomain is None else f"local {subdomain}"
-    force = bool(ctx.cfg.get("force", False))
+    force = ctx.settings.force
     if ctx.run.is_done(stage, subdomain):
         if not force:
             log.info("%s: finished earlier, skipped (force=true recomputes)", name)
             return ctx.run.meta(stage, subdomain)
-        if ctx.run.done_generation(stage, subdomain) == run_generation(ctx.cfg):
+        if ctx.run.done_generation(stage, subdomain) == run_generation(ctx.settings.run_generation):
             log.info("%s: recomputed by another process of this run generation, skipped", name)
             return ctx.run.meta(stage, subdomain)
     if force:
@@ -162,7 +156,7 @@ def finish_stage(
         **weights_meta(net),  # the pretrained weights file it started from (model.weights), if any
         **extra,
     }
-    meta["generation"] = run_generation(ctx.cfg)
+    meta["generation"] = run_generation(ctx.settings.run_generation)
     ctx.run.mark_done(stage, subdomain, meta, required=(*PROB_FILES, "net.pt"), generation=meta["generation"])
     return meta
 
@@ -189,35 +183,26 @@ def logistic_convergence(path: list[dict], l2: float, max_iter: int) -> dict:
     }
 
 
-# --- the optional methods' settings (methods.<stage>.*) ----------------------------------------------
-def method_settings(cfg: DictConfig, stage: str) -> DictConfig:
-    methods = cfg.get("methods") or {}
-    return methods.get(stage) or OmegaConf.create({})
+# --- the optional methods' settings (methods.<stage>.*, checked in ddcnn.settings) -------------------
+def method_epochs(ctx: Context, stage: str) -> int:
+    """``methods.<stage>.max_epochs`` of a method that trains on full images, or ``trainer.max_epochs`` when null."""
+    value = ctx.settings.methods.settings_of(stage).max_epochs
+    return ctx.settings.fit.trainer.max_epochs if value is None else value
 
 
-def method_epochs(cfg: DictConfig, stage: str) -> int:
-    value = method_settings(cfg, stage).get("max_epochs")
-    value = cfg.trainer.max_epochs if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"methods.{stage}.max_epochs must be a positive whole number, got {value!r}.")
-    return int(value)
-
-
-def method_optimizer(cfg: DictConfig, stage: str) -> DictConfig:
-    """``cfg.optimizer`` with its learning rate scaled by ``methods.<stage>.lr_scale`` (fine-tuning wants less)."""
-    scale = method_settings(cfg, stage).get("lr_scale", 1.0)
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or scale <= 0:
-        raise ValueError(f"methods.{stage}.lr_scale must be a positive number, got {scale!r}.")
-    opt = OmegaConf.to_container(cfg.optimizer, resolve=True)
+def method_optimizer(ctx: Context, stage: str) -> dict:
+    """The run's ``optimizer`` with its learning rate scaled by ``methods.<stage>.lr_scale`` (fine-tuning wants
+    less)."""
+    opt = dict(ctx.settings.optimizer)
     if "lr" in opt:
-        opt["lr"] = float(opt["lr"]) * float(scale)
-    return OmegaConf.create(opt)
+        opt["lr"] = float(opt["lr"]) * ctx.settings.methods.settings_of(stage).lr_scale
+    return opt
 
 
 def full_image_data(ctx: Context, seed: int, batch: int | None = None) -> PreparedBatches:
     """The global CNN's batches: full images, the configured augmentation, batches fixed by the seed."""
-    size = batch_size(ctx.cfg) if batch is None else batch
-    return PreparedBatches(ctx.data, size, seed=seed, augment=build_augment(ctx.cfg))
+    size = ctx.settings.data.batch_size if batch is None else batch
+    return PreparedBatches(ctx.data, size, seed=seed, augment=build_augment(ctx.settings))
 
 
 def val_accuracy(net: nn.Module, dm: Batches, device) -> float:
@@ -322,10 +307,10 @@ class LocalSnapshots(TestCurve):
 
 
 def curve_hook(ctx: Context, dm: Batches, device, max_epochs: int) -> TestCurve | None:
-    settings = curve_settings(ctx.cfg)
-    if not settings["enabled"]:
+    curves = ctx.settings.report.curves
+    if not curves.enabled:
         return None
-    return TestCurve(dm, device, snapshot_epochs(max_epochs, settings["points"]))
+    return TestCurve(dm, device, snapshot_epochs(max_epochs, curves.points))
 
 
 def train_full_images(
@@ -340,9 +325,9 @@ def train_full_images(
     dm = full_image_data(ctx, seed)
     before = val_accuracy(net, dm, device) if measure_start else None
     net.train()
-    epochs = method_epochs(ctx.cfg, stage)
+    epochs = method_epochs(ctx, stage)
     hook = curve_hook(ctx, dm, device, epochs)
-    result = fit(ctx.cfg, net, dm, folder, device, seed, start, epochs, method_optimizer(ctx.cfg, stage), hook)
+    result = fit(ctx.cfg, net, dm, folder, device, seed, start, epochs, method_optimizer(ctx, stage), hook)
     extra = {"max_epochs": epochs, **extra}
     if before is not None:
         extra["start_accuracy"] = {"val": before}

@@ -10,7 +10,7 @@ from ddcnn.context import Context, build_global_net
 from ddcnn.engine.settings import check_srun_ddp
 from ddcnn.engine.train import fit, seed_everything
 from ddcnn.stages import reuse
-from ddcnn.stages.common import batch_size, curve_hook, finish_stage, full_image_data, skip, stage_seed
+from ddcnn.stages.common import curve_hook, finish_stage, full_image_data, skip, stage_seed
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +43,12 @@ def train_stage(ctx: Context, device, stage: str, num_devices: int, extra: dict)
         launcher = "srun" if check_srun_ddp(num_devices) is not None else "spawn"
     folder = ctx.run.make_stage_dir(stage)
     seed = stage_seed(ctx, stage)
-    batch = batch_size(ctx.cfg)
+    batch = ctx.settings.data.batch_size
     dm = full_image_data(ctx, seed, batch // num_devices)
     start = time.perf_counter()
     seed_everything(seed)
     net = build_global_net(ctx.cfg, ctx.data)
-    hook = curve_hook(ctx, dm, device, int(ctx.cfg.trainer.max_epochs)) if num_devices == 1 else None
+    hook = curve_hook(ctx, dm, device, ctx.settings.fit.trainer.max_epochs) if num_devices == 1 else None
     result = fit(
         ctx.cfg,
         net,

@@ -17,7 +17,7 @@ across the tasks of an ``srun`` step every task must join the same training, so 
 
 from __future__ import annotations
 
-from ddcnn.context import Context, ddp_devices
+from ddcnn.context import Context
 from ddcnn.engine.settings import check_srun_ddp
 from ddcnn.stages import global_cnn, reuse
 from ddcnn.stages.common import skip
@@ -30,7 +30,7 @@ STAGE = "global_ddp"
 def run(ctx: Context, device=None) -> dict:
     if (done := skip(ctx, STAGE)) is not None:
         return done
-    num_devices = ddp_devices(ctx.cfg)
+    num_devices = ctx.settings.methods.global_ddp.num_devices
     if check_srun_ddp(num_devices) is not None:  # every srun task joins one training: no one-process decision
         return global_cnn.train_stage(ctx, device, STAGE, num_devices, {})
     return reuse.run(ctx, STAGE, device, lambda extra: global_cnn.train_stage(ctx, device, STAGE, num_devices, extra))

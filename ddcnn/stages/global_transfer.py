@@ -21,7 +21,7 @@ from torch import nn
 
 from ddcnn.context import Context, build_global_net
 from ddcnn.engine.train import seed_everything
-from ddcnn.stages.common import method_settings, skip, stage_seed, train_full_images
+from ddcnn.stages.common import skip, stage_seed, train_full_images
 
 __all__ = ["run", "init_global_transfer"]
 
@@ -43,7 +43,7 @@ def init_global_transfer(ctx: Context) -> tuple[nn.Module, dict]:
             f"global_transfer starts from the local nets, but local nets {missing} have not finished in "
             f"{ctx.run.root}; run the local stage first."
         )
-    init = method_settings(ctx.cfg, "global_transfer").get("init", "best")
+    init = ctx.settings.methods.global_transfer.init
     if init == "best":
         val = [ctx.run.meta("local", i)["accuracy"]["val"] for i in range(n)]
         sources = [max(range(n), key=lambda i: (val[i], -i))]

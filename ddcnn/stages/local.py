@@ -10,8 +10,6 @@ from ddcnn.data.datamodule import PreparedBatches
 from ddcnn.engine.train import fit, seed_everything
 from ddcnn.stages.common import (
     LocalSnapshots,
-    batch_size,
-    curve_settings,
     finish_stage,
     skip,
     snapshot_epochs,
@@ -33,23 +31,21 @@ def run(ctx: Context, device=None, subdomain: int = 0) -> dict:
     if (done := skip(ctx, "local", subdomain)) is not None:
         return done
     folder = ctx.run.make_stage_dir("local", subdomain)
-    seed = subdomain_seed(ctx.cfg.seed, subdomain)
+    seed = subdomain_seed(ctx.settings.seed, subdomain)
     dec = ctx.decomposition
     # Only the sub-domain's box is read of every sample (with augmentation: the region of the augmented whole image
     # that the box shows), so every local net sees its part of the same augmented image.
     dm = PreparedBatches(
-        ctx.data, batch_size(ctx.cfg), seed=seed, box=dec.box(subdomain), augment=build_augment(ctx.cfg)
+        ctx.data, ctx.settings.data.batch_size, seed=seed, box=dec.box(subdomain), augment=build_augment(ctx.settings)
     )
     start = time.perf_counter()
     seed_everything(seed)
     net = build_local_net(ctx.cfg, ctx.data)
-    curves = curve_settings(ctx.cfg)
+    curves = ctx.settings.report.curves
     hook = None
-    if curves["enabled"]:  # the local outputs at a few epochs: the CNN-DNN's accuracy-versus-time curve
-        epochs = snapshot_epochs(int(ctx.cfg.trainer.max_epochs), curves["points"])
-        rows = snapshot_train_rows(
-            len(ctx.data.y["train"]), curves["max_train_rows"], ctx.cfg.data.get("split_seed", 0)
-        )
+    if curves.enabled:  # the local outputs at a few epochs: the CNN-DNN's accuracy-versus-time curve
+        epochs = snapshot_epochs(ctx.settings.fit.trainer.max_epochs, curves.points)
+        rows = snapshot_train_rows(len(ctx.data.y["train"]), curves.max_train_rows, ctx.settings.data.split_seed)
         hook = LocalSnapshots(dm, device, epochs, folder, rows)
     result = fit(ctx.cfg, net, dm, folder, device, seed, start, after_epoch=hook)
     meta = finish_stage(

@@ -27,7 +27,7 @@ from ddcnn.engine.common import predict_logits, save_net
 from ddcnn.engine.train import fit, seed_everything
 from ddcnn.io import atomic_torch_save
 from ddcnn.runtime import execution_context, run_generation
-from ddcnn.stages.common import batch_size, method_settings, skip
+from ddcnn.stages.common import skip
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,11 @@ def _fold_data(ctx: Context, subdomain: int, keep: torch.Tensor, seed: int) -> R
     """Local net ``subdomain``'s batches with only the training rows ``keep`` (validation and test as the local
     net's)."""
     full = PreparedBatches(
-        ctx.data, batch_size(ctx.cfg), seed=seed, box=ctx.decomposition.box(subdomain), augment=build_augment(ctx.cfg)
+        ctx.data,
+        ctx.settings.data.batch_size,
+        seed=seed,
+        box=ctx.decomposition.box(subdomain),
+        augment=build_augment(ctx.settings),
     )
     return RowSubset(full, {"train": keep})
 
@@ -71,7 +75,7 @@ def _train_fold(ctx: Context, subdomain: int, fold: int, held: torch.Tensor, dev
     folder.mkdir(parents=True, exist_ok=True)
     n_train = len(ctx.data.y["train"])
     keep = torch.from_numpy(np.setdiff1d(np.arange(n_train), held.numpy()))
-    seed = subdomain_seed(ctx.cfg.seed, subdomain) + 104_729 * (fold + 1)
+    seed = subdomain_seed(ctx.settings.seed, subdomain) + 104_729 * (fold + 1)
     dm = _fold_data(ctx, subdomain, keep, seed)
     start = time.perf_counter()
     seed_everything(seed)
@@ -102,9 +106,8 @@ def run(ctx: Context, device=None) -> dict:
     if (done := skip(ctx, "local_oof")) is not None:
         return done
     ctx.run.make_stage_dir("local_oof")
-    settings = method_settings(ctx.cfg, "local_oof")
-    folds = int(settings.get("folds") or 5)
-    held_out = oof_folds(ctx.data.y["train"], folds, int(ctx.cfg.data.get("split_seed", 0)))
+    folds = ctx.settings.methods.local_oof.folds
+    held_out = oof_folds(ctx.data.y["train"], folds, ctx.settings.data.split_seed)
     n_train, n = len(ctx.data.y["train"]), ctx.decomposition.num_subdomains
     per_subdomain = []
     for i in range(n):
@@ -140,7 +143,7 @@ def run(ctx: Context, device=None) -> dict:
             "accuracy": {"train_out_of_fold": float((logits.argmax(-1) == labels).float().mean())},
             "converged": all(r.get("converged", False) for r in records),  # every fold's training
             "context": execution_context(device),
-            "generation": run_generation(ctx.cfg),
+            "generation": run_generation(ctx.settings.run_generation),
         }
         ctx.run.mark_done("local_oof", i, meta, required=("probs_train.pt",), generation=meta["generation"])
         per_subdomain.append(meta)
@@ -154,7 +157,7 @@ def run(ctx: Context, device=None) -> dict:
         "accuracy": {"train_out_of_fold": [m["accuracy"]["train_out_of_fold"] for m in per_subdomain]},
         "converged": all(m.get("converged", False) for m in per_subdomain),
         "context": execution_context(device),
-        "generation": run_generation(ctx.cfg),
+        "generation": run_generation(ctx.settings.run_generation),
     }
     ctx.run.mark_done("local_oof", None, meta, generation=meta["generation"])
     log.info("local_oof: %d folds x %d sub-domains in %.1f s", folds, n, meta["time_s"])

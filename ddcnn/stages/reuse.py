@@ -30,16 +30,15 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from ddcnn.context import Context, data_store, ddp_devices
+from ddcnn.context import Context, open_store
 from ddcnn.data.sources import NOT_IDENTITY, source_identity
 from ddcnn.rundir import PROB_FILES, network_identity, result_settings
 from ddcnn.runtime import run_generation, source_hash
-from ddcnn.stages.common import curve_settings
 from ddcnn.store import Entry, Store, StoreError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["REUSE_FORMAT", "DECOMPOSITION_KEYS", "reuse_enabled", "source_hash", "device_kind", "stage_depends", "run"]
+__all__ = ["REUSE_FORMAT", "DECOMPOSITION_KEYS", "source_hash", "device_kind", "stage_depends", "run"]
 
 # Part of every key: bump it when a reusable stage's files change for unchanged settings.
 REUSE_FORMAT = 1
@@ -47,11 +46,6 @@ REUSE_FORMAT = 1
 DECOMPOSITION_KEYS = ("decomposition", "coarse", "methods")
 # What the run directory keeps of a training but a copy needs not: resuming state, the run's own marker.
 _NOT_PUBLISHED = ("done", "last.ckpt", "best.ckpt", "resumed_from_epoch")
-
-
-def reuse_enabled(cfg) -> bool:
-    """``store.reuse`` (default true; :func:`ddcnn.context.check_settings` refuses anything but true or false)."""
-    return (cfg.get("store") or {}).get("reuse", True) is True
 
 
 def device_kind(device) -> str:
@@ -73,19 +67,19 @@ def stage_depends(ctx: Context, stage: str, device) -> dict:
     for key in (*DECOMPOSITION_KEYS, "model", "global_model"):
         settings.pop(key, None)
     spec = OmegaConf.to_container(cfg.data.source, resolve=True)
-    curves = curve_settings(cfg)
+    curves = ctx.settings.report.curves
     depends = {
         "format": REUSE_FORMAT,
         "stage": stage,
         "settings": settings,
         "network": network_identity(OmegaConf.to_container(cfg.get("global_model") or cfg.model, resolve=True)),
-        "curves": {"enabled": curves["enabled"], "points": curves["points"]},
+        "curves": {"enabled": curves.enabled, "points": curves.points},
         "data_files": source_identity({k: v for k, v in spec.items() if k not in NOT_IDENTITY}),
         "device_kind": device_kind(device),
         "source": source_hash(),
     }
     if stage == "global_ddp":  # the devices it trains on (methods.global_ddp, dropped above with the methods)
-        depends["num_devices"] = ddp_devices(cfg)
+        depends["num_devices"] = ctx.settings.methods.global_ddp.num_devices
     return depends
 
 
@@ -110,7 +104,7 @@ def _copy_in(ctx: Context, stage: str, entry: Entry) -> dict:
         "published": entry.record.get("created"),
         "host": entry.record.get("host"),
     }
-    meta["generation"] = run_generation(ctx.cfg)
+    meta["generation"] = run_generation(ctx.settings.run_generation)
     ctx.run.mark_done(stage, None, meta, required=(*PROB_FILES, "net.pt"), generation=meta["generation"])
     log.info(
         "%s: reused the one trained for these settings by %s (store entry %s; store.reuse=false trains it here)",
@@ -131,14 +125,14 @@ def run(ctx: Context, stage: str, device, train: Callable[[dict], dict]) -> dict
         train: ``train(extra)`` trains the stage in the run directory, with ``extra`` in its ``meta.json``, and
             returns its metadata.
     """
-    if not reuse_enabled(ctx.cfg):
+    if not ctx.settings.store.reuse:
         return train({})
-    store = data_store(ctx.cfg)
+    store = open_store(ctx.settings.store)
     depends = stage_depends(ctx, stage, device)
     key = store.key(stage, depends)
-    generation = run_generation(ctx.cfg)
+    generation = run_generation(ctx.settings.run_generation)
     found = store.open(stage, key)
-    if found is not None and ctx.cfg.get("force", False) and found.info.get("generation") != generation:
+    if found is not None and ctx.settings.force and found.info.get("generation") != generation:
         log.info("%s: force=true retrains it and replaces store entry %s", stage, found.path)
         _replace(store, found)
     trained: dict = {}
@@ -155,7 +149,7 @@ def run(ctx: Context, stage: str, device, train: Callable[[dict], dict]) -> dict
         acc = (meta.get("accuracy") or {}).get("test")
         acc = f"{acc:.4f}" if isinstance(acc, float) else "-"
         return {
-            "describe": f"{stage} of {ctx.data.name}, seed {ctx.cfg.seed}: test acc {acc}, {meta['time_s']:.1f} s",
+            "describe": f"{stage} of {ctx.data.name}, seed {ctx.settings.seed}: test acc {acc}, {meta['time_s']:.1f} s",
             "run_dir": str(ctx.run.root.resolve()),
             "generation": generation,
         }

@@ -23,7 +23,7 @@ from ddcnn.engine.loop import EVAL_CHUNK, FitResult, torch_threads
 from ddcnn.models.coarse import CoarseMLP
 from ddcnn.rundir import L2_GRID
 from ddcnn.stages.coarse import coarse_inputs
-from ddcnn.stages.common import finish_stage, logistic_convergence, method_settings, skip, stage_seed
+from ddcnn.stages.common import finish_stage, logistic_convergence, skip, stage_seed
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +36,10 @@ def run(ctx: Context, device=None) -> dict:
         return done
     ctx.run.make_stage_dir("stacker")
     start = time.perf_counter()
-    kind = str(ctx.cfg.coarse.get("input", "probs"))
+    kind = ctx.settings.coarse.input
     x, y = coarse_inputs(ctx, kind)
-    settings = method_settings(ctx.cfg, "stacker")
-    grid = tuple(float(v) for v in (settings.get("l2_grid") or L2_GRID))
+    settings = ctx.settings.methods.stacker
+    grid = settings.l2_grid or L2_GRID
     n, k = ctx.decomposition.num_subdomains, ctx.data.num_classes
     spec = {
         "_target_": "ddcnn.models.coarse.CoarseMLP",
@@ -50,7 +50,7 @@ def run(ctx: Context, device=None) -> dict:
     }
     net = CoarseMLP(n, k, hidden=(), inputs=kind, input_norm="standardize", skip="none")
     seed = stage_seed(ctx, "stacker")
-    threads = ctx.cfg.coarse.get("num_threads")
+    threads = ctx.settings.coarse.num_threads
     with torch_threads(threads):
         net.fit_input_scaling(x["train"])
         with torch.no_grad():
@@ -62,7 +62,7 @@ def run(ctx: Context, device=None) -> dict:
             y["val"],
             k,
             l2_grid=grid,
-            max_iter=int(settings.get("max_iter") or 200),
+            max_iter=settings.max_iter,
             select="val_acc",
         )
         with torch.no_grad():
@@ -83,7 +83,7 @@ def run(ctx: Context, device=None) -> dict:
             coarse_net=spec,
             l2=fit.l2,
             path=fit.path,
-            convergence=logistic_convergence(fit.path, fit.l2, int(settings.get("max_iter") or 200)),
+            convergence=logistic_convergence(fit.path, fit.l2, settings.max_iter),
             advice_names={"epochs": "methods.stacker.max_iter"},
         )
     log.info("stacker (on %s): L2 %g, test acc %.4f in %.1f s", kind, fit.l2, meta["accuracy"]["test"], meta["time_s"])

@@ -26,6 +26,7 @@ from ddcnn.parallel.devices import plan_workers, process_device
 from ddcnn.pipeline import train
 from ddcnn.rundir import RunDir
 from ddcnn.runtime import resolve_device
+from ddcnn.settings import RunSettings
 from tests.conftest import load_script
 
 K = 5  # an odd class count, so that a hard-coded 10 cannot pass
@@ -92,7 +93,7 @@ def test_the_default_config_says_auto_and_resolves_to_cpu_without_a_gpu(make_cfg
     cfg = make_cfg()
     assert cfg.device == "auto"
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    assert process_device(cfg) == "cpu"
+    assert process_device(RunSettings.from_config(cfg).device) == "cpu"
 
 
 def test_a_run_dir_recorded_with_device_cpu_accepts_device_auto(make_cfg, tmp_path):

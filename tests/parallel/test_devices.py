@@ -34,7 +34,6 @@ def test_bad_device_requests_say_what_to_do():
 
 def test_srun_tasks_sharing_a_node_take_a_share_of_its_cores(monkeypatch):
     import torch
-    from omegaconf import OmegaConf
 
     from ddcnn.parallel.devices import available_cores, process_device
 
@@ -42,10 +41,10 @@ def test_srun_tasks_sharing_a_node_take_a_share_of_its_cores(monkeypatch):
     try:
         monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2")
         monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
-        process_device(OmegaConf.create({"device": "cpu", "parallel": {}}))
+        process_device("cpu")
         assert torch.get_num_threads() == max(1, available_cores() // 2)
         monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
-        process_device(OmegaConf.create({"device": "cpu", "parallel": {}}))
+        process_device("cpu")
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(threads)

@@ -20,6 +20,7 @@ from ddcnn.engine.train import seed_everything
 from ddcnn.pipeline import OPTIONAL_STAGES, enabled_stages, train
 from ddcnn.report.results import METHODS
 from ddcnn.rundir import RunDir
+from ddcnn.settings import RunSettings
 from ddcnn.stages.global_transfer import init_global_transfer
 from tests.conftest import compose_config
 
@@ -166,14 +167,13 @@ def test_finished_optional_stage_is_skipped(finished):
 
 
 def test_default_run_enables_only_the_cheap_combiners():
-    assert enabled_stages(compose_config()) == ["coarse_alt", "stacker", "coarse_val"]
+    def enabled(*overrides: str) -> list[str]:
+        return enabled_stages(RunSettings.from_config(compose_config(list(overrides), run_dir="unused")))
+
+    assert enabled() == ["coarse_alt", "stacker", "coarse_val"]
     # A method brings the optional stages it needs.
-    assert enabled_stages(compose_config(["methods.enabled.coarse_oof=true"]))[1:4] == [
-        "stacker",
-        "local_oof",
-        "coarse_oof",
-    ]
-    assert enabled_stages(compose_config(["methods=all"])) == list(OPTIONAL)
+    assert enabled("methods.enabled.coarse_oof=true")[1:4] == ["stacker", "local_oof", "coarse_oof"]
+    assert enabled("methods=all") == list(OPTIONAL)
 
 
 def test_every_registered_stage_has_a_run_function():

@@ -58,10 +58,13 @@ DOES_NOT_MATTER = [
 def _key(*overrides: str) -> str:
     from types import SimpleNamespace
 
+    from ddcnn.settings import RunSettings
     from ddcnn.stages.reuse import stage_depends
 
     cfg = compose_config(list(overrides), Path("/tmp/unused-run"))
-    return Store.key("global", stage_depends(SimpleNamespace(cfg=cfg), "global", "cpu"))
+    return Store.key(
+        "global", stage_depends(SimpleNamespace(cfg=cfg, settings=RunSettings.from_config(cfg)), "global", "cpu")
+    )
 
 
 def test_the_key_holds_what_changes_the_global_cnn_and_nothing_else():
@@ -98,10 +101,14 @@ def test_runs_that_differ_in_the_decomposition_train_the_global_cnn_once(make_cf
 def _ddp_key(*overrides: str) -> str:
     from types import SimpleNamespace
 
+    from ddcnn.settings import RunSettings
     from ddcnn.stages.reuse import stage_depends
 
     cfg = compose_config(["methods.enabled.global_ddp=true", *overrides], Path("/tmp/unused-run"))
-    return Store.key("global_ddp", stage_depends(SimpleNamespace(cfg=cfg), "global_ddp", "cpu"))
+    return Store.key(
+        "global_ddp",
+        stage_depends(SimpleNamespace(cfg=cfg, settings=RunSettings.from_config(cfg)), "global_ddp", "cpu"),
+    )
 
 
 def test_the_ddp_key_holds_its_devices_and_not_the_decomposition():

@@ -1,0 +1,690 @@
+"""``RunSettings``: the composed Hydra configuration as frozen, typed sections, checked once at the entry.
+
+:meth:`RunSettings.from_config` reads the composed configuration (``conf/config.yaml`` with its groups and the
+command line), refuses unknown keys with the known ones listed and checks every setting with a message that names
+the setting, the value and the fix. What it builds holds plain Python data only (no OmegaConf object), so it pickles
+to worker processes, which take it as checked. The networks' (``model``, ``global_model``, ``coarse.net``), the
+optimizers' (``optimizer``, ``coarse.optimizer``), the schedulers' and the data source's settings stay ``_target_``
+specs, as plain dicts.
+
+Defaults live in YAML only: a key missing from the configuration (a ``config.yaml`` written by an older ddcnn into a
+run directory) takes the value of the YAML file that holds its default (:func:`yaml_default`), never a value written
+here. The setting names are those of the YAML (``settings.store.reuse`` is ``store.reuse``); ``trainer`` and
+``engine`` are :class:`~ddcnn.settings.fit.FitSettings` (``settings.fit.trainer.max_epochs``).
+
+The run directory's fingerprint is still computed from the configuration itself (:meth:`ddcnn.rundir.RunDir.
+check_fingerprint`), so run directories written before these settings existed stay valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddcnn import registry
+from ddcnn.settings.fit import FitSettings, check_srun_ddp
+
+__all__ = [
+    "RunSettings",
+    "DataSettings",
+    "MemorySettings",
+    "DecompositionSettings",
+    "CoarseSettings",
+    "CoarseLinearSettings",
+    "MethodsSettings",
+    "StackerSettings",
+    "LocalOofSettings",
+    "FineTuneSettings",
+    "GlobalTransferSettings",
+    "GlobalDdpSettings",
+    "ParallelSettings",
+    "CurveSettings",
+    "ReportSettings",
+    "StoreSettings",
+    "STAGES",
+    "yaml_default",
+]
+
+# What ``stage`` may say besides ``all``: every stage of the registry, in run order, then the evaluation.
+STAGES = (*registry.STAGE_NAMES, "evaluate")
+AUTO = "auto"
+# The YAML file of each section's default (the group's default option; the top level is config.yaml).
+_DEFAULT_FILES = {
+    "": "config.yaml",
+    "data": "data/_base.yaml",
+    "coarse": "coarse/mlp.yaml",
+    "trainer": "trainer/default.yaml",
+    "engine": "engine/default.yaml",
+    "parallel": "parallel/default.yaml",
+    "methods": "methods/default.yaml",
+}
+
+
+@functools.cache
+def _default_file(name: str) -> dict:
+    from omegaconf import OmegaConf
+
+    from ddcnn.config import CONFIG_DIR
+
+    node = OmegaConf.load(Path(CONFIG_DIR) / name)
+    return OmegaConf.to_container(node, resolve=False)
+
+
+def yaml_default(key: str) -> Any:
+    """The default of setting ``key`` (``store.reuse``, ``data.val_fraction``) as its YAML file states it.
+
+    Raises:
+        KeyError: For a key that has no default in the YAML.
+    """
+    section, _, rest = key.partition(".")
+    if section in _DEFAULT_FILES and rest:
+        node, parts = _default_file(_DEFAULT_FILES[section]), rest.split(".")
+    else:
+        node, parts = _default_file(_DEFAULT_FILES[""]), key.split(".")
+    for part in parts:
+        if not isinstance(node, Mapping) or part not in node:
+            raise KeyError(f"{key} has no default in conf/ ({_DEFAULT_FILES.get(section, 'config.yaml')})")
+        node = node[part]
+    return node
+
+
+class _Section:
+    """One mapping of the configuration read key by key: a missing key takes its YAML default; what is left unread
+    is refused by :meth:`done`, with the known keys listed."""
+
+    def __init__(self, name: str, given: Any) -> None:
+        self.name = name
+        self.given = dict(given or {})
+        self.read: list[str] = []
+
+    def __call__(self, key: str) -> Any:
+        self.read.append(key)
+        if key in self.given:
+            return self.given[key]
+        return yaml_default(f"{self.name}.{key}" if self.name else key)
+
+    def sub(self, key: str) -> _Section:
+        node = self(key)
+        return _Section(
+            f"{self.name}.{key}" if self.name else key, {"enabled": node} if isinstance(node, bool) else node
+        )
+
+    def done(self, extra_known: tuple[str, ...] = ()) -> None:
+        known = list(dict.fromkeys([*self.read, *extra_known]))
+        unknown = [k for k in self.given if k not in known]
+        if unknown:
+            where = f"{self.name}." if self.name else ""
+            key = unknown[0]
+            raise ValueError(
+                f"{where}{key}={self.given[key]!r} is not a setting of ddcnn; the {self.name or 'top-level'} settings "
+                f"are {', '.join(known)}. Remove it (or fix its spelling)."
+            )
+
+
+def _positive_int(value: Any, key: str, auto: bool = False, none: bool = False) -> Any:
+    if (auto and value == AUTO) or (none and value is None):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        also = " or auto (taken from the data)" if auto else ""
+        raise ValueError(
+            f"{key} must be a positive whole number{also}, got {value!r}; set {key}=<n> with n >= 1{also}."
+        )
+    return int(value)
+
+
+def _bool(value: Any, key: str, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false ({what}), got {value!r}.")
+    return value
+
+
+def _number(value: Any, key: str, none: bool = False) -> float | None:
+    if none and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f"{key} must be a number >= 0{' or null' if none else ''}, got {value!r}.")
+    return float(value)
+
+
+def _seconds(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"{key} must be a positive number of seconds, got {value!r}.")
+    return float(value)
+
+
+def _spec(value: Any) -> dict | None:
+    """A ``_target_`` spec (or any nested setting) as a plain dict; ``None`` stays ``None``."""
+    return None if value is None else dict(value)
+
+
+def _tuple(value: Any) -> tuple | None:
+    return None if value is None else tuple(value)
+
+
+# --- data ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemorySettings:
+    """``data.memory``: how a process holds the prepared data (none of it changes results)."""
+
+    mode: str
+    auto_max_mb: float
+    limit_gb: float | None
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """``data``: the source and its preparation. ``num_classes`` / ``in_channels`` may be ``auto`` until the data
+    are read (:meth:`RunSettings.with_data_counts`). ``extra`` holds the dataset's own keys (``path``, ``root``,
+    ``resize_mode``, ...), which its ``source`` spec reads and checks."""
+
+    name: str
+    source: dict
+    spatial_dims: int
+    in_channels: int | str
+    num_classes: int | str
+    image_size: tuple[int, ...] | None
+    val_fraction: float
+    val_target_fraction: float
+    split_seed: int
+    train_subset: int | None
+    test_subset: int | None
+    normalize: bool
+    batch_size: int
+    float_storage: str | None
+    window: tuple[float, float] | None
+    memory: MemorySettings
+    augment: dict | None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, d: _Section) -> DataSettings:
+        batch = _positive_int(d("batch_size"), "data.batch_size")
+        frac = d("val_fraction")
+        if not isinstance(frac, int | float) or not 0 < frac < 1:
+            raise ValueError(f"data.val_fraction must lie strictly between 0 and 1, got {frac!r}.")
+        target = d("val_target_fraction")
+        if target is None:
+            target = 0.0
+        if isinstance(target, bool) or not isinstance(target, int | float) or not 0 <= target < 1:
+            raise ValueError(
+                f"data.val_target_fraction must lie in [0, 1) (the share of the validation split kept for the fixed "
+                f"targets of docs/protocol.md; 0 = none), got {target!r}."
+            )
+        num_classes = _positive_int(d("num_classes"), "data.num_classes", auto=True)
+        in_channels = _positive_int(d("in_channels"), "data.in_channels", auto=True)
+        dims = d("spatial_dims")
+        if dims not in (2, 3):
+            raise ValueError(f"data.spatial_dims must be 2 (images) or 3 (volumes), got {dims!r}.")
+        m = d.sub("memory")
+        memory = MemorySettings(str(m("mode")), float(m("auto_max_mb")), m("limit_gb"))
+        m.done()
+        out = cls(
+            name=str(d("name")),
+            source=_spec(d("source")),
+            spatial_dims=int(dims),
+            in_channels=in_channels,
+            num_classes=num_classes,
+            image_size=_tuple(d("image_size")),
+            val_fraction=float(frac),
+            val_target_fraction=float(target),
+            split_seed=int(d("split_seed")),
+            train_subset=d("train_subset"),
+            test_subset=d("test_subset"),
+            normalize=bool(d("normalize")),
+            batch_size=batch,
+            float_storage=d("float_storage"),
+            window=_tuple(d("window")),
+            memory=memory,
+            augment=_spec(d("augment")),
+        )
+        # The dataset's own keys (path, root, resize_mode, ...): its source spec interpolates and checks them.
+        return dataclasses.replace(out, extra={k: v for k, v in d.given.items() if k not in d.read})
+
+
+@dataclass(frozen=True)
+class DecompositionSettings:
+    """``decomposition``: the grid of sub-domains (row-major, last axis fastest) and the overlap in pixels; the
+    :class:`~ddcnn.decomposition.Decomposition` checks them against the image shape."""
+
+    name: str
+    grid: tuple[int, ...]
+    overlap: int | float | tuple
+
+    @classmethod
+    def read(cls, d: _Section) -> DecompositionSettings:
+        overlap = d("overlap")
+        out = cls(str(d("name")), tuple(d("grid")), overlap if isinstance(overlap, int | float) else tuple(overlap))
+        d.done()
+        return out
+
+
+# --- the coarse DNN ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CoarseLinearSettings:
+    """``coarse.linear``: the exact linear path fit first (multinomial logistic regression by L-BFGS)."""
+
+    enabled: bool
+    l2_grid: tuple[float, ...]
+    max_rows: int
+    max_iter: int
+
+
+@dataclass(frozen=True)
+class CoarseSettings:
+    """``coarse``: the coarse DNN on the local nets' outputs (``ddcnn/stages/coarse.py`` checks its fit)."""
+
+    input: str
+    max_epochs: int | str
+    batch_size: int | str
+    steps: int | None
+    monitor: str
+    patience: int | None
+    divergence_restarts: int
+    checkpoint_every: int
+    num_threads: int | None
+    linear: CoarseLinearSettings
+    net: dict
+    optimizer: dict
+    scheduler: dict | None
+
+    @classmethod
+    def read(cls, c: _Section) -> CoarseSettings:
+        for key in ("batch_size", "max_epochs", "steps"):
+            if c(key) not in (AUTO, None):
+                _positive_int(c(key), f"coarse.{key}")
+        kind = c("input")
+        if kind not in ("probs", "logits"):
+            raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
+        monitor = c("monitor")
+        if monitor not in ("val_loss", "val_acc"):
+            raise ValueError(
+                f"coarse.monitor must be val_loss or val_acc (the validation split selects), got {monitor!r}."
+            )
+        lin = c.sub("linear")
+        linear = CoarseLinearSettings(
+            bool(lin("enabled")), tuple(float(v) for v in lin("l2_grid")), int(lin("max_rows")), int(lin("max_iter"))
+        )
+        lin.done()
+        out = cls(
+            input=str(kind),
+            max_epochs=c("max_epochs"),
+            batch_size=c("batch_size"),
+            steps=c("steps"),
+            monitor=str(monitor),
+            patience=c("patience"),
+            divergence_restarts=c("divergence_restarts"),
+            checkpoint_every=c("checkpoint_every"),
+            num_threads=c("num_threads"),
+            linear=linear,
+            net=_spec(c("net")),
+            optimizer=_spec(c("optimizer")),
+            scheduler=_spec(c("scheduler")),
+        )
+        c.done()
+        return out
+
+
+# --- the optional methods (one class per method with settings) -----------------------------------
+def _method_epochs(m: _Section, stage: str) -> int | None:
+    return _positive_int(m("max_epochs"), f"methods.{stage}.max_epochs", none=True)
+
+
+def _lr_scale(m: _Section, stage: str) -> float:
+    scale = m("lr_scale")
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or scale <= 0:
+        raise ValueError(f"methods.{stage}.lr_scale must be a positive number, got {scale!r}.")
+    return float(scale)
+
+
+@dataclass(frozen=True)
+class StackerSettings:
+    """``methods.stacker``: the convex stacker's L2 strengths (strongest first) and L-BFGS evaluations."""
+
+    l2_grid: tuple[float, ...]
+    max_iter: int
+
+    @classmethod
+    def read(cls, m: _Section) -> StackerSettings:
+        return cls(tuple(float(v) for v in m("l2_grid")), int(m("max_iter")))
+
+
+@dataclass(frozen=True)
+class LocalOofSettings:
+    """``methods.local_oof``: k of the k-fold cross-fitting."""
+
+    folds: int
+
+    @classmethod
+    def read(cls, m: _Section) -> LocalOofSettings:
+        return cls(int(m("folds")))
+
+
+@dataclass(frozen=True)
+class FineTuneSettings:
+    """``methods.e2e`` / ``methods.transfer``: epochs (``None``: ``trainer.max_epochs``) and learning-rate scale."""
+
+    max_epochs: int | None
+    lr_scale: float
+
+    @classmethod
+    def read(cls, m: _Section) -> FineTuneSettings:
+        stage = m.name.rsplit(".", 1)[1]
+        return cls(_method_epochs(m, stage), _lr_scale(m, stage))
+
+
+@dataclass(frozen=True)
+class GlobalTransferSettings:
+    """``methods.global_transfer``: which local net initialises the global CNN, epochs and learning-rate scale."""
+
+    init: str | int
+    max_epochs: int | None
+    lr_scale: float
+
+    @classmethod
+    def read(cls, m: _Section) -> GlobalTransferSettings:
+        return cls(m("init"), _method_epochs(m, "global_transfer"), _lr_scale(m, "global_transfer"))
+
+
+@dataclass(frozen=True)
+class GlobalDdpSettings:
+    """``methods.global_ddp``: the DDP processes of the global CNN (checked against ``data.batch_size`` when the
+    stage runs)."""
+
+    num_devices: int
+
+    @classmethod
+    def read(cls, m: _Section) -> GlobalDdpSettings:
+        return cls(m("num_devices"))
+
+
+_METHOD_CLASSES = {
+    "stacker": StackerSettings,
+    "local_oof": LocalOofSettings,
+    "e2e": FineTuneSettings,
+    "transfer": FineTuneSettings,
+    "global_transfer": GlobalTransferSettings,
+    "global_ddp": GlobalDdpSettings,
+}
+
+
+@dataclass(frozen=True)
+class MethodsSettings:
+    """``methods``: which optional stages ``stage=all`` runs (``enabled``) and each method's own settings."""
+
+    enabled: dict[str, bool]
+    stacker: StackerSettings
+    local_oof: LocalOofSettings
+    e2e: FineTuneSettings
+    transfer: FineTuneSettings
+    global_transfer: GlobalTransferSettings
+    global_ddp: GlobalDdpSettings
+
+    @classmethod
+    def read(cls, m: _Section) -> MethodsSettings:
+        known = set(registry.OPTIONAL_STAGES)
+        enabled = dict(m("enabled") or {})
+        unknown = sorted(set(enabled) - known)
+        if unknown:
+            optional = list(registry.OPTIONAL_STAGES)
+            raise ValueError(f"methods.enabled has unknown stages {unknown}; the optional stages are {optional}.")
+        unknown = sorted(set(m.given) - known - {"enabled"})
+        if unknown:
+            raise ValueError(
+                f"methods has settings for unknown stages {unknown}; the optional stages are {sorted(known)} "
+                f"(ddcnn/registry.py)."
+            )
+        sections = {}
+        for stage, kind in _METHOD_CLASSES.items():
+            sub = m.sub(stage)
+            sections[stage] = kind.read(sub)
+            sub.done()
+        for stage in known - set(_METHOD_CLASSES):
+            if m.given.get(stage):
+                _Section(f"methods.{stage}", m.given[stage]).done()  # it has none: each key is refused
+        return cls(enabled={name: bool(enabled.get(name, False)) for name in registry.OPTIONAL_STAGES}, **sections)
+
+    def settings_of(self, stage: str) -> Any:
+        """The settings of optional stage ``stage`` (``None`` for a method without settings)."""
+        return getattr(self, stage, None) if stage in _METHOD_CLASSES else None
+
+
+# --- where the local stage runs, what the evaluation writes, the store ---------------------------
+@dataclass(frozen=True)
+class ParallelSettings:
+    """``parallel``: where the local stage runs (none of it changes results; :mod:`ddcnn.parallel`)."""
+
+    workers: int
+    accelerator: str
+    threads_per_worker: int | None
+    calibration_steps: int
+    mode: str
+    heartbeat_timeout_s: float
+    startup_timeout_s: float
+
+    @classmethod
+    def read(cls, p: _Section) -> ParallelSettings:
+        mode = p("mode")
+        if mode not in ("auto", "srun", "single"):
+            raise ValueError(
+                f"parallel.mode must be auto (shard under srun -n G), srun (require it) or single (never shard), "
+                f"got {mode!r}."
+            )
+        out = cls(
+            workers=_positive_int(p("workers"), "parallel.workers"),
+            accelerator=str(p("accelerator")),
+            threads_per_worker=_positive_int(p("threads_per_worker"), "parallel.threads_per_worker", none=True),
+            calibration_steps=int(_number(p("calibration_steps"), "parallel.calibration_steps", none=True) or 0),
+            mode=str(mode),
+            heartbeat_timeout_s=_seconds(p("heartbeat_timeout_s"), "parallel.heartbeat_timeout_s"),
+            startup_timeout_s=_seconds(p("startup_timeout_s"), "parallel.startup_timeout_s"),
+        )
+        p.done()
+        return out
+
+
+@dataclass(frozen=True)
+class CurveSettings:
+    """``report.curves``: accuracy-versus-training-time curves (snapshot ``points`` per training)."""
+
+    enabled: bool
+    points: int
+    max_train_rows: int
+
+    @classmethod
+    def read(cls, c: _Section) -> CurveSettings:
+        out = cls(bool(c("enabled")), int(c("points") or 0), int(c("max_train_rows") or 0))
+        if out.points < 0 or out.max_train_rows < 0:
+            raise ValueError(
+                f"report.curves.points and max_train_rows must be >= 0, got points={out.points}, "
+                f"max_train_rows={out.max_train_rows}."
+            )
+        c.done()
+        return out
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """``report``: what the evaluate stage writes besides ``results.json`` / ``results.md``."""
+
+    plots: bool
+    export: bool
+    curves: CurveSettings
+
+    @classmethod
+    def read(cls, r: _Section) -> ReportSettings:
+        out = cls(
+            _bool(r("plots"), "report.plots", "the PNG figures in RUN_DIR/plots/"),
+            _bool(r("export"), "report.export", "the TorchScript export in RUN_DIR/export/"),
+            CurveSettings.read(r.sub("curves")),
+        )
+        r.done()
+        return out
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """``store``: prepared datasets and reusable global CNNs (none of it changes results; :mod:`ddcnn.store`)."""
+
+    root: str | None
+    stage_to: str | None
+    stale_after_s: float
+    reuse: bool
+
+    @classmethod
+    def read(cls, s: _Section) -> StoreSettings:
+        reuse = s("reuse")
+        if not isinstance(reuse, bool):
+            raise ValueError(
+                f"store.reuse must be true or false (reuse the global CNN of an earlier run), got {reuse!r}."
+            )
+        stale = s("stale_after_s")
+        if isinstance(stale, bool) or not isinstance(stale, int | float) or stale <= 0:
+            raise ValueError(
+                f"store.stale_after_s must be a positive number of seconds (a claim silent this long is taken for "
+                f"dead), got {stale!r}."
+            )
+        root, stage_to = s("root"), s("stage_to")
+        out = cls(None if root is None else str(root), None if stage_to is None else str(stage_to), float(stale), reuse)
+        s.done()
+        return out
+
+
+# --- the run -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunSettings:
+    """One run's settings, checked: built once from the composed configuration at the entry
+    (:func:`ddcnn.pipeline.train`, :func:`ddcnn.context.build_context`) and handed down."""
+
+    stage: str
+    subdomain: tuple[int, ...] | None
+    seed: int
+    optimized_metric: str
+    force: bool
+    run_generation: str | None
+    device: str
+    run_dir: str | None
+    data: DataSettings
+    decomposition: DecompositionSettings
+    fit: FitSettings
+    coarse: CoarseSettings
+    methods: MethodsSettings
+    parallel: ParallelSettings
+    report: ReportSettings
+    store: StoreSettings
+    model: dict
+    global_model: dict | None
+    optimizer: dict
+    scheduler: dict | None
+    logger: dict
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> RunSettings:
+        """The settings of the composed configuration ``cfg`` (a ``DictConfig`` or a plain mapping), checked.
+
+        Raises:
+            ValueError: For an unknown key (with the known ones listed) or a bad value, naming the setting, the value
+                and the fix.
+        """
+        plain = _plain(cfg)
+        stage = str(plain.get("stage", yaml_default("stage")))
+        if stage not in ("all", *STAGES):
+            raise ValueError(f"unknown stage {stage!r}; choose one of: all, {', '.join(STAGES)}.")
+        top = _Section("", plain)
+        fit = FitSettings.from_config(plain)
+        top.read += ["trainer", "engine"]
+        data = DataSettings.read(top.sub("data"))
+        methods = MethodsSettings.read(top.sub("methods"))
+        if stage == "global_ddp" or methods.enabled["global_ddp"]:
+            _check_ddp_devices(methods.global_ddp.num_devices, data.batch_size)
+        if stage == "global_ddp" or (stage == "all" and methods.enabled["global_ddp"]):  # the srun step it spans
+            check_srun_ddp(int(methods.global_ddp.num_devices), "methods.global_ddp.num_devices")
+        paths = top.sub("paths")
+        run_dir = paths("run_dir")
+        if isinstance(run_dir, str) and "${" in run_dir:  # the YAML's Hydra interpolation, given no run directory
+            run_dir = None
+        paths.done()
+        generation = top("run_generation")
+        out = cls(
+            stage=stage,
+            subdomain=_subdomain(top("subdomain")),
+            seed=int(top("seed")),
+            optimized_metric=str(top("optimized_metric")),
+            force=bool(top("force")),
+            run_generation=None if generation is None else str(generation),
+            device=str(top("device")),
+            run_dir=None if run_dir is None else str(run_dir),
+            data=data,
+            decomposition=DecompositionSettings.read(top.sub("decomposition")),
+            fit=fit,
+            coarse=CoarseSettings.read(top.sub("coarse")),
+            methods=methods,
+            parallel=ParallelSettings.read(top.sub("parallel")),
+            report=ReportSettings.read(top.sub("report")),
+            store=StoreSettings.read(top.sub("store")),
+            model=_spec(top("model")),
+            global_model=_spec(top("global_model")),
+            optimizer=_spec(top("optimizer")),
+            scheduler=_spec(top("scheduler")),
+            logger=_spec(top("logger")) or {},
+        )
+        top.done(extra_known=("stage",))
+        return out
+
+    def with_data_counts(self, num_classes: int, in_channels: int) -> RunSettings:
+        """These settings with ``data.num_classes`` / ``data.in_channels`` that were ``auto`` set to the data's."""
+        data = self.data
+        if data.num_classes == AUTO:
+            data = dataclasses.replace(data, num_classes=int(num_classes))
+        if data.in_channels == AUTO:
+            data = dataclasses.replace(data, in_channels=int(in_channels))
+        return self if data is self.data else dataclasses.replace(self, data=data)
+
+
+def _check_ddp_devices(value: Any, batch: int) -> int:
+    """``methods.global_ddp.num_devices``: at least 2, and a divisor of ``data.batch_size``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ValueError(
+            f"methods.global_ddp.num_devices must be a whole number >= 2 (one device is the global CNN itself), "
+            f"got {value!r}."
+        )
+    if batch % value:
+        raise ValueError(
+            f"methods.global_ddp.num_devices={value} does not divide data.batch_size={batch}: the DDP run keeps the "
+            f"global batch, {batch / value:g} samples per device. Choose a divisor of {batch}."
+        )
+    return value
+
+
+def _subdomain(sel: Any) -> tuple[int, ...] | None:
+    """``subdomain``: ``None`` (all), one index or a list of them; whether they exist is checked against the
+    decomposition (:func:`ddcnn.pipeline.train`)."""
+    if sel is None:
+        return None
+    values = list(sel) if isinstance(sel, list | tuple) else [sel]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"subdomain must be an integer index or a list of them, got {sel!r}.")
+    return tuple(int(v) for v in values)
+
+
+def _plain(cfg: Any) -> dict:
+    """``cfg`` as plain dicts and lists, interpolations resolved. ``paths.run_dir`` stays unresolved when it cannot
+    be (``${hydra:runtime.output_dir}`` outside a Hydra app: the caller then passes the run directory)."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True) if cfg else {}
+    out = {}
+    for key in cfg:
+        try:
+            out[key] = OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
+        except OmegaConfBaseException:
+            if key != "paths":
+                raise
+            out[key] = {"run_dir": None}
+    return out

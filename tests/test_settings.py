@@ -1,0 +1,146 @@
+"""RunSettings: built from every configuration a user can compose, plain data only, unknown keys and bad values
+refused by name, YAML defaults for keys a configuration lacks, and handed to the run's context."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from pathlib import Path
+
+import pytest
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from ddcnn.config import CONFIG_DIR, compose
+from ddcnn.settings import RunSettings, yaml_default
+
+CONF = Path(CONFIG_DIR)
+# Every option of every group (its default and the others) and every experiment.
+GROUPS = sorted(
+    f"{folder.name}={path.stem}"
+    for folder in CONF.iterdir()
+    if folder.is_dir() and folder.name not in ("hydra", "experiment")
+    for path in folder.glob("*.yaml")
+    if not path.stem.startswith("_")
+)
+EXPERIMENTS = sorted(f"experiment={path.stem}" for path in (CONF / "experiment").glob("*.yaml"))
+
+
+def _settings(*overrides: str) -> RunSettings:
+    return RunSettings.from_config(compose(list(overrides), run_dir="/tmp/ddcnn-settings-unused"))
+
+
+def _walk(value, path: str = "settings"):
+    """Every value held by ``value``, recursively through dataclasses, mappings and sequences, with its path."""
+    yield path, value
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _walk(getattr(value, f.name), f"{path}.{f.name}")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _walk(v, f"{path}[{k!r}]")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            yield from _walk(v, f"{path}[{i}]")
+
+
+def test_the_default_configuration_builds():
+    settings = _settings()
+    assert settings.stage == "all" and settings.data.name == "digits" and settings.fit.trainer.max_epochs >= 1
+    assert settings.methods.global_ddp.num_devices == yaml_default("methods.global_ddp.num_devices") == 2
+    assert settings.coarse.monitor == yaml_default("coarse.monitor")
+
+
+@pytest.mark.parametrize("override", [*GROUPS, *EXPERIMENTS, "methods=all"])
+def test_every_group_option_and_experiment_builds_plain_frozen_settings(override):
+    settings = _settings(override)
+    omegaconf_objects = [path for path, v in _walk(settings) if isinstance(v, DictConfig | ListConfig)]
+    assert not omegaconf_objects
+    assert len(list(_walk(settings))) > 100  # the walk reaches into every section and spec
+    # Frozen: a setting cannot be changed below the entry.
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.seed = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.store.reuse = False  # type: ignore[misc]
+    # Plain data: it pickles to worker processes and back unchanged.
+    assert pickle.loads(pickle.dumps(settings)) == settings
+
+
+def test_the_settings_say_what_the_configuration_says():
+    settings = _settings(
+        "parallel.workers=3",
+        "store.reuse=false",
+        "report.curves.points=4",
+        "methods.e2e.lr_scale=0.5",
+        "methods.enabled.stacker=false",
+        "subdomain=[1,2]",
+        "data.batch_size=16",
+    )
+    assert settings.parallel.workers == 3 and settings.store.reuse is False
+    assert settings.report.curves.points == 4 and settings.methods.e2e.lr_scale == 0.5
+    assert settings.methods.enabled["stacker"] is False and settings.subdomain == (1, 2)
+    assert settings.data.batch_size == 16 and settings.model["_target_"] == "ddcnn.models.vgg.vgg_small"
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("+store.reuse_all=true", r"store\.reuse_all=True is not a setting of ddcnn; the store settings are .*reuse"),
+        ("+parallel.worker=2", r"parallel\.worker=2 is not a setting .* parallel settings are .*workers, accelerator"),
+        ("+report.curves.every=2", r"report\.curves\.every=2 is not a setting .* enabled, points, max_train_rows"),
+        ("+methods.e2e.epochs=3", r"methods\.e2e\.epochs=3 is not a setting .* max_epochs, lr_scale"),
+        ("+coarse.lr=0.1", r"coarse\.lr=0\.1 is not a setting .* the coarse settings are .*input"),
+        ("+seeds=3", r"seeds=3 is not a setting of ddcnn; the top-level settings are .*seed"),
+        ("+trainer.foo=1", r"trainer\.foo=1 is not a setting of ddcnn's training loop"),
+        ("store.reuse=maybe", r"store\.reuse must be true or false .* got 'maybe'"),
+        ("parallel.workers=0", r"parallel\.workers must be a positive whole number, got 0"),
+        ("parallel.mode=slurm", r"parallel\.mode must be auto .*, got 'slurm'"),
+        ("report.plots=yes", r"report\.plots must be true or false .* got 'yes'"),
+        ("report.curves.points=-1", r"report\.curves\.points and max_train_rows must be >= 0"),
+        ("methods.transfer.lr_scale=0", r"methods\.transfer\.lr_scale must be a positive number, got 0"),
+        ("methods.e2e.max_epochs=0", r"methods\.e2e\.max_epochs must be a positive whole number, got 0"),
+        ("coarse.monitor=val_auc", r"coarse\.monitor must be val_loss or val_acc"),
+        ("data.num_classes=0", r"data\.num_classes must be a positive whole number or auto"),
+    ],
+)
+def test_unknown_keys_and_bad_values_are_refused_by_name(override, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _settings(override)
+
+
+def test_a_configuration_without_newer_sections_takes_the_yaml_defaults():
+    """A ``config.yaml`` that an older ddcnn wrote into a run directory may lack sections added since: the settings
+    take their YAML defaults (no default is written in code)."""
+    cfg = compose([], run_dir="/tmp/ddcnn-settings-unused")
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("store", "report"):
+        del plain[key]
+    del plain["parallel"]["startup_timeout_s"]
+    settings = RunSettings.from_config(OmegaConf.create(plain))
+    assert settings.store == _settings().store and settings.report == _settings().report
+    assert settings.parallel.startup_timeout_s == yaml_default("parallel.startup_timeout_s") == 600
+
+
+def test_data_counts_set_to_auto_are_resolved_from_the_data():
+    settings = _settings("data.num_classes=auto", "data.in_channels=auto")
+    assert settings.data.num_classes == "auto"
+    resolved = settings.with_data_counts(num_classes=10, in_channels=1)
+    assert (resolved.data.num_classes, resolved.data.in_channels) == (10, 1)
+    assert settings.data.num_classes == "auto"  # the original is unchanged
+
+
+def test_the_context_holds_the_settings_with_the_data_counts(make_cfg):
+    from ddcnn.context import build_context
+
+    ctx = build_context(make_cfg("data.num_classes=auto"), claim=False)
+    assert isinstance(ctx.settings, RunSettings)
+    assert ctx.settings.data.num_classes == ctx.data.num_classes == 10
+    assert ctx.settings.data.batch_size == int(ctx.cfg.data.batch_size)
+
+
+def test_global_ddp_devices_are_checked_whenever_the_method_is_enabled():
+    """Also in a run of another stage (its local nets first): the DDP baseline would fail only later otherwise."""
+    bad = ("methods.enabled.global_ddp=true", "methods.global_ddp.num_devices=3", "data.batch_size=32")
+    for stage in ("all", "local"):
+        with pytest.raises(ValueError, match=r"num_devices=3 does not divide data\.batch_size=32"):
+            _settings(*bad, f"stage={stage}")
+    assert _settings(*bad[1:], "stage=local").methods.global_ddp.num_devices == 3  # not enabled: not checked
