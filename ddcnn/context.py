@@ -110,7 +110,14 @@ def load_data(cfg: DictConfig) -> Prepared:
         num_classes=_count(d.num_classes),
         in_channels=_count(d.in_channels),
         spatial_dims=int(d.spatial_dims),
-        image_size=tuple(image_size) if image_size is not None else None,
+        # one whole number is the size along every axis (data.image_size=64), as the image-folder source reads it
+        image_size=(
+            None
+            if image_size is None
+            else (int(image_size),) * int(d.spatial_dims)
+            if isinstance(image_size, int)
+            else tuple(image_size)
+        ),
         val_fraction=float(d.get("val_fraction", 0.1)),
         split_seed=int(d.get("split_seed", 0)),
         train_subset=d.get("train_subset"),

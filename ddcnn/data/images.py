@@ -355,6 +355,7 @@ def read_folder(
     images = _check_read(root, folders, class_names, files, on_bad_file, size)
     channels = in_channels if in_channels is not None else (3 if any(f.colour for f in images) else 1)
     report = _read_report(root, folders, files, outside, images, channels, on_bad_file)
+    report["image_size"] = list(size) if size is not None else None
     if size is not None and resize_mode == "stretch":
         report["stretched"] = _stretched(images, size)
     kept = images
@@ -364,6 +365,11 @@ def read_folder(
     if "test" not in folders:  # carved from train, stratified, as ddcnn has always split a folder of class folders
         from ddcnn.data.splits import stratified_split
 
+        if isinstance(test_fraction, bool) or not 0.0 < float(test_fraction) < 1.0:
+            raise ValueError(
+                f"data.source.test_fraction={test_fraction!r} must be strictly between 0 and 1 (the share of every "
+                f"class held out as the test split of {root}, which has no test/ folder); e.g. 0.3, the default."
+            )
         train = [f for f in kept if f.split == "train"]
         _, held = stratified_split(np.asarray([f.label for f in train], dtype=np.int64), test_fraction, seed)
         for i in held:
@@ -373,6 +379,9 @@ def read_folder(
     splits = {
         split: _arrays(part, channels) for split in SPLIT_FOLDERS if (part := [f for f in kept if f.split == split])
     }
+    report["classes_short"] = _classes_short(class_names, kept, has_val="val" in folders)
+    if size is not None:
+        report["enlarged"] = _enlarged(images, size)
     report["seconds"] = round(time.perf_counter() - started, 2)
     report["summary"] = _summary(report, splits)
     _log(root, report)
@@ -471,6 +480,35 @@ def _stretched(images: list[_File], size: tuple[int, ...]) -> int:
     return out
 
 
+def _enlarged(images: list[_File], size: tuple[int, ...]) -> dict:
+    """The images smaller than ``size`` along both axes (enlarged: more pixels, no more detail), and the largest."""
+    small = [f for f in images if f.size[0] < size[0] and f.size[1] < size[1]]
+    largest = max((f.size for f in images), key=lambda hw: hw[0] * hw[1])
+    return {"count": len(small), "largest": list(largest)}
+
+
+# A class needs this many images for one in each of train, validation (carved from train) and test.
+MIN_IMAGES_PER_CLASS = 3
+
+
+def _classes_short(class_names: list[str], kept: list[_File], has_val: bool) -> dict:
+    """Classes left without a test image, or (when validation is carved from train: every class with at least 2
+    training images gives one, :func:`ddcnn.data.splits.stratified_split`) without a validation image."""
+    counts = Counter((f.split, f.label) for f in kept)
+    total = Counter(f.label for f in kept)
+    no_test = [class_names[c] for c in range(len(class_names)) if not counts["test", c]]
+    no_val = [
+        class_names[c]
+        for c in range(len(class_names))
+        if (not counts["val", c] if has_val else counts["train", c] < 2) and class_names[c] not in no_test
+    ]
+    return {
+        "no_test": no_test,
+        "no_val": no_val,
+        "images": {name: total[class_names.index(name)] for name in no_test + no_val},
+    }
+
+
 def _groups(images: list[_File]) -> list[list[_File]]:
     by_digest = defaultdict(list)
     for f in images:
@@ -551,6 +589,26 @@ def _log(root: Path, report: dict) -> None:
     if report["not_images"]["count"]:
         log.info("image folder %s: ignored %d file(s) that are not images, e.g. %s", root,
                  report["not_images"]["count"], "; ".join(report["not_images"]["examples"]))  # fmt: skip
+    short = report["classes_short"]
+    if short["no_test"] or short["no_val"]:
+        missing = [f"{name} ({short['images'][name]} image(s): no test image)" for name in short["no_test"]]
+        missing += [f"{name} ({short['images'][name]} image(s): no validation image)" for name in short["no_val"]]
+        log.warning(
+            "image folder %s: %d class(es) have too few images to appear in every split: %s. A class needs %d images "
+            "for one in each of train, validation and test; its accuracy is not measured on a split it is missing "
+            "from. Add images to these classes, remove their folders, or lay out a published split (ROOT/train, "
+            "ROOT/val, ROOT/test) that holds each class in each",
+            root, len(missing), _listing(missing, SHOWN), MIN_IMAGES_PER_CLASS,
+        )  # fmt: skip
+    enlarged = report.get("enlarged")
+    if enlarged and enlarged["count"] == report["images"]:
+        (h, w), target = enlarged["largest"], report["image_size"]
+        log.warning(
+            "image folder %s: every image is smaller than data.image_size=[%d, %d] (the largest %dx%d) and is "
+            "enlarged: %.1f times its pixels in memory, on disk and in every convolution, with no detail added. "
+            "data.image_size=null keeps the images' own size (when they share one), or set a smaller data.image_size",
+            root, target[0], target[1], h, w, target[0] * target[1] / (h * w),
+        )  # fmt: skip
     if report.get("stretched"):
         log.warning(
             "image folder %s: %d of %d images change their aspect ratio by more than %.0f%% when stretched to "

@@ -12,9 +12,19 @@ checkpoint of that library loads into it, :mod:`ddcnn.models.pretrained`):
 - MONAI (2D and 3D): ``monai.networks.nets.<arch>(spatial_dims=..., in_channels=..., out_channels=..., **kwargs)``
   (the names each MONAI network uses: ``num_classes`` for EfficientNet and SENet, ``n_input_channels`` for ResNet).
 
+A fresh classifier starts with logits of the scale of its features whatever the class count: some libraries
+initialise it for ImageNet's 1000 classes (timm's MobileNetV2/V3/V4, EfficientNet, MNASNet and LCNet, torchvision's and
+MONAI's EfficientNet draw its weights from U(+-1/sqrt(num_classes)), Google's rule; torchvision's MNASNet scales them
+by the class count too), which for 10 classes and 1280 features makes the logits 6.5 times the
+features' scale (a 14x14 MNIST batch through timm's ``mobilenetv2_100``: logits of std 4.7, a first loss of 6.8
+instead of ln 10 = 2.3), for 2 classes 14.6 times. :func:`calm_classifier` re-initialises such a classifier as PyTorch
+initialises a linear layer (U(+-1/sqrt(in_features)), a gain of 1/sqrt(3) from the features to the logits) and
+leaves every other library's choice as it is.
+
 Nothing is downloaded: ``pretrained``/``weights`` arguments that would fetch weights from a hub are refused with the
-fix (``model.weights=PATH``, a local file). Each library is an optional extra of ddcnn; a missing one is named with
-the command that installs it.
+fix (``model.weights=PATH``, a local file), and a constructor whose own default would download (MONAI's
+``EfficientNetBN``: ``pretrained=True``) is called with ``pretrained=False``. Each library is an optional extra of
+ddcnn; a missing one is named with the command that installs it.
 
 :func:`smallest_input` finds the smallest input a network accepts (some stop on inputs below a size: MONAI's
 DenseNet121 needs 29 pixels per side, after a stride-2 7x7 stem, a max pool and three 2x2 average pools), and
@@ -30,6 +40,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import logging
 import math
 from types import ModuleType
 
@@ -46,10 +57,13 @@ __all__ = [
     "library_of_target",
     "adapter_spec",
     "describe_arch",
+    "calm_classifier",
     "smallest_input",
     "Downsampling",
     "downsampling",
 ]
+
+log = logging.getLogger(__name__)
 
 # library -> (module to import, what installs it)
 LIBRARIES: dict[str, tuple[str, str]] = {
@@ -140,6 +154,42 @@ def _unknown(library: str, arch: str, names: list[str], listing: str) -> ValueEr
     return ValueError(f"{library} has no classification network named model.arch={arch!r}.{hint} {listing}")
 
 
+# A fresh classifier whose weights' std times sqrt(in_features) exceeds this makes logits larger than its features:
+# PyTorch's default linear layer has 1/sqrt(3) = 0.58, torchvision's MobileNetV2 0.36, ConvNeXt 0.36; Google's rule
+# sqrt(in_features / (3 * num_classes)): 6.5 for 1280 features and 10 classes, 0.65 for 1000 classes.
+MAX_CLASSIFIER_GAIN = 1.0
+_CALMED: set[tuple] = set()
+
+
+def calm_classifier(net: nn.Module, num_classes: int, name: str = "") -> float | None:
+    """Re-initialise ``net``'s classifier (its last linear layer with ``num_classes`` outputs) as PyTorch initialises
+    a linear layer when its initial gain ``std(weight) * sqrt(in_features)`` (the logits' scale over the features')
+    exceeds :data:`MAX_CLASSIFIER_GAIN`, so that a fresh network's first loss is near ln(num_classes) whatever the
+    class count. Returns the gain it replaced, or ``None`` when the classifier was kept (or there is none)."""
+    last = None
+    for module in net.modules():
+        if isinstance(module, nn.Linear) and module.out_features == num_classes:
+            last = module
+    if last is None or last.in_features < 2:
+        return None
+    gain = float(last.weight.detach().float().std()) * math.sqrt(last.in_features)
+    if not math.isfinite(gain) or gain <= MAX_CLASSIFIER_GAIN:
+        return None
+    last.reset_parameters()
+    key = (name, num_classes)
+    if key not in _CALMED:  # built once per local net and once for the global CNN: said once
+        _CALMED.add(key)
+        log.info(
+            "%s: its classifier was initialised for many classes (logits %.1f times its features' scale for %d "
+            "classes); re-initialised as a PyTorch linear layer (0.58), so that training starts near ln %d",
+            name or type(net).__name__,
+            gain,
+            num_classes,
+            num_classes,
+        )
+    return gain
+
+
 def timm_net(arch: str, spatial_dims: int, in_channels: int, num_classes: int, **kwargs) -> nn.Module:
     """The timm network ``arch`` with ``in_chans=in_channels`` and ``num_classes`` (timm adapts the stem and the head).
 
@@ -156,7 +206,9 @@ def timm_net(arch: str, spatial_dims: int, in_channels: int, num_classes: int, *
     kwargs.pop("pretrained", None)
     if not timm.is_model(arch):
         raise _unknown("timm", arch, timm.list_models(), "timm.list_models('*name*') lists them.")
-    return timm.create_model(arch, pretrained=False, in_chans=in_channels, num_classes=num_classes, **kwargs)
+    net = timm.create_model(arch, pretrained=False, in_chans=in_channels, num_classes=num_classes, **kwargs)
+    calm_classifier(net, num_classes, f"timm {arch}")
+    return net
 
 
 def _first_conv(net: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
@@ -216,6 +268,7 @@ def torchvision_net(arch: str, spatial_dims: int, in_channels: int, num_classes:
             padding_mode=conv.padding_mode,
         )
         setattr(parent, name, new)
+    calm_classifier(net, num_classes, f"torchvision {arch}")
     return net
 
 
@@ -262,7 +315,11 @@ def monai_net(arch: str, spatial_dims: int, in_channels: int, num_classes: int, 
         )
     if classes not in params and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         raise ValueError(f"monai {arch}: its constructor takes no {classes}; it is not a classification network.")
-    return ctor(spatial_dims=spatial_dims, **{channels: in_channels, classes: num_classes}, **kwargs)
+    if "pretrained" in params:  # EfficientNetBN's default (pretrained=True) would download
+        kwargs["pretrained"] = False
+    net = ctor(spatial_dims=spatial_dims, **{channels: in_channels, classes: num_classes}, **kwargs)
+    calm_classifier(net, num_classes, f"monai {arch}")
+    return net
 
 
 # --- what sizes a network takes -------------------------------------------------------------------

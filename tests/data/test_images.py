@@ -304,3 +304,67 @@ def test_report_and_class_counts_come_back_from_the_store(tmp_path, caplog):
     assert again.info["report"] == first.info["report"] and again.info["report"]["duplicates"]["groups"] == 2
     assert again.info["class_counts"]["test"]["class 0"] == 2  # 1 + the leaked copy
     assert "as read when prepared" in caplog.text and "test per class: class 0 2" in caplog.text
+
+
+def test_a_folder_is_decoded_once_with_the_default_settings(make_cfg, tmp_path, monkeypatch):
+    """``data=image_folder`` as typed: the first run prepares the folder into the store, a second run (or worker) maps
+    it without decoding a file (decoding 20,000 small PNGs costs seconds; a folder of photographs, minutes)."""
+    from ddcnn.context import load_data
+    from ddcnn.data import images
+
+    root = messy_folder(tmp_path / "data", per_class=(3, 1, 1))
+    monkeypatch.setenv("DDCNN_STORE", str(tmp_path / "store"))
+    cfg = make_cfg("data=image_folder", f"data.root={root}", "data.image_size=16")  # one number: both sides
+    first = load_data(cfg)
+    assert first.holding == "mapped" and first.info["built"] and tuple(first.image_shape) == (16, 16)
+    decoded = []
+    monkeypatch.setattr(images, "_decode", lambda *a: decoded.append(a))
+    again = load_data(cfg)
+    assert again.holding == "mapped" and not again.info["built"] and not decoded
+    assert again.info["class_counts"] == first.info["class_counts"]
+
+
+def test_classes_too_small_for_every_split_are_named(tmp_path, caplog):
+    """Tens of classes with a few images each: a class of 3 images has one in train, validation and test; one of 2
+    has no validation image, one of 1 no test image; the log names them and the report lists them."""
+    import logging
+
+    root = tmp_path / "few"
+    for c, n in enumerate([1, 2, 3, 5, 8]):
+        (root / f"class {c}").mkdir(parents=True)
+        for k in range(n):
+            Image.fromarray(_pattern(c % 4, 12, 12, 100 * c + k)).save(root / f"class {c}" / f"{k}.png")
+    with caplog.at_level(logging.WARNING, logger="ddcnn.data.images"):
+        splits = image_folder(root)
+    assert splits.report["classes_short"] == {
+        "no_test": ["class 0"],
+        "no_val": ["class 1"],
+        "images": {"class 0": 1, "class 1": 2},
+    }
+    assert "2 class(es) have too few images to appear in every split" in caplog.text
+    assert "class 0 (1 image(s): no test image); class 1 (2 image(s): no validation image)" in caplog.text
+    data = prepare(splits, num_classes="auto", in_channels="auto", spatial_dims=2, val_fraction=0.15)
+    counts = data.info["class_counts"]
+    assert [counts[s]["class 2"] for s in ("train", "val", "test")] == [1, 1, 1]
+    assert counts["val"]["class 1"] == 0 and counts["test"]["class 0"] == 0
+    with pytest.raises(ValueError, match=r"data.source.test_fraction=0 must be strictly between 0 and 1"):
+        image_folder(root, test_fraction=0)
+
+
+def test_enlarging_every_image_is_warned_with_its_cost(tmp_path, caplog):
+    import logging
+
+    root = tmp_path / "small"
+    for c in range(2):
+        (root / str(c)).mkdir(parents=True)
+        for k in range(3):
+            Image.fromarray(_pattern(c, 28, 28, 10 * c + k)).save(root / str(c) / f"{k}.png")
+    with caplog.at_level(logging.WARNING, logger="ddcnn.data.images"):
+        splits = image_folder(root, image_size=(64, 64))
+    assert splits.report["enlarged"] == {"count": 6, "largest": [28, 28]}
+    assert "every image is smaller than data.image_size=[64, 64] (the largest 28x28)" in caplog.text
+    assert "5.2 times its pixels" in caplog.text and "data.image_size=null" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ddcnn.data.images"):
+        image_folder(root, image_size=(28, 28))
+    assert "enlarged" not in caplog.text

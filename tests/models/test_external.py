@@ -64,6 +64,48 @@ def test_each_library_builds_for_the_data_channels_and_classes(case):
     assert first.in_channels == 2  # torchvision's 3-channel stem replaced, timm's and MONAI's built for 2
 
 
+# Networks whose library initialises the classifier for ImageNet's 1000 classes (weights ~ U(+-1/sqrt(num_classes))).
+_THOUSAND_CLASS_HEADS = [
+    ("timm", "mobilenetv2_035", {}),
+    ("torchvision", "mnasnet0_5", {}),
+    ("monai", "EfficientNetBN", {"model_name": "efficientnet-b0"}),
+]
+
+
+@pytest.mark.parametrize("library, arch, kwargs", _THOUSAND_CLASS_HEADS, ids=[a for _, a, _ in _THOUSAND_CLASS_HEADS])
+@pytest.mark.parametrize("classes", [2, 10])
+def test_a_fresh_backbone_starts_near_ln_k_whatever_the_class_count(library, arch, kwargs, classes, monkeypatch):
+    """A fresh network's first loss is that of uniform guesses, ln K, not several times it: with the libraries' own
+    classifier (timm's mobilenetv2_100 on 14x14 MNIST: 6.8 for 10 classes) training spends its first epochs shrinking
+    logits. Also: nothing is downloaded (MONAI's EfficientNetBN defaults to pretrained=True)."""
+
+    def no_download(*args, **kw):
+        raise AssertionError(f"{library} {arch} tried to download weights")
+
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", no_download)
+    monkeypatch.setattr(torch.utils.model_zoo, "load_url", no_download)
+    torch.manual_seed(0)
+    net = getattr(external, f"{library}_net")(arch, 2, 1, classes, **kwargs).train()
+    x = torch.randn(16, 1, 32, 32)
+    y = torch.arange(16) % classes
+    with torch.no_grad():
+        logits = net(x)
+    loss = float(nn.functional.cross_entropy(logits, y))
+    assert loss < 1.25 * np.log(classes), (loss, np.log(classes))
+    assert float(logits.std()) < 1.0
+
+
+def test_a_sane_classifier_is_kept_as_its_library_initialised_it():
+    torch.manual_seed(0)
+    net = external.torchvision_net("mobilenet_v2", 2, 1, NUM_CLASSES, width_mult=0.25)  # normal(0, 0.01): gain 0.36
+    torch.manual_seed(0)
+    import torchvision
+
+    own = torchvision.models.mobilenet_v2(num_classes=NUM_CLASSES, width_mult=0.25)
+    assert torch.equal(net.classifier[-1].weight, own.classifier[-1].weight)
+    assert external.calm_classifier(net, NUM_CLASSES) is None
+
+
 def test_library_errors_name_the_fix():
     with pytest.raises(ValueError, match="model=monai"):
         external.timm_net("mobilenetv2_035", 3, 1, 2)
