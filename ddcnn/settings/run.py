@@ -23,10 +23,13 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddcnn import registry
 from ddcnn.settings.fit import FitSettings, check_srun_ddp
+
+if TYPE_CHECKING:
+    from ddcnn.data.prepare import PrepareSettings
 
 __all__ = [
     "RunSettings",
@@ -243,6 +246,25 @@ class DataSettings:
         )
         # The dataset's own keys (path, root, resize_mode, ...): its source spec interpolates and checks them.
         return dataclasses.replace(out, extra={k: v for k, v in d.given.items() if k not in d.read})
+
+    def prepare_settings(self) -> PrepareSettings:
+        """The settings of the preparation (:class:`~ddcnn.data.prepare.PrepareSettings`: all but ``normalize`` name
+        the prepared copy in the store)."""
+        from ddcnn.data.prepare import PrepareSettings
+
+        return PrepareSettings(
+            num_classes=self.num_classes,
+            in_channels=self.in_channels,
+            spatial_dims=self.spatial_dims,
+            image_size=self.image_size,
+            val_fraction=self.val_fraction,
+            split_seed=self.split_seed,
+            train_subset=self.train_subset,
+            test_subset=self.test_subset,
+            normalize=self.normalize,
+            float_storage=self.float_storage,
+            window=self.window,
+        )
 
 
 @dataclass(frozen=True)
