@@ -29,7 +29,7 @@ from ddcnn.decomposition import Decomposition
 from ddcnn.models import external, pretrained
 from ddcnn.models.cnn_dnn import CNNDNN
 from ddcnn.rundir import RunDir, file_sha256
-from ddcnn.settings import RunSettings, StoreSettings
+from ddcnn.settings import CoarseSettings, RunSettings, StoreSettings
 from ddcnn.store import Store, default_root
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
         _check_input_size(ctx, key, what, net, tuple(spatial))
     key, shape = "coarse.net", (2, dec.num_subdomains, data.num_classes)
     try:
-        net = build_coarse_net(cfg, dec.num_subdomains, data.num_classes)
+        net = build_coarse_net(ctx.settings.coarse, dec.num_subdomains, data.num_classes)
     except Exception as err:
         target = _spec_of(ctx, key).get("_target_", "?")
         raise ValueError(
@@ -438,14 +438,14 @@ def _log_weights(key: str, net: nn.Module) -> None:
     log.info("%s.weights: %s", key, "; ".join(parts))
 
 
-def coarse_net_spec(cfg: DictConfig, kind: str | None = None) -> dict:
+def coarse_net_spec(coarse: CoarseSettings, kind: str | None = None) -> dict:
     """The coarse DNN's constructor settings (``coarse.net``) for local outputs of ``kind`` (default
     ``coarse.input``), as plain data: the coarse stage records them in its ``meta.json``, and a finished coarse DNN is
     rebuilt from that record (:func:`finished_coarse_spec`), whatever the configuration says today."""
-    spec = OmegaConf.to_container(cfg.coarse.net, resolve=True)
+    spec = copy.deepcopy(coarse.net)
     target = str(spec.get("_target_", ""))
     if target.endswith("CoarseMLP"):
-        spec["inputs"] = str(kind or cfg.coarse.get("input", "probs"))
+        spec["inputs"] = str(kind or coarse.input)
     return spec
 
 
@@ -456,17 +456,18 @@ def finished_coarse_spec(ctx: Context, stage: str = "coarse") -> dict:
     meta = ctx.run.meta(stage)
     if isinstance(meta.get("coarse_net"), dict):
         return dict(meta["coarse_net"])
-    spec = OmegaConf.to_container(ctx.cfg.coarse.net, resolve=True)
+    spec = copy.deepcopy(ctx.settings.coarse.net)
     for key in ("inputs", "input_norm", "skip", "linear"):
         spec.pop(key, None)
     return spec
 
 
 def build_coarse_net(
-    cfg: DictConfig, num_subdomains: int, num_classes: int, kind: str | None = None, spec: dict | None = None
+    coarse: CoarseSettings, num_subdomains: int, num_classes: int, kind: str | None = None, spec: dict | None = None
 ) -> nn.Module:
-    """The coarse DNN of ``spec`` (default: :func:`coarse_net_spec` of ``cfg`` for local outputs of ``kind``)."""
-    spec = coarse_net_spec(cfg, kind) if spec is None else spec
+    """The coarse DNN of ``spec`` (default: :func:`coarse_net_spec` of the ``coarse`` settings for local outputs of
+    ``kind``)."""
+    spec = coarse_net_spec(coarse, kind) if spec is None else spec
     return instantiate(spec, num_subdomains=num_subdomains, num_classes=num_classes)
 
 
@@ -485,8 +486,8 @@ def assemble_cnn_dnn(ctx: Context) -> CNNDNN:
         net = build_local_net(ctx.cfg, ctx.data, weights=False)  # its trained weights follow
         net.load_state_dict(torch.load(ctx.run.stage_dir("local", i) / "net.pt", weights_only=True))
         nets.append(net)
-    kind = str(ctx.run.meta("coarse").get("input") or ctx.cfg.coarse.get("input", "probs"))
-    coarse = build_coarse_net(ctx.cfg, n, ctx.data.num_classes, kind=kind, spec=finished_coarse_spec(ctx))
+    kind = str(ctx.run.meta("coarse").get("input") or ctx.settings.coarse.input)
+    coarse = build_coarse_net(ctx.settings.coarse, n, ctx.data.num_classes, spec=finished_coarse_spec(ctx))
     coarse.load_state_dict(torch.load(ctx.run.stage_dir("coarse") / "net.pt", weights_only=True))
     model = CNNDNN(ctx.decomposition, nets, coarse, kind)
     return model.eval()
