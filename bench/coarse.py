@@ -117,9 +117,10 @@ def _former_recipe(run_dir: Path, row: str, seed: int, extra: list[str]) -> tupl
     ctx = build_context(cfg, run_dir, claim=False)
     x, y = coarse_inputs(ctx, "probs")
     torch.manual_seed(seed)
-    net = build_coarse_net(cfg, ctx.decomposition.num_subdomains, ctx.data.num_classes, kind="probs")
+    coarse = ctx.settings.coarse
+    net = build_coarse_net(coarse, ctx.decomposition.num_subdomains, ctx.data.num_classes, kind="probs")
     with tempfile.TemporaryDirectory() as folder:
-        fitted = fit_coarse(net, x, y, folder, cfg.coarse, seed=seed)
+        fitted = fit_coarse(net, x, y, folder, coarse, seed=seed)
     with torch.no_grad():
         logits = fitted.net.eval()(x["test"])
     return float((logits.argmax(-1) == y["test"]).float().mean()), float(F.cross_entropy(logits, y["test"]))
@@ -206,10 +207,11 @@ def grid_section() -> None:
     from ddcnn.context import build_coarse_net
     from ddcnn.data.synthetic import synthetic_local_outputs
     from ddcnn.metrics import majority_rate, near_chance
+    from ddcnn.settings import RunSettings
     from ddcnn.stages.coarse import fit_coarse
 
     torch.set_num_threads(1)
-    cfg = compose([])
+    coarse = RunSettings.from_config(compose([])).coarse
     print("\n## synthetic grid: N=4 local nets (N=16 for 10^5 rows), probabilities and logits")
     print("| rows | classes | input | majority rate | mean prob | CNN-DNN | fit (s) | at chance |")
     print("|---|---|---|---|---|---|---|---|")
@@ -223,10 +225,10 @@ def grid_section() -> None:
                 if kind == "probs":
                     x = {s: v.softmax(-1) for s, v in x.items()}
                 torch.manual_seed(0)
-                net = build_coarse_net(cfg, subdomains, k, kind=kind)
+                net = build_coarse_net(coarse, subdomains, k, kind=kind)
                 start = time.perf_counter()
                 with tempfile.TemporaryDirectory() as folder:
-                    fitted = fit_coarse(net, x, y, folder, cfg.coarse, seed=0)
+                    fitted = fit_coarse(net, x, y, folder, coarse, seed=0)
                 seconds = time.perf_counter() - start
                 with torch.no_grad():
                     acc = float((fitted.net.eval()(x["test"]).argmax(-1) == y["test"]).float().mean())

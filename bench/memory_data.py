@@ -91,7 +91,8 @@ _PREPARE = """
 import sys
 from ddcnn.config import compose
 from ddcnn.context import load_data
-data = load_data(compose(sys.argv[1:]))
+from ddcnn.settings import RunSettings
+data = load_data(RunSettings.from_config(compose(sys.argv[1:])))
 print(data.holding, data.entry)
 """
 

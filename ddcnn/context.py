@@ -19,17 +19,17 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from ddcnn.data.augment import Augment
-from ddcnn.data.prepare import Prepared, PrepareSettings, load_prepared
+from ddcnn.data.prepare import Prepared, load_prepared
 from ddcnn.data.sources import NOT_IDENTITY
 from ddcnn.decomposition import Decomposition
 from ddcnn.models import external, pretrained
 from ddcnn.models.cnn_dnn import CNNDNN
 from ddcnn.rundir import RunDir, file_sha256
-from ddcnn.settings import RunSettings, StoreSettings
+from ddcnn.settings import CoarseSettings, RunSettings, StoreSettings
 from ddcnn.store import Store, default_root
 
 log = logging.getLogger(__name__)
@@ -37,10 +37,8 @@ log = logging.getLogger(__name__)
 __all__ = [
     "Context",
     "load_data",
-    "data_store",
     "open_store",
     "build_context",
-    "resolve_data_counts",
     "check_networks",
     "tuple_or_int",
     "build_augment",
@@ -74,12 +72,6 @@ def open_store(store: StoreSettings) -> Store:
     return Store(default_root(store.root), stale_after_s=store.stale_after_s)
 
 
-def data_store(cfg: DictConfig) -> Store:
-    """The store of prepared data (``store.root``, else ``$DDCNN_STORE``, else ``~/.cache/ddcnn``)."""
-    node = cfg.get("store") or {}
-    return Store(default_root(node.get("root")), stale_after_s=float(node.get("stale_after_s", 120) or 120))
-
-
 def _accepts(target: str, name: str) -> bool:
     import inspect
 
@@ -91,55 +83,28 @@ def _accepts(target: str, name: str) -> bool:
         return False
 
 
-def _count(value) -> int | str:
-    """A data-derived count as set: ``auto`` (the data decide) or a whole number."""
-    return "auto" if value == "auto" else int(value)
-
-
-def load_data(cfg: DictConfig) -> Prepared:
-    """The configured source's prepared splits, in memory or memory-mapped from the store as ``data.memory`` says
-    (same numbers in every stage and process; see :mod:`ddcnn.data.prepare`)."""
-    d = cfg.data
-    spec = OmegaConf.to_container(d.source, resolve=True)
-    target = str(spec.get("_target_", ""))
+def load_data(settings: RunSettings) -> Prepared:
+    """The prepared splits of ``data.source``, in memory or memory-mapped from the store as ``data.memory`` says
+    (same numbers in every stage and process; see :mod:`ddcnn.data.prepare`), with ``data.val_target_fraction`` of
+    the validation split carved out as the held-out target split."""
+    d = settings.data
+    target = str(d.source.get("_target_", ""))
     extra = {"lazy": True} if _accepts(target, "lazy") else {}
     if _accepts(target, "in_channels"):  # a source that can read 1 or 3 channels (image files) reads data.in_channels
-        extra["in_channels"] = _count(d.in_channels)
-    image_size, window = d.get("image_size"), d.get("window")
-    settings = PrepareSettings(
-        num_classes=_count(d.num_classes),
-        in_channels=_count(d.in_channels),
-        spatial_dims=int(d.spatial_dims),
-        # one whole number is the size along every axis (data.image_size=64), as the image-folder source reads it
-        image_size=(
-            None
-            if image_size is None
-            else (int(image_size),) * int(d.spatial_dims)
-            if isinstance(image_size, int)
-            else tuple(image_size)
-        ),
-        val_fraction=float(d.get("val_fraction", 0.1)),
-        split_seed=int(d.get("split_seed", 0)),
-        train_subset=d.get("train_subset"),
-        test_subset=d.get("test_subset"),
-        normalize=bool(d.get("normalize", True)),
-        float_storage=d.get("float_storage"),
-        window=tuple(window) if window is not None else None,
-    )
-    memory = d.get("memory") or {}
-    store = cfg.get("store") or {}
+        extra["in_channels"] = d.in_channels
+    prepare = d.prepare_settings()
     data = load_prepared(
         lambda: instantiate(d.source, **extra),
-        {k: v for k, v in spec.items() if k not in NOT_IDENTITY},
-        settings,
-        mode=str(memory.get("mode", "auto")),
-        auto_max_mb=float(memory.get("auto_max_mb", 256)),
-        limit_gb=memory.get("limit_gb"),
-        store=data_store(cfg),
-        stage_to=store.get("stage_to"),
+        {k: v for k, v in d.source.items() if k not in NOT_IDENTITY},
+        prepare,
+        mode=d.memory.mode,
+        auto_max_mb=d.memory.auto_max_mb,
+        limit_gb=d.memory.limit_gb,
+        store=open_store(settings.store),
+        stage_to=settings.store.stage_to,
     )
-    fraction = float(d.get("val_target_fraction") or 0.0)
-    return data.carve_val_target(fraction, settings.split_seed) if fraction > 0 else data
+    fraction = d.val_target_fraction
+    return data.carve_val_target(fraction, prepare.split_seed) if fraction > 0 else data
 
 
 def build_context(
@@ -158,8 +123,8 @@ def build_context(
 
     With ``claim=False`` the caller checks further settings first and then calls
     ``ctx.run.check_fingerprint(ctx.cfg)`` itself. ``ctx.cfg`` is ``cfg`` with ``data.num_classes`` and
-    ``data.in_channels`` set to the data's where they were ``auto`` (:func:`resolve_data_counts`). ``data`` skips
-    loading: the parent of the parallel workers hands them the data it prepared (the tensors in shared memory, or the
+    ``data.in_channels`` set to the data's where they were ``auto``, as are ``ctx.settings``. ``data`` skips loading:
+    the parent of the parallel workers hands them the data it prepared (the tensors in shared memory, or the
     store entry that each worker maps) instead of each worker reading and preparing them again. ``weights=False``
     leaves the pretrained weights file (``model.weights``) unread: a finished run's networks come from its own
     ``net.pt`` files (the export).
@@ -171,8 +136,13 @@ def build_context(
         raise ValueError("no run directory: pass run_dir, or set paths.run_dir (hydra.run.dir under ddcnn-train).")
     run = RunDir(run_dir)
     if data is None:
-        data = load_data(cfg)
-    cfg = resolve_data_counts(cfg, data)
+        data = load_data(settings)
+    auto = [key for key in ("num_classes", "in_channels") if cfg.data.get(key) == "auto"]
+    if auto:  # what the stages read and the fingerprint records: a run of 4 classes is not a run of 5
+        cfg = copy.deepcopy(cfg)
+        with open_dict(cfg):
+            for key in auto:
+                cfg.data[key] = int(getattr(data, key))
     settings = settings.with_data_counts(data.num_classes, data.in_channels)
     grid, overlap = settings.decomposition.grid, settings.decomposition.overlap
     ctx = Context(cfg, run, data, Decomposition(grid, data.image_shape, tuple_or_int(overlap)), settings)
@@ -180,23 +150,6 @@ def build_context(
     if claim:  # only a configuration that can run claims the run directory
         run.check_fingerprint(cfg)
     return ctx
-
-
-def resolve_data_counts(cfg: DictConfig, data: Prepared) -> DictConfig:
-    """``cfg``, or a copy with ``data.num_classes`` / ``data.in_channels`` that were ``auto`` set to the data's: what
-    the stages read, and what the run directory's fingerprint records (a run of 4 classes is not a run of 5)."""
-    auto = [key for key in ("num_classes", "in_channels") if cfg.data.get(key) == "auto"]
-    if not auto:
-        return cfg
-    import copy
-
-    from omegaconf import open_dict
-
-    out = copy.deepcopy(cfg)
-    with open_dict(out):
-        for key in auto:
-            out.data[key] = int(getattr(data, key))
-    return out
 
 
 def check_networks(ctx: Context, weights: bool = True) -> None:
@@ -229,7 +182,7 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
         _check_input_size(ctx, key, what, net, tuple(spatial))
     key, shape = "coarse.net", (2, dec.num_subdomains, data.num_classes)
     try:
-        net = build_coarse_net(cfg, dec.num_subdomains, data.num_classes)
+        net = build_coarse_net(ctx.settings.coarse, dec.num_subdomains, data.num_classes)
     except Exception as err:
         target = _spec_of(ctx, key).get("_target_", "?")
         raise ValueError(
@@ -485,14 +438,14 @@ def _log_weights(key: str, net: nn.Module) -> None:
     log.info("%s.weights: %s", key, "; ".join(parts))
 
 
-def coarse_net_spec(cfg: DictConfig, kind: str | None = None) -> dict:
+def coarse_net_spec(coarse: CoarseSettings, kind: str | None = None) -> dict:
     """The coarse DNN's constructor settings (``coarse.net``) for local outputs of ``kind`` (default
     ``coarse.input``), as plain data: the coarse stage records them in its ``meta.json``, and a finished coarse DNN is
     rebuilt from that record (:func:`finished_coarse_spec`), whatever the configuration says today."""
-    spec = OmegaConf.to_container(cfg.coarse.net, resolve=True)
+    spec = copy.deepcopy(coarse.net)
     target = str(spec.get("_target_", ""))
     if target.endswith("CoarseMLP"):
-        spec["inputs"] = str(kind or cfg.coarse.get("input", "probs"))
+        spec["inputs"] = str(kind or coarse.input)
     return spec
 
 
@@ -503,17 +456,18 @@ def finished_coarse_spec(ctx: Context, stage: str = "coarse") -> dict:
     meta = ctx.run.meta(stage)
     if isinstance(meta.get("coarse_net"), dict):
         return dict(meta["coarse_net"])
-    spec = OmegaConf.to_container(ctx.cfg.coarse.net, resolve=True)
+    spec = copy.deepcopy(ctx.settings.coarse.net)
     for key in ("inputs", "input_norm", "skip", "linear"):
         spec.pop(key, None)
     return spec
 
 
 def build_coarse_net(
-    cfg: DictConfig, num_subdomains: int, num_classes: int, kind: str | None = None, spec: dict | None = None
+    coarse: CoarseSettings, num_subdomains: int, num_classes: int, kind: str | None = None, spec: dict | None = None
 ) -> nn.Module:
-    """The coarse DNN of ``spec`` (default: :func:`coarse_net_spec` of ``cfg`` for local outputs of ``kind``)."""
-    spec = coarse_net_spec(cfg, kind) if spec is None else spec
+    """The coarse DNN of ``spec`` (default: :func:`coarse_net_spec` of the ``coarse`` settings for local outputs of
+    ``kind``)."""
+    spec = coarse_net_spec(coarse, kind) if spec is None else spec
     return instantiate(spec, num_subdomains=num_subdomains, num_classes=num_classes)
 
 
@@ -532,8 +486,8 @@ def assemble_cnn_dnn(ctx: Context) -> CNNDNN:
         net = build_local_net(ctx.cfg, ctx.data, weights=False)  # its trained weights follow
         net.load_state_dict(torch.load(ctx.run.stage_dir("local", i) / "net.pt", weights_only=True))
         nets.append(net)
-    kind = str(ctx.run.meta("coarse").get("input") or ctx.cfg.coarse.get("input", "probs"))
-    coarse = build_coarse_net(ctx.cfg, n, ctx.data.num_classes, kind=kind, spec=finished_coarse_spec(ctx))
+    kind = str(ctx.run.meta("coarse").get("input") or ctx.settings.coarse.input)
+    coarse = build_coarse_net(ctx.settings.coarse, n, ctx.data.num_classes, spec=finished_coarse_spec(ctx))
     coarse.load_state_dict(torch.load(ctx.run.stage_dir("coarse") / "net.pt", weights_only=True))
     model = CNNDNN(ctx.decomposition, nets, coarse, kind)
     return model.eval()

@@ -99,6 +99,9 @@ def test_the_settings_say_what_the_configuration_says():
         ("methods.transfer.lr_scale=0", r"methods\.transfer\.lr_scale must be a positive number, got 0"),
         ("methods.e2e.max_epochs=0", r"methods\.e2e\.max_epochs must be a positive whole number, got 0"),
         ("coarse.monitor=val_auc", r"coarse\.monitor must be val_loss or val_acc"),
+        ("coarse.divergence_restarts=-1", r"coarse\.divergence_restarts must be >= 0, got -1"),
+        ("coarse.steps=0", r"coarse\.steps must be a positive whole number, got 0"),
+        ("coarse.batch_size=0", r"coarse\.batch_size must be a positive whole number, got 0"),
         ("data.num_classes=0", r"data\.num_classes must be a positive whole number or auto"),
     ],
 )
@@ -120,6 +123,22 @@ def test_a_configuration_without_newer_sections_takes_the_yaml_defaults():
     assert settings.parallel.startup_timeout_s == yaml_default("parallel.startup_timeout_s") == 600
 
 
+def test_a_coarse_setting_set_to_null_takes_its_yaml_default_unless_null_means_something():
+    settings = _settings(
+        "coarse.steps=null",
+        "coarse.batch_size=null",
+        "coarse.monitor=null",
+        "coarse.linear.l2_grid=null",
+        "coarse.patience=null",
+        "coarse.checkpoint_every=null",
+    )
+    coarse = settings.coarse
+    assert coarse.steps == yaml_default("coarse.steps") == 400 and coarse.batch_size == "auto"
+    assert coarse.monitor == "val_acc" and coarse.linear.l2_grid == tuple(yaml_default("coarse.linear.l2_grid"))
+    # patience: null trains max_epochs; checkpoint_every: null writes last.ckpt after the last epoch only.
+    assert coarse.patience is None and coarse.checkpoint_every is None
+
+
 def test_data_counts_set_to_auto_are_resolved_from_the_data():
     settings = _settings("data.num_classes=auto", "data.in_channels=auto")
     assert settings.data.num_classes == "auto"
@@ -135,6 +154,18 @@ def test_the_context_holds_the_settings_with_the_data_counts(make_cfg):
     assert isinstance(ctx.settings, RunSettings)
     assert ctx.settings.data.num_classes == ctx.data.num_classes == 10
     assert ctx.settings.data.batch_size == int(ctx.cfg.data.batch_size)
+    # The configuration the run directory's fingerprint is computed from records the data's count, not auto.
+    assert ctx.cfg.data.num_classes == 10
+
+
+def test_the_prepared_data_follow_the_data_settings(make_cfg):
+    from ddcnn.context import load_data
+
+    settings = RunSettings.from_config(make_cfg("data.train_subset=200", "data.test_subset=50"))
+    prepare = settings.data.prepare_settings()
+    assert (prepare.train_subset, prepare.test_subset, prepare.spatial_dims) == (200, 50, 2)
+    data = load_data(settings)
+    assert (len(data.y["train"]), len(data.y["test"])) == (200, 50)
 
 
 def test_global_ddp_devices_are_checked_whenever_the_method_is_enabled():

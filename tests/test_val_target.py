@@ -15,11 +15,12 @@ from ddcnn.context import load_data
 from ddcnn.pipeline import train
 from ddcnn.report.curves import held_out_target, time_to_target
 from ddcnn.rundir import RunDir, fingerprint, result_settings
+from ddcnn.settings import RunSettings
 
 
 def test_the_target_split_is_a_stratified_part_of_validation_that_leaves_it(make_cfg):
-    whole = load_data(make_cfg())
-    carved = load_data(make_cfg("data.val_target_fraction=0.4"))
+    whole = load_data(RunSettings.from_config(make_cfg()))
+    carved = load_data(RunSettings.from_config(make_cfg("data.val_target_fraction=0.4")))
     n_val, n_target = len(carved.y["val"]), len(carved.y["val_target"])
     assert n_val + n_target == len(whole.y["val"]) and n_target == pytest.approx(0.4 * len(whole.y["val"]), abs=10)
     assert carved.info["n_val"] == n_val and carved.info["n_val_target"] == n_target
@@ -35,7 +36,7 @@ def test_the_target_split_is_a_stratified_part_of_validation_that_leaves_it(make
 
 
 def test_mapped_data_keep_the_carved_splits_in_a_worker(make_cfg):
-    data = load_data(make_cfg("data.val_target_fraction=0.5", "data.memory.mode=mapped"))
+    data = load_data(RunSettings.from_config(make_cfg("data.val_target_fraction=0.5", "data.memory.mode=mapped")))
     assert data.holding == "mapped"
     copy = pickle.loads(pickle.dumps(data))  # what a worker process or a DDP rank receives
     for split in ("train", "val", "val_target", "test"):

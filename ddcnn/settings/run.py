@@ -23,10 +23,13 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddcnn import registry
 from ddcnn.settings.fit import FitSettings, check_srun_ddp
+
+if TYPE_CHECKING:
+    from ddcnn.data.prepare import PrepareSettings
 
 __all__ = [
     "RunSettings",
@@ -165,6 +168,14 @@ def _tuple(value: Any) -> tuple | None:
     return None if value is None else tuple(value)
 
 
+def _image_size(value: Any, dims: int) -> tuple[int, ...] | None:
+    """``data.image_size``: null, one size per axis, or one whole number for every axis (``data.image_size=64``, as
+    the image-folder source reads it)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (int(value),) * dims
+    return _tuple(value)
+
+
 # --- data ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MemorySettings:
@@ -228,7 +239,7 @@ class DataSettings:
             spatial_dims=int(dims),
             in_channels=in_channels,
             num_classes=num_classes,
-            image_size=_tuple(d("image_size")),
+            image_size=_image_size(d("image_size"), int(dims)),
             val_fraction=float(frac),
             val_target_fraction=float(target),
             split_seed=int(d("split_seed")),
@@ -243,6 +254,25 @@ class DataSettings:
         )
         # The dataset's own keys (path, root, resize_mode, ...): its source spec interpolates and checks them.
         return dataclasses.replace(out, extra={k: v for k, v in d.given.items() if k not in d.read})
+
+    def prepare_settings(self) -> PrepareSettings:
+        """The settings of the preparation (:class:`~ddcnn.data.prepare.PrepareSettings`: all but ``normalize`` name
+        the prepared copy in the store)."""
+        from ddcnn.data.prepare import PrepareSettings
+
+        return PrepareSettings(
+            num_classes=self.num_classes,
+            in_channels=self.in_channels,
+            spatial_dims=self.spatial_dims,
+            image_size=self.image_size,
+            val_fraction=self.val_fraction,
+            split_seed=self.split_seed,
+            train_subset=self.train_subset,
+            test_subset=self.test_subset,
+            normalize=self.normalize,
+            float_storage=self.float_storage,
+            window=self.window,
+        )
 
 
 @dataclass(frozen=True)
@@ -275,16 +305,20 @@ class CoarseLinearSettings:
 
 @dataclass(frozen=True)
 class CoarseSettings:
-    """``coarse``: the coarse DNN on the local nets' outputs (``ddcnn/stages/coarse.py`` checks its fit)."""
+    """``coarse``: the coarse DNN on the local nets' outputs and its fit (:func:`ddcnn.stages.coarse.fit_coarse`).
+
+    ``batch_size`` / ``max_epochs`` may be ``auto`` (:func:`ddcnn.stages.coarse.coarse_plan`); ``patience: null``
+    trains ``max_epochs``; ``checkpoint_every: null`` writes ``last.ckpt`` after the last epoch only. Any other key
+    set to ``null`` takes its YAML default."""
 
     input: str
     max_epochs: int | str
     batch_size: int | str
-    steps: int | None
+    steps: int
     monitor: str
     patience: int | None
     divergence_restarts: int
-    checkpoint_every: int
+    checkpoint_every: int | None
     num_threads: int | None
     linear: CoarseLinearSettings
     net: dict
@@ -293,31 +327,43 @@ class CoarseSettings:
 
     @classmethod
     def read(cls, c: _Section) -> CoarseSettings:
-        for key in ("batch_size", "max_epochs", "steps"):
-            if c(key) not in (AUTO, None):
-                _positive_int(c(key), f"coarse.{key}")
+        def given(section: _Section, key: str) -> Any:  # null: the YAML default
+            value = section(key)
+            return yaml_default(f"{section.name}.{key}") if value is None else value
+
+        for key in ("batch_size", "max_epochs"):
+            if given(c, key) != AUTO:
+                _positive_int(given(c, key), f"coarse.{key}")
+        steps = _positive_int(given(c, "steps"), "coarse.steps")
         kind = c("input")
         if kind not in ("probs", "logits"):
             raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
-        monitor = c("monitor")
+        monitor = given(c, "monitor")
         if monitor not in ("val_loss", "val_acc"):
             raise ValueError(
                 f"coarse.monitor must be val_loss or val_acc (the validation split selects), got {monitor!r}."
             )
+        restarts = given(c, "divergence_restarts")
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+            raise ValueError(f"coarse.divergence_restarts must be >= 0, got {restarts!r}.")
         lin = c.sub("linear")
         linear = CoarseLinearSettings(
-            bool(lin("enabled")), tuple(float(v) for v in lin("l2_grid")), int(lin("max_rows")), int(lin("max_iter"))
+            bool(given(lin, "enabled")),
+            tuple(float(v) for v in given(lin, "l2_grid")),
+            int(given(lin, "max_rows")),
+            int(given(lin, "max_iter")),
         )
         lin.done()
+        every = c("checkpoint_every")
         out = cls(
             input=str(kind),
-            max_epochs=c("max_epochs"),
-            batch_size=c("batch_size"),
-            steps=c("steps"),
+            max_epochs=given(c, "max_epochs"),
+            batch_size=given(c, "batch_size"),
+            steps=steps,
             monitor=str(monitor),
             patience=c("patience"),
-            divergence_restarts=c("divergence_restarts"),
-            checkpoint_every=c("checkpoint_every"),
+            divergence_restarts=int(restarts),
+            checkpoint_every=None if every is None else int(every),
             num_threads=c("num_threads"),
             linear=linear,
             net=_spec(c("net")),

@@ -50,7 +50,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ddcnn.context import Context, build_coarse_net, coarse_net_spec
@@ -61,10 +60,10 @@ from ddcnn.engine.loop import EVAL_CHUNK, FitResult, fit_tensors, torch_threads
 from ddcnn.engine.train import loop_settings
 from ddcnn.io import atomic_write_json
 from ddcnn.metrics import chance_margin, majority_rate, near_chance
-from ddcnn.rundir import CURVE_FILE, L2_GRID, SPLITS, TARGET_SPLIT
+from ddcnn.rundir import CURVE_FILE, SPLITS, TARGET_SPLIT
+from ddcnn.settings import CoarseLinearSettings, CoarseSettings
 from ddcnn.stages.common import (
     SNAPSHOT_DIR,
-    curve_settings,
     finish_stage,
     logistic_convergence,
     skip,
@@ -104,35 +103,23 @@ def coarse_inputs(ctx: Context, kind: str) -> tuple[dict[str, torch.Tensor], dic
     return x, y
 
 
-def _setting(node: Mapping, key: str, default: Any) -> Any:
-    value = node.get(key, default)
-    return default if value is None else value
-
-
-def coarse_plan(n_train: int, coarse: Mapping) -> dict:
+def coarse_plan(n_train: int, coarse: CoarseSettings) -> dict:
     """Rows per step and epochs of the coarse DNN's fit for ``n_train`` training rows (``auto`` rules: module doc).
 
     Returns:
         ``{"batch_size", "max_epochs", "steps_per_epoch", "steps"}``.
     """
-    batch = _setting(coarse, "batch_size", "auto")
+    batch = coarse.batch_size
     if batch == "auto":
         low, high = _AUTO_BATCH
         batch = 2 ** round(math.log2(max(n_train / _ROWS_PER_STEP_DIVISOR, 1)))
         batch = min(n_train, max(low, min(high, batch)))
-    elif isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"coarse.batch_size must be a positive whole number or auto, got {batch!r}.")
     batch = min(int(batch), n_train)
     per_epoch = -(-n_train // batch)
-    epochs = _setting(coarse, "max_epochs", "auto")
+    epochs = coarse.max_epochs
     if epochs == "auto":
-        steps = _setting(coarse, "steps", 400)
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"coarse.steps must be a positive whole number, got {steps!r}.")
         low, high = _AUTO_EPOCHS
-        epochs = min(high, max(low, -(-steps // per_epoch)))
-    elif isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        raise ValueError(f"coarse.max_epochs must be a positive whole number or auto, got {epochs!r}.")
+        epochs = min(high, max(low, -(-coarse.steps // per_epoch)))
     return {"batch_size": batch, "max_epochs": int(epochs), "steps_per_epoch": per_epoch, "steps": per_epoch * epochs}
 
 
@@ -172,8 +159,8 @@ class CoarseFit:
     report: dict = field(default_factory=dict)
 
 
-def _optimizer_with_lr_scale(node: Any, scale: float) -> Any:
-    spec = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+def _optimizer_with_lr_scale(node: Mapping, scale: float) -> dict:
+    spec = dict(node)
     if scale != 1.0 and "lr" in spec:
         spec["lr"] = float(spec["lr"]) * scale
     return spec
@@ -184,7 +171,7 @@ def fit_coarse(
     x: Mapping[str, torch.Tensor],
     y: Mapping[str, torch.Tensor],
     folder: str | Path,
-    coarse: Mapping,
+    coarse: CoarseSettings,
     *,
     seed: int,
     device=None,
@@ -198,8 +185,9 @@ def fit_coarse(
         net: A :class:`~ddcnn.models.coarse.CoarseMLP` (another module is trained by step 3 alone).
         x, y: Local outputs ``(n, N, K)`` and labels per split (``train`` and ``val`` are used).
         folder: The stage folder (``last.ckpt``, ``logs/metrics.csv``).
-        coarse: The ``coarse`` settings (``optimizer``, ``scheduler``, ``batch_size``, ``max_epochs``, ``steps``,
-            ``monitor``, ``divergence_restarts``, ``linear``, ``checkpoint_every``).
+        coarse: The run's ``coarse`` settings (``settings.coarse``; the fit reads ``optimizer``, ``scheduler``,
+            ``batch_size``, ``max_epochs``, ``steps``, ``monitor``, ``patience``, ``divergence_restarts``,
+            ``linear``, ``checkpoint_every``).
         seed: Seeds the fit's shuffling and dropout.
         device: Where it trains.
         on_epoch_end: The progress reporter (:class:`~ddcnn.engine.loggers.EpochReporter`), outside the clock.
@@ -210,12 +198,7 @@ def fit_coarse(
     start = time.perf_counter() if start is None else float(start)
     folder = Path(folder)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    monitor = str(_setting(coarse, "monitor", "val_acc"))
-    if monitor not in ("val_loss", "val_acc"):
-        raise ValueError(f"coarse.monitor must be val_loss or val_acc, got {monitor!r}.")
-    restarts = int(_setting(coarse, "divergence_restarts", 3))
-    if restarts < 0:
-        raise ValueError(f"coarse.divergence_restarts must be >= 0, got {restarts!r}.")
+    monitor, restarts = coarse.monitor, coarse.divergence_restarts
     x_train, y_train, x_val, y_val = x["train"], y["train"].long(), x["val"], y["val"].long()
     plan = coarse_plan(len(y_train), coarse)
     report: dict[str, Any] = {"plan": plan, "monitor": monitor}
@@ -234,9 +217,8 @@ def fit_coarse(
                 net.linear.bias.zero_()
         candidates["averaging"] = _scores(net, x_val, y_val, "cpu")
     kept = "trained"
-    linear_node = coarse.get("linear") or {}
-    if is_coarse_mlp and (net.has_linear or not has_hidden) and bool(_setting(linear_node, "enabled", True)):
-        kept = _fit_linear_path(net, x_train, y_train, x_val, y_val, linear_node, seed, skip_on, monitor, report)
+    if is_coarse_mlp and (net.has_linear or not has_hidden) and coarse.linear.enabled:
+        kept = _fit_linear_path(net, x_train, y_train, x_val, y_val, coarse.linear, seed, skip_on, monitor, report)
         candidates["linear"] = _scores(net, x_val, y_val, "cpu")
         if kept == "averaging":
             candidates.pop("linear")
@@ -252,18 +234,18 @@ def fit_coarse(
                 {"train": x_train, "val": x_val},
                 {"train": y_train, "val": y_val},
                 folder,
-                optimizer=_optimizer_with_lr_scale(coarse.get("optimizer"), lr_scale),
-                scheduler=coarse.get("scheduler"),
+                optimizer=_optimizer_with_lr_scale(coarse.optimizer, lr_scale),
+                scheduler=coarse.scheduler,
                 max_epochs=plan["max_epochs"],
                 batch_size=plan["batch_size"],
                 seed=seed,
                 monitor=monitor,
                 monitor_mode="max" if monitor == "val_acc" else "min",
-                checkpoint_every=int(_setting(coarse, "checkpoint_every", plan["max_epochs"])),
+                checkpoint_every=plan["max_epochs"] if coarse.checkpoint_every is None else coarse.checkpoint_every,
                 device=device,
                 reporter=on_epoch_end,
                 divergence_restarts=restarts,
-                patience=coarse.get("patience"),
+                patience=coarse.patience,
                 start=start,
                 **(loop or {}),
             )
@@ -306,7 +288,7 @@ def fit_coarse(
     return CoarseFit(net, result, kept, plan, report)
 
 
-def _convergence(fitted: CoarseFit, coarse: Mapping) -> dict:
+def _convergence(fitted: CoarseFit, coarse: CoarseSettings) -> dict:
     """``finish_stage``'s convergence record of the coarse DNN, from the fit that gave the kept weights: the loop's
     (AdamW with ``coarse.patience``; no minimum of epochs), the linear path's L-BFGS solve, or none for the averaging
     combiner (nothing fitted: converged)."""
@@ -315,8 +297,7 @@ def _convergence(fitted: CoarseFit, coarse: Mapping) -> dict:
         return {"convergence": fitted.result.convergence, "advice_names": names | {"plateau": ""}}
     if fitted.kept == "linear":
         linear = fitted.report["linear"]
-        max_iter = int(_setting(coarse.get("linear") or {}, "max_iter", 200))
-        record = logistic_convergence(linear["path"], linear["l2"], max_iter)
+        record = logistic_convergence(linear["path"], linear["l2"], coarse.linear.max_iter)
         return {"convergence": record, "advice_names": {"epochs": "coarse.linear.max_iter"}}
     record = {"converged": True, "reasons": [], "epochs": 0, "min_epochs": 0, "stopped_by": "no_fit"}
     return {"convergence": record | {"lr_ratio": None, "train_loss_change_last3": None}}
@@ -329,25 +310,24 @@ def _averaging_scores(x: torch.Tensor, y: torch.Tensor, inputs: str) -> dict[str
 
 
 def _fit_linear_path(
-    net, x_train, y_train, x_val, y_val, node: Mapping, seed: int, skip_on: bool, monitor: str, report
+    net, x_train, y_train, x_val, y_val, settings: CoarseLinearSettings, seed: int, skip_on: bool, monitor: str, report
 ) -> str:
     """Step 2: the linear path by convex logistic regression (the convex stacker's fit), or the averaging combiner
     when that does better on validation; returns the candidate it leaves in ``net``: ``linear`` or ``averaging``."""
-    max_rows = _setting(node, "max_rows", 10_000)
+    max_rows = settings.max_rows
     rows = torch.arange(len(y_train))
     if max_rows and len(rows) > int(max_rows):  # a fixed random subset of the rows: the solve's cost is bounded
         rows = torch.randperm(len(rows), generator=torch.Generator().manual_seed(int(seed)))[: int(max_rows)]
     with torch.no_grad():
         z_train, z_val = net.scale_inputs(x_train[rows]), net.scale_inputs(x_val)
-    grid = tuple(float(v) for v in _setting(node, "l2_grid", L2_GRID))
     fit = fit_logistic(
         z_train,
         y_train[rows],
         z_val,
         y_val,
         net.num_classes,
-        l2_grid=grid,
-        max_iter=int(_setting(node, "max_iter", 200)),
+        l2_grid=settings.l2_grid,
+        max_iter=settings.max_iter,
         select="val_acc",
     )
     report["linear"] = {"l2": fit.l2, "rows": len(rows), "time_s": fit.time_s, "path": fit.path}
@@ -420,16 +400,16 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
     folder = ctx.run.make_stage_dir(stage)
     start = time.perf_counter()
     n = ctx.decomposition.num_subdomains
-    kind = str(kind or ctx.cfg.coarse.get("input", "probs"))
+    coarse = ctx.settings.coarse
+    kind = str(kind or coarse.input)
     seed = stage_seed(ctx, stage)
     fit_x, fit_y, x, y = _fit_data(ctx, kind, fit_on, seed)
-    coarse = ctx.cfg.coarse
     torch.manual_seed(seed)
-    spec = coarse_net_spec(ctx.cfg, kind)
-    net = build_coarse_net(ctx.cfg, n, ctx.data.num_classes, kind=kind, spec=spec)
+    spec = coarse_net_spec(coarse, kind)
+    net = build_coarse_net(coarse, n, ctx.data.num_classes, spec=spec)
     plan = coarse_plan(len(fit_y["train"]), coarse)
     reporter = EpochReporter(ctx.cfg, folder, plan["max_epochs"], every=max(1, plan["max_epochs"] // 10))
-    with torch_threads(coarse.get("num_threads")), contextlib.ExitStack() as stack:
+    with torch_threads(coarse.num_threads), contextlib.ExitStack() as stack:
         stack.callback(reporter.close)
         fitted = fit_coarse(
             net,
@@ -444,11 +424,11 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
             loop=loop_settings(ctx.cfg),
         )
         dm = TensorDataModule(x, y, eval_batch_size=EVAL_CHUNK, seed=seed)  # predictions only
-        if stage == "coarse" and curve_settings(ctx.cfg)["enabled"]:
+        if stage == "coarse" and ctx.settings.report.curves.enabled:
             curve = cnn_dnn_curve(ctx, kind, seed)  # reporting work, outside the stage's time (fitted.result)
             if curve is not None:
                 atomic_write_json(folder / CURVE_FILE, curve)
-        by_design = "coarse.num_threads" if coarse.get("num_threads") is not None else None
+        by_design = "coarse.num_threads" if coarse.num_threads is not None else None
         meta = finish_stage(
             ctx,
             stage,
@@ -492,7 +472,7 @@ def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
     files = _snapshot_files(ctx)
     if not files:
         return None
-    coarse = ctx.cfg.coarse
+    coarse = ctx.settings.coarse
     n, k = ctx.decomposition.num_subdomains, ctx.data.num_classes
     points, averaging = [], []
     for epoch, paths in files.items():
@@ -509,7 +489,7 @@ def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
         y["train"] = ctx.data.y["train"][rows]
         times = [float(s["time_s"]) for s in snaps]
         torch.manual_seed(seed)
-        net = build_coarse_net(ctx.cfg, n, k, kind=kind, spec=coarse_net_spec(ctx.cfg, kind))
+        net = build_coarse_net(coarse, n, k, kind=kind)
         fit_start = time.perf_counter()
         with tempfile.TemporaryDirectory() as folder:
             fitted = fit_coarse(net, x, y, folder, coarse, seed=seed, loop=loop_settings(ctx.cfg))

@@ -13,5 +13,5 @@ __all__ = ["run"]
 
 
 def run(ctx: Context, device=None) -> dict:
-    main = str(ctx.cfg.coarse.get("input", "probs"))
+    main = ctx.settings.coarse.input
     return coarse.run(ctx, device, stage="coarse_alt", kind="logits" if main == "probs" else "probs")

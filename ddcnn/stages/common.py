@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
 from torch import nn
 
 from ddcnn import registry
@@ -40,7 +39,6 @@ __all__ = [
     "val_accuracy",
     "train_full_images",
     "curve_hook",
-    "curve_settings",
     "snapshot_epochs",
     "snapshot_train_rows",
     "TestCurve",
@@ -211,20 +209,6 @@ def val_accuracy(net: nn.Module, dm: Batches, device) -> float:
 
 
 # --- accuracy-versus-time curves ---------------------------------------------------------------------
-def curve_settings(cfg: DictConfig) -> dict:
-    """``report.curves`` with defaults: ``enabled``, ``points`` (snapshot epochs per training), ``max_train_rows``."""
-    node = (cfg.get("report") or {}).get("curves")
-    node = {"enabled": node} if isinstance(node, bool) else dict(node or {})
-    out = {
-        "enabled": bool(node.get("enabled", True)),
-        "points": int(node.get("points", 6) or 0),
-        "max_train_rows": int(node.get("max_train_rows", 10_000) or 0),
-    }
-    if out["points"] < 0 or out["max_train_rows"] < 0:
-        raise ValueError(f"report.curves.points and max_train_rows must be >= 0, got {out}.")
-    return out
-
-
 def snapshot_epochs(max_epochs: int, points: int) -> list[int]:
     """The epochs (1-based) at which a training's curve is sampled: about ``points`` epochs spread geometrically from
     the first to the last (every epoch when there are no more than ``points``); the last is always one."""

@@ -28,7 +28,7 @@ def run(ctx: Context, device=None) -> dict:
         seed_everything(subdomain_seed(ctx.settings.seed, i))
         nets.append(build_local_net(ctx.cfg, ctx.data))
     seed_everything(stage_seed(ctx, "coarse"))
-    coarse = build_coarse_net(ctx.cfg, n, ctx.data.num_classes)
+    coarse = build_coarse_net(ctx.settings.coarse, n, ctx.data.num_classes)
     model = CNNDNN(ctx.decomposition, nets, coarse, ctx.settings.coarse.input)
     return train_full_images(
         ctx, "e2e", model, start, device, {"coarse_input": ("probs" if model.use_probs else "logits")}

@@ -311,15 +311,17 @@ def test_a_folder_is_decoded_once_with_the_default_settings(make_cfg, tmp_path, 
     it without decoding a file (decoding 20,000 small PNGs costs seconds; a folder of photographs, minutes)."""
     from ddcnn.context import load_data
     from ddcnn.data import images
+    from ddcnn.settings import RunSettings
 
     root = messy_folder(tmp_path / "data", per_class=(3, 1, 1))
     monkeypatch.setenv("DDCNN_STORE", str(tmp_path / "store"))
     cfg = make_cfg("data=image_folder", f"data.root={root}", "data.image_size=16")  # one number: both sides
-    first = load_data(cfg)
+    settings = RunSettings.from_config(cfg)
+    first = load_data(settings)
     assert first.holding == "mapped" and first.info["built"] and tuple(first.image_shape) == (16, 16)
     decoded = []
     monkeypatch.setattr(images, "_decode", lambda *a: decoded.append(a))
-    again = load_data(cfg)
+    again = load_data(settings)
     assert again.holding == "mapped" and not again.info["built"] and not decoded
     assert again.info["class_counts"] == first.info["class_counts"]
 

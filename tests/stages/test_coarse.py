@@ -7,6 +7,7 @@ is well above the noise; small cells average several seeds (their fits are noisy
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 
@@ -19,9 +20,15 @@ from ddcnn.data.synthetic import synthetic_local_outputs
 from ddcnn.engine.convex import fit_logistic
 from ddcnn.metrics import near_chance
 from ddcnn.models.coarse import CoarseMLP
+from ddcnn.settings import CoarseSettings, RunSettings
 from ddcnn.stages.coarse import coarse_plan, fit_coarse
 
 N = 4  # sub-domains
+
+
+def _coarse(*overrides: str) -> CoarseSettings:
+    """The ``coarse`` settings of the default configuration with ``overrides``, checked as a run checks them."""
+    return RunSettings.from_config(compose(list(overrides))).coarse
 
 
 def _inputs(x: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
@@ -51,13 +58,14 @@ GRID = [(100, 3, 4), (100, 40, 4), (10_000, 3, 1), (10_000, 40, 1)]
 @pytest.mark.parametrize("kind", ["probs", "logits"])
 @pytest.mark.parametrize(("n", "k", "seeds"), GRID)
 def test_the_coarse_dnn_clears_the_convex_stacker_and_never_sits_at_chance(tmp_path, n, k, seeds, kind):
-    cfg = compose([])
+    settings = _coarse()
     coarse, stacker, averaging = [], [], []
     for seed in range(seeds):
         x, y = synthetic_local_outputs(n, N, k, seed=1000 * seed + n + k)
         x = _inputs(x, kind)
         torch.manual_seed(seed)
-        fitted = fit_coarse(build_coarse_net(cfg, N, k, kind=kind), x, y, tmp_path / f"{seed}", cfg.coarse, seed=seed)
+        net = build_coarse_net(settings, N, k, kind=kind)
+        fitted = fit_coarse(net, x, y, tmp_path / f"{seed}", settings, seed=seed)
         coarse.append(_accuracy(fitted.net, x["test"], y["test"]))
         stacker.append(_stacker(x, y, kind, k))
         probs = x["test"].softmax(-1) if kind == "logits" else x["test"]
@@ -82,25 +90,28 @@ def test_the_coarse_dnn_clears_the_convex_stacker_and_never_sits_at_chance(tmp_p
     ],
 )
 def test_the_fit_plan_fits_the_data_size(n, settings, expected):
-    plan = coarse_plan(n, {"batch_size": "auto", "max_epochs": "auto", "steps": 400, **settings})
+    defaults = _coarse()
+    assert (defaults.batch_size, defaults.max_epochs, defaults.steps) == ("auto", "auto", 400)
+    plan = coarse_plan(n, dataclasses.replace(defaults, **settings))
     assert (plan["batch_size"], plan["max_epochs"]) == expected
     assert plan["steps"] == plan["max_epochs"] * plan["steps_per_epoch"]
 
 
-@pytest.mark.parametrize("bad", [{"batch_size": 0}, {"max_epochs": "many"}, {"steps": -1}])
+@pytest.mark.parametrize("bad", ["batch_size=0", "max_epochs=many", "steps=-1", "divergence_restarts=-1"])
 def test_bad_plan_settings_name_the_key(bad):
-    key = next(iter(bad))
+    key = bad.split("=")[0]
     with pytest.raises(ValueError, match=f"coarse.{key} must be"):
-        coarse_plan(100, {"batch_size": "auto", "max_epochs": "auto", "steps": 400, **bad})
+        _coarse(f"coarse.{bad}")
 
 
 def test_a_diverging_coarse_fit_restarts_with_a_lower_learning_rate(tmp_path):
-    cfg = compose(["coarse.net.skip=none", "coarse.net.input_norm=none", "coarse.linear.enabled=false"])
-    cfg.coarse.optimizer.lr = 1.0
+    settings = _coarse(
+        "coarse.net.skip=none", "coarse.net.input_norm=none", "coarse.linear.enabled=false", "coarse.optimizer.lr=1.0"
+    )
     x, y = synthetic_local_outputs(300, N, 10, seed=3)
     x = {s: 50 * v for s, v in x.items()}  # unscaled, huge logits at a huge rate
     torch.manual_seed(0)
-    fitted = fit_coarse(build_coarse_net(cfg, N, 10, kind="logits"), x, y, tmp_path, cfg.coarse, seed=0)
+    fitted = fit_coarse(build_coarse_net(settings, N, 10, kind="logits"), x, y, tmp_path, settings, seed=0)
     restarts = fitted.report["restarts"]
     assert restarts and all("train_loss" in r["reason"] for r in restarts)
     assert restarts[-1]["lr_scale"] == pytest.approx(0.1 ** len(restarts))
@@ -119,9 +130,8 @@ class _Blind(torch.nn.Module):
 
 
 def test_a_fit_at_chance_while_averaging_is_well_above_is_refit_and_recorded(tmp_path):
-    cfg = compose(["coarse.divergence_restarts=2"])
     x, y = synthetic_local_outputs(1000, N, 10, seed=4)
-    fitted = fit_coarse(_Blind(10), x, y, tmp_path, cfg.coarse, seed=0)
+    fitted = fit_coarse(_Blind(10), x, y, tmp_path, _coarse("coarse.divergence_restarts=2"), seed=0)
     refits = fitted.report["refits"]
     assert [r["lr_scale"] for r in refits] == pytest.approx([0.1, 0.01])
     assert all(near_chance(r["val_acc"], r["majority_rate"], len(y["val"])) for r in refits)
