@@ -39,7 +39,10 @@ What a fit may ask of the loop beyond plain mini-batch steps:
 - **divergence detection** (``divergence_restarts`` not ``None``): an epoch has diverged when its mean training loss
   is not finite or exceeds ``divergence_factor`` times the larger of the initial loss (the loss of the first training
   batch before the first step; under DDP the global batch's) and ``ln K`` (the loss of a uniform guess over the ``K``
-  classes: a network that starts better than chance may wander above its initial loss without diverging). With
+  classes: a network that starts better than chance may wander above its initial loss without diverging), or when its
+  validation loss is not finite (the epoch's last steps left weights that are not: a training loss is taken before
+  its step, so only the validation after the epoch sees them; torch 2.14's oneDNN 3D convolution on the CPU returns
+  a non-finite weight gradient now and then for kernels as large as the input). With
   ``divergence_restarts=0`` the fit raises :class:`Diverged`; with ``R > 0`` it starts again from the initial weights
   with every learning rate multiplied by ``divergence_lr_factor``, at most ``R`` times. The restarts are recorded in
   the result (``restarts``) and in ``last.ckpt``, so a resumed fit continues the same attempt;
@@ -1311,6 +1314,9 @@ class _Training:
             self.restart(state, epoch, reason)
             return
         row = self.validate(epoch, lr, state.step, sums, state.clock)
+        if self.settings.divergence_restarts is not None and not math.isfinite(row["val_loss"] or 0.0):
+            self.restart(state, epoch, f"val_loss {row['val_loss']}: the weights after the epoch are not finite")
+            return
         self.run_after_epoch(row, state.clock)
         state.add(row)
         self.select(state, row)

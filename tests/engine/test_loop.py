@@ -276,6 +276,43 @@ def test_a_diverging_training_raises_or_restarts_with_a_lower_learning_rate(tmp_
     assert result.history[-1]["train_loss"] < result.initial_loss
 
 
+class GlitchOnceSGD(torch.optim.SGD):
+    """SGD whose first instance leaves one weight NaN after its ``GLITCH_AT``-th step, as torch 2.14's oneDNN 3D
+    convolution on the CPU now and then returns a non-finite weight gradient (in CI: a 7^3 kernel on 6^3 inputs)."""
+
+    GLITCH_AT = 7  # the last step of epoch 0: 200 training rows in batches of 32
+    instances = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        type(self).instances += 1
+        self.first, self.steps = type(self).instances == 1, 0
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        self.steps += 1
+        if self.first and self.steps == self.GLITCH_AT:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("nan")
+        return out
+
+
+def test_weights_left_not_finite_by_an_epochs_last_step_restart_the_training(tmp_path):
+    """The epoch's training loss (taken before each step) is finite, its validation is not: a divergence, restarted
+    from the initial weights, never a finished training with weights that are not finite."""
+    from ddcnn.engine.loop import Diverged
+
+    glitchy = {"_target_": "tests.engine.test_loop.GlitchOnceSGD", "_partial_": True, "lr": 0.1}
+    GlitchOnceSGD.instances = 0
+    with pytest.raises(Diverged, match="val_loss nan: the weights after the epoch are not finite"):
+        _fit(tmp_path / "raise", optimizer=glitchy, scheduler=None, divergence_restarts=0)
+    GlitchOnceSGD.instances = 0
+    result = _fit(tmp_path / "restart", optimizer=glitchy, scheduler=None, divergence_restarts=2)
+    assert [r["epoch"] for r in result.restarts] == [0] and "val_loss nan" in result.restarts[0]["reason"]
+    assert all(torch.isfinite(p).all() for p in result.net.parameters())
+    assert all(math.isfinite(row["val_loss"]) for row in result.history) and len(result.history) == 8
+
+
 def test_a_restarted_training_resumes_in_its_last_attempt(tmp_path):
     data = _data()
     data[0]["train"] = data[0]["train"] * 50
