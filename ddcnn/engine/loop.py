@@ -42,7 +42,8 @@ What a fit may ask of the loop beyond plain mini-batch steps:
   classes: a network that starts better than chance may wander above its initial loss without diverging), or when its
   validation loss is not finite (the epoch's last steps left weights that are not: a training loss is taken before
   its step, so only the validation after the epoch sees them; torch 2.14's oneDNN 3D convolution on the CPU returns
-  a non-finite weight gradient now and then for kernels as large as the input). With
+  a non-finite weight gradient now and then for kernels as large as the input). Non-finite weights are restarted even
+  with ``divergence_restarts=None``: at most :data:`NOT_FINITE_RETRIES` times, at the same learning rates. With
   ``divergence_restarts=0`` the fit raises :class:`Diverged`; with ``R > 0`` it starts again from the initial weights
   with every learning rate multiplied by ``divergence_lr_factor``, at most ``R`` times. The restarts are recorded in
   the result (``restarts``) and in ``last.ckpt``, so a resumed fit continues the same attempt;
@@ -161,6 +162,10 @@ _RESUME_SETTINGS = (
     "precision",
     "accumulate_grad_batches",
 )
+
+
+# Restarts of a training whose weights became non-finite where divergence is not checked (divergence_restarts null).
+NOT_FINITE_RETRIES = 3
 
 
 class Diverged(RuntimeError):
@@ -802,7 +807,9 @@ class TrainState:
         lr_scale: What the current attempt multiplies the learning rates by.
         initial_loss: The first training batch's loss before the first step (of the current attempt).
         num_classes: The number of the network's outputs, for the divergence rule's ``ln K``.
-        initial_net: The weights a divergence restart starts from (on the CPU; ``None`` without the check).
+        initial_net: The weights a restart starts from (on the CPU): the network's at the start of the training.
+        save_initial: Whether ``last.ckpt`` keeps them (where divergence is checked); otherwise a resumed process
+            restarts from the weights the stage built, those of the same seed.
         stopped_epoch: The epoch after which early stopping ended the training.
         resumed_from: The last finished epoch of each checkpoint this training resumed from.
     """
@@ -819,6 +826,7 @@ class TrainState:
     initial_loss: float | None = None
     num_classes: int = 2
     initial_net: dict[str, torch.Tensor] | None = None
+    save_initial: bool = True
     stopped_epoch: int | None = None
     resumed_from: list[int] = field(default_factory=list)
 
@@ -850,7 +858,7 @@ class TrainState:
             "lr_scale": self.lr_scale,
             "initial_loss": self.initial_loss,
             "num_classes": self.num_classes,
-            "initial_state": self.initial_net,
+            "initial_state": self.initial_net if self.save_initial else None,
             "stopped_epoch": self.stopped_epoch,
         }
         return {key: values[key] for key in CHECKPOINT_KEYS}
@@ -1260,8 +1268,9 @@ class _Training:
         with the optimizer built."""
         folder = Path(self.folder)
         last = folder / "last.ckpt"
-        initial = _cpu_state(self.module) if self.settings.divergence_restarts is not None else None
-        state = TrainState(clock=clock, initial_net=initial)  # a restart starts from the initial weights
+        checked = self.settings.divergence_restarts is not None
+        # a restart starts from the initial weights (also for non-finite weights where divergence is not checked)
+        state = TrainState(clock=clock, initial_net=_cpu_state(self.module), save_initial=checked)
         checkpoint = _load_checkpoint(last, self.resume_settings)
         self.build_optimizer(state.lr_scale)  # a resumed optimizer's state brings its attempt's learning rates
         rank = self.fabric.global_rank
@@ -1314,8 +1323,8 @@ class _Training:
             self.restart(state, epoch, reason)
             return
         row = self.validate(epoch, lr, state.step, sums, state.clock)
-        if self.settings.divergence_restarts is not None and not math.isfinite(row["val_loss"] or 0.0):
-            self.restart(state, epoch, f"val_loss {row['val_loss']}: the weights after the epoch are not finite")
+        if not math.isfinite(row["val_loss"] or 0.0):
+            self.restart(state, epoch, f"val_loss {row['val_loss']}: the weights after the epoch are not finite", True)
             return
         self.run_after_epoch(row, state.clock)
         state.add(row)
@@ -1373,19 +1382,33 @@ class _Training:
             return None
         return _divergence(train_loss, state.initial_loss, state.num_classes, s.divergence_factor)
 
-    def restart(self, state: TrainState, epoch: int, reason: str) -> None:
+    def restart(self, state: TrainState, epoch: int, reason: str, not_finite: bool = False) -> None:
         """Start again from the initial weights with lower learning rates, or raise :class:`Diverged` when no
-        restart is left."""
+        restart is left. Weights that are not finite (``not_finite``) start again even where divergence is not
+        checked (``divergence_restarts`` null), at most :data:`NOT_FINITE_RETRIES` times and then at the same rates:
+        the same attempt again, whose draws are those of ``(seed, epoch)``, so only a kernel's occasional fault
+        differs."""
         s = self.settings
         where = f"the training in {Path(self.folder)} diverged in epoch {epoch} ({reason})"
-        if len(state.restarts) >= int(s.divergence_restarts):
+        checked = s.divergence_restarts is not None
+        allowed = int(s.divergence_restarts) if checked else NOT_FINITE_RETRIES
+        if len(state.restarts) >= allowed:
+            advice = "Lower the learning rate (or scale the inputs), then run again with force=true."
+            if not checked:  # the same attempt failed alike every time
+                advice = (
+                    "The same training, at the same learning rates, left weights that are not finite every time: a "
+                    "learning rate too high (lower it) or a numerical fault of a kernel (torch 2.14's oneDNN 3D "
+                    "convolution on the CPU, for kernels as large as the sub-domain: larger sub-domains, more overlap "
+                    "or a smaller stem). Then run again with force=true."
+                )
             raise Diverged(
-                f"{where}, after {len(state.restarts)} restart(s) with lower learning rates. Lower the learning rate "
-                f"(or scale the inputs), then run again with force=true.",
+                f"{where}, after {len(state.restarts)} restart(s)"
+                + (" with lower learning rates" if checked else "")
+                + f". {advice}",
                 epoch,
                 reason,
             )
-        state.restart(epoch, reason, s.divergence_lr_factor)
+        state.restart(epoch, reason, s.divergence_lr_factor if checked else 1.0)
         if self.fabric.global_rank == 0:
             log.warning("%s: restarting from the initial weights with the learning rate x %g", where, state.lr_scale)
         self.module.load_state_dict(state.initial_net)

@@ -311,6 +311,15 @@ def test_weights_left_not_finite_by_an_epochs_last_step_restart_the_training(tmp
     assert [r["epoch"] for r in result.restarts] == [0] and "val_loss nan" in result.restarts[0]["reason"]
     assert all(torch.isfinite(p).all() for p in result.net.parameters())
     assert all(math.isfinite(row["val_loss"]) for row in result.history) and len(result.history) == 8
+    # Where divergence is not checked (the local nets and the global CNN by default), weights that are not finite
+    # start the same attempt again, at the same rate: the same weights as a training the fault never hit.
+    GlitchOnceSGD.instances = 0
+    retried = _fit(tmp_path / "unchecked", optimizer=glitchy, scheduler=None, divergence_restarts=None)
+    assert [r["lr_scale"] for r in retried.restarts] == [1.0]
+    GlitchOnceSGD.instances = 1  # no glitch: a plain SGD run of the same training
+    clean = _fit(tmp_path / "clean", optimizer=glitchy, scheduler=None, divergence_restarts=None)
+    assert not clean.restarts
+    _assert_same_weights(retried.net, clean.net)
 
 
 def test_a_restarted_training_resumes_in_its_last_attempt(tmp_path):
