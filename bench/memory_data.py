@@ -129,12 +129,12 @@ torch.set_num_threads(1)  # no OpenMP threads spinning against the machine's oth
 ctx = {m: build_context(compose([*overrides, f"data.memory.mode={m}"], "/tmp/ddcnn-bench-unused"), claim=False)
        for m in ("mapped", "memory")}
 box = ctx["mapped"].decomposition.box(0)
-batches = {m: PreparedBatches(c.data, int(c.cfg.data.batch_size), seed=0, box=box) for m, c in ctx.items()}
+batches = {m: PreparedBatches(c.data, c.settings.data.batch_size, seed=0, box=box) for m, c in ctx.items()}
 torch.manual_seed(0)
-net = build_local_net(ctx["memory"].cfg, ctx["memory"].data)
+net = build_local_net(ctx["memory"].settings, ctx["memory"].data)
 opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
 n = batches["memory"].size("train")
-order = torch.randperm(n).split(int(ctx["memory"].cfg.data.batch_size))
+order = torch.randperm(n).split(ctx["memory"].settings.data.batch_size)
 cpu = {"mapped": [], "memory": []}
 def run(dm, mode):
     start, start_cpu = time.perf_counter(), time.process_time()

@@ -147,7 +147,7 @@ def main() -> None:
         shape = tuple(ctx.data.x["train"].shape[1:])
 
         def build_net():
-            return build_local_net(cfg, ctx.data)  # the family's builder on full 28x28 images (the global CNN)
+            return build_local_net(ctx.settings, ctx.data)  # the family's builder on full 28x28 images (the global CNN)
 
         bare_loop_s, ddcnn_loop_s = [], []
         bare_epochs(build_net, cfg.optimizer, data, 1, int(cfg.seed))  # warm-up of kernels and allocator

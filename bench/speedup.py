@@ -33,6 +33,7 @@ cost gone the projected speedup is about that ratio.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -48,7 +49,6 @@ from _common import ROOT, ROWS, SHARED_DATA, TRAIN, config, quiet, train_env
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from omegaconf import open_dict  # noqa: E402
 
 # The evaluate stage's figures and TorchScript export change no time in results.json; they only cost bench time.
 # Every row trains its global CNN: a copy reused from an earlier run (store.reuse) would time that run instead.
@@ -95,8 +95,7 @@ def time_coarse_alone(repeats: int, tmp: Path) -> list[dict]:
     _synthetic_locals(ctx, torch.Generator().manual_seed(0))
     metas = []
     for rep in range(repeats):
-        with open_dict(ctx.cfg):
-            ctx.cfg.force = rep > 0
+        ctx.settings = dataclasses.replace(ctx.settings, force=rep > 0)
         metas.append(registry.run("coarse", ctx))
         print(
             f"  coarse alone, repeat {rep}: {metas[-1]['time_s']:.2f} s (fit {metas[-1]['fit_time_s']:.2f} s), "
@@ -126,7 +125,7 @@ def compute_ceiling(rounds: int = 5, steps: int = 40) -> dict:
         "local": (ctx.data.in_channels, *ctx.decomposition.sub_shape),
         "global": tuple(ctx.data.x["train"].shape[1:]),
     }
-    nets = {"local": build_local_net(cfg, ctx.data), "global": build_global_net(cfg, ctx.data)}
+    nets = {"local": build_local_net(ctx.settings, ctx.data), "global": build_global_net(ctx.settings, ctx.data)}
     opts = {k: hydra.utils.instantiate(cfg.optimizer)(n.parameters()) for k, n in nets.items()}
     gen = torch.Generator().manual_seed(0)
     inputs = {

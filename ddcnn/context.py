@@ -16,10 +16,10 @@ import logging
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from ddcnn.data.augment import Augment
@@ -28,9 +28,12 @@ from ddcnn.data.sources import NOT_IDENTITY
 from ddcnn.decomposition import Decomposition
 from ddcnn.models import external, pretrained
 from ddcnn.models.cnn_dnn import CNNDNN
-from ddcnn.rundir import RunDir, file_sha256
+from ddcnn.rundir import RunDir, RunIdentity, file_sha256
 from ddcnn.settings import CoarseSettings, RunSettings, StoreSettings
 from ddcnn.store import Store, default_root
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ __all__ = [
     "load_data",
     "open_store",
     "build_context",
+    "open_context",
     "check_networks",
     "tuple_or_int",
     "build_augment",
@@ -57,14 +61,18 @@ __all__ = [
 
 @dataclass
 class Context:
-    """What every stage of one run shares: the configuration, the data, the decomposition and the checked settings
-    (``data.num_classes`` / ``data.in_channels`` as the data have them)."""
+    """What every stage of one run shares: the run directory, the data, the decomposition and the checked settings
+    (``data.num_classes`` / ``data.in_channels`` as the data have them).
 
-    cfg: DictConfig
+    ``identity``: what the run directory records of the configuration (:class:`~ddcnn.rundir.RunIdentity`: the
+    fingerprint the entry claims the directory with, the key of a reusable stage); ``None`` in a local-stage worker
+    process, which neither claims the directory nor reuses a stage."""
+
     run: RunDir
     data: Prepared
     decomposition: Decomposition
     settings: RunSettings
+    identity: RunIdentity | None = None
 
 
 def open_store(store: StoreSettings) -> Store:
@@ -107,6 +115,36 @@ def load_data(settings: RunSettings) -> Prepared:
     return data.carve_val_target(fraction, prepare.split_seed) if fraction > 0 else data
 
 
+def open_context(
+    settings: RunSettings,
+    run_dir: str | Path | None = None,
+    data: Prepared | None = None,
+    weights: bool = True,
+    check: bool = True,
+) -> Context:
+    """The context of a run from its checked settings: load the data, build the decomposition and (``check``) check
+    the networks (:func:`check_networks`).
+
+    ``data`` skips loading: the parent of the parallel workers hands them the data it prepared (the tensors in shared
+    memory, or the store entry that each worker maps) instead of each worker reading and preparing them again.
+    ``weights=False`` leaves the pretrained weights file (``model.weights``) unread: a finished run's networks come
+    from its own ``net.pt`` files (the export). A worker process opens its context with ``check=False``: its parent
+    checked the settings and the networks.
+    """
+    run_dir = run_dir if run_dir is not None else settings.run_dir
+    if run_dir is None:
+        raise ValueError("no run directory: pass run_dir, or set paths.run_dir (hydra.run.dir under ddcnn-train).")
+    if data is None:
+        data = load_data(settings)
+    # what the stages read and the fingerprint records: a run of 4 classes is not a run of 5
+    settings = settings.with_data_counts(data.num_classes, data.in_channels)
+    grid, overlap = settings.decomposition.grid, settings.decomposition.overlap
+    ctx = Context(RunDir(run_dir), data, Decomposition(grid, data.image_shape, tuple_or_int(overlap)), settings)
+    if check:
+        check_networks(ctx, weights=weights)
+    return ctx
+
+
 def build_context(
     cfg: DictConfig,
     run_dir: str | Path | None = None,
@@ -115,40 +153,19 @@ def build_context(
     weights: bool = True,
     settings: RunSettings | None = None,
 ) -> Context:
-    """Check the settings, load the data, build the decomposition, check the networks and (``claim``) the run
-    directory.
+    """The context of the composed configuration ``cfg``, the entry's (:func:`ddcnn.pipeline.train`, notebooks,
+    tools): check the settings, :func:`open_context`, and (``claim``) claim the run directory.
 
-    ``settings``: those the entry built from ``cfg`` already (:func:`ddcnn.pipeline.train`; a worker process receives
-    its parent's); ``None`` builds them here (notebooks, tools), which checks every setting.
-
-    With ``claim=False`` the caller checks further settings first and then calls
-    ``ctx.run.check_fingerprint(ctx.cfg)`` itself. ``ctx.cfg`` is ``cfg`` with ``data.num_classes`` and
-    ``data.in_channels`` set to the data's where they were ``auto``, as are ``ctx.settings``. ``data`` skips loading:
-    the parent of the parallel workers hands them the data it prepared (the tensors in shared memory, or the
-    store entry that each worker maps) instead of each worker reading and preparing them again. ``weights=False``
-    leaves the pretrained weights file (``model.weights``) unread: a finished run's networks come from its own
-    ``net.pt`` files (the export).
+    ``settings``: those the entry built from ``cfg`` already; ``None`` builds them here, which checks every setting.
+    With ``claim=False`` the caller checks further settings first and then calls ``ctx.run.claim(ctx.identity)``
+    itself. ``data`` and ``weights`` as :func:`open_context` takes them.
     """
     if settings is None:
         settings = RunSettings.from_config(cfg)
-    run_dir = run_dir if run_dir is not None else settings.run_dir
-    if run_dir is None:
-        raise ValueError("no run directory: pass run_dir, or set paths.run_dir (hydra.run.dir under ddcnn-train).")
-    run = RunDir(run_dir)
-    if data is None:
-        data = load_data(settings)
-    auto = [key for key in ("num_classes", "in_channels") if cfg.data.get(key) == "auto"]
-    if auto:  # what the stages read and the fingerprint records: a run of 4 classes is not a run of 5
-        cfg = copy.deepcopy(cfg)
-        with open_dict(cfg):
-            for key in auto:
-                cfg.data[key] = int(getattr(data, key))
-    settings = settings.with_data_counts(data.num_classes, data.in_channels)
-    grid, overlap = settings.decomposition.grid, settings.decomposition.overlap
-    ctx = Context(cfg, run, data, Decomposition(grid, data.image_shape, tuple_or_int(overlap)), settings)
-    check_networks(ctx, weights=weights)
+    ctx = open_context(settings, run_dir, data=data, weights=weights)
+    ctx.identity = RunIdentity.of(cfg, ctx.data.num_classes, ctx.data.in_channels)
     if claim:  # only a configuration that can run claims the run directory
-        run.check_fingerprint(cfg)
+        ctx.run.claim(ctx.identity)
     return ctx
 
 
@@ -160,11 +177,11 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
     the setting; for an input too small, the smallest size the network takes and settings that give it. A network
     whose feature maps shrink to one pixel before its last downsampling stages runs, with a warning.
     """
-    cfg, data, dec = ctx.cfg, ctx.data, ctx.decomposition
-    global_key = "global_model" if ctx.settings.global_model else "model"
+    settings, data, dec = ctx.settings, ctx.data, ctx.decomposition
+    global_key = "global_model" if settings.global_model else "model"
     checks = [
-        ("model", "sub-domains", lambda: build_local_net(cfg, data, weights=weights), dec.sub_shape),
-        (global_key, "full images", lambda: build_global_net(cfg, data, weights=weights), data.image_shape),
+        ("model", "sub-domains", lambda: build_local_net(settings, data, weights=weights), dec.sub_shape),
+        (global_key, "full images", lambda: build_global_net(settings, data, weights=weights), data.image_shape),
     ]
     for key, what, build, spatial in checks:
         try:
@@ -382,8 +399,8 @@ def _read_weights(path: str, setting: str) -> tuple[dict[str, torch.Tensor], str
     return _WEIGHTS[key], str(resolved)
 
 
-def _build(model_cfg: DictConfig, data: Prepared, key: str, weights: bool) -> nn.Module:
-    spec, path = _network_spec(OmegaConf.to_container(model_cfg, resolve=True))
+def _build(model_spec: dict, data: Prepared, key: str, weights: bool) -> nn.Module:
+    spec, path = _network_spec(model_spec)
     net = instantiate(spec, spatial_dims=data.spatial_dims, in_channels=data.in_channels, num_classes=data.num_classes)
     if weights and path is not None:
         state, resolved = _read_weights(path, f"{key}.weights")
@@ -392,16 +409,17 @@ def _build(model_cfg: DictConfig, data: Prepared, key: str, weights: bool) -> nn
     return net
 
 
-def build_local_net(cfg: DictConfig, data: Prepared, weights: bool = True) -> nn.Module:
+def build_local_net(settings: RunSettings, data: Prepared, weights: bool = True) -> nn.Module:
     """A local net as ``model`` says, with the pretrained weights of ``model.weights`` unless ``weights=False``."""
-    return _build(cfg.model, data, "model", weights)
+    return _build(settings.model, data, "model", weights)
 
 
-def build_global_net(cfg: DictConfig, data: Prepared, weights: bool = True) -> nn.Module:
+def build_global_net(settings: RunSettings, data: Prepared, weights: bool = True) -> nn.Module:
     """The global CNN as ``global_model`` says (``null``: as ``model``), with its pretrained weights unless
     ``weights=False``."""
-    key = "global_model" if cfg.get("global_model") else "model"
-    return _build(cfg[key], data, key, weights)
+    if settings.global_model:
+        return _build(settings.global_model, data, "global_model", weights)
+    return _build(settings.model, data, "model", weights)
 
 
 def weights_meta(net: nn.Module) -> dict:
@@ -483,7 +501,7 @@ def assemble_cnn_dnn(ctx: Context) -> CNNDNN:
         raise FileNotFoundError(f"cannot assemble the CNN-DNN of {ctx.run.root}: stages {missing} have not finished.")
     nets = []
     for i in range(n):
-        net = build_local_net(ctx.cfg, ctx.data, weights=False)  # its trained weights follow
+        net = build_local_net(ctx.settings, ctx.data, weights=False)  # its trained weights follow
         net.load_state_dict(torch.load(ctx.run.stage_dir("local", i) / "net.pt", weights_only=True))
         nets.append(net)
     kind = str(ctx.run.meta("coarse").get("input") or ctx.settings.coarse.input)

@@ -319,7 +319,7 @@ def export_run(run_dir: str | Path, path: str | Path | None = None) -> Path:
     """
     from omegaconf import OmegaConf
 
-    from ddcnn.context import build_context
+    from ddcnn.context import open_context
 
     root = Path(run_dir)
     config = root / "config.yaml"
@@ -330,7 +330,7 @@ def export_run(run_dir: str | Path, path: str | Path | None = None) -> Path:
         )
     cfg = OmegaConf.load(config)
     # The networks come from the run's net.pt files: a pretrained weights file it started from is not needed.
-    ctx = build_context(cfg, root, claim=False, weights=False)
+    ctx = open_context(RunSettings.from_config(cfg), root, weights=False)
     return export_context(ctx, path)
 
 

@@ -94,12 +94,12 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     run_dir = run_dir if run_dir is not None else settings.run_dir
     pool = None
     if stage in ("all", "local") and settings.parallel.workers > 1:
-        from ddcnn.parallel.workers import start_workers_early, worker_config
+        from ddcnn.parallel.workers import start_workers_early
 
         # Worker processes start now: their start-up overlaps the loading of the data below.
         n = math.prod(settings.decomposition.grid)
         early = [i for i in _subdomains(settings, n) if 0 <= i < n]
-        pool = start_workers_early(settings, worker_config(cfg), run_dir, early)
+        pool = start_workers_early(settings, run_dir, early)
     try:
         return _train(cfg, settings, run_dir, optional, pool)
     finally:
@@ -117,7 +117,7 @@ def _train(cfg: DictConfig, settings: RunSettings, run_dir, optional: list[str],
             f"subdomain {bad} does not exist: the {ctx.decomposition.describe()} has sub-domains "
             f"0..{ctx.decomposition.num_subdomains - 1} (row-major, last axis fastest)."
         )
-    ctx.run.check_fingerprint(ctx.cfg)  # data.num_classes, data.in_channels as resolved from the data
+    ctx.run.claim(ctx.identity)  # data.num_classes, data.in_channels as resolved from the data
     log.info("run directory %s: %s", ctx.run.root, ctx.decomposition.describe())
     device = resolve_device(settings.device)  # auto: every stage of this process on the same kind of device
     out: dict = {}

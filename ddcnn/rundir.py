@@ -17,14 +17,16 @@ and ``done`` is written last, so a reader never mistakes a half-written stage fo
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_json, atomic_write_text, make_dir
 
@@ -262,6 +264,39 @@ def fingerprint(settings: Mapping) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a run directory records of the configuration that claims it (:meth:`RunDir.claim`): the settings that
+    change results (:func:`result_settings`), their fingerprint and the configuration as ``config.yaml``. Built at the
+    entry, where the configuration is (:func:`ddcnn.context.build_context`); plain data below it."""
+
+    settings: dict
+    config_yaml: str | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.settings)
+
+    @classmethod
+    def of(
+        cls, cfg: DictConfig | Mapping, num_classes: int | None = None, in_channels: int | None = None
+    ) -> RunIdentity:
+        """The identity of configuration ``cfg``, with ``data.num_classes`` / ``data.in_channels`` that are ``auto``
+        set to the data's (a run of 4 classes is not a run of 5)."""
+        counts = {"num_classes": num_classes, "in_channels": in_channels}
+        data = cfg.get("data") or {}
+        auto = {key: int(value) for key, value in counts.items() if value is not None and data.get(key) == "auto"}
+        if auto and isinstance(cfg, DictConfig):
+            cfg = copy.deepcopy(cfg)
+            with open_dict(cfg):
+                for key, value in auto.items():
+                    cfg.data[key] = value
+        elif auto:
+            cfg = {**cfg, "data": {**data, **auto}}
+        text = OmegaConf.to_yaml(cfg, resolve=True) if isinstance(cfg, DictConfig) else None
+        return cls(result_settings(cfg), text)
+
+
 def flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
     out = {}
@@ -467,14 +502,19 @@ class RunDir:
         return head == "methods" and bool(stage) and not (self.root / stage).exists()
 
     def check_fingerprint(self, cfg: DictConfig) -> str:
-        """Record the configuration on first use; refuse a directory that holds another configuration, except in
-        the settings of optional methods that never ran in it (those the run takes on).
+        """:meth:`claim` the run directory for the configuration ``cfg`` (:meth:`RunIdentity.of`)."""
+        return self.claim(RunIdentity.of(cfg))
+
+    def claim(self, identity: RunIdentity) -> str:
+        """Record the run's identity (its fingerprint, the settings that change results and ``config.yaml``) on first
+        use; refuse a directory that holds another configuration, except in the settings of optional methods that
+        never ran in it (those the run takes on).
 
         Raises:
             FingerprintMismatch: Naming the settings that differ.
         """
-        settings = result_settings(cfg)
-        fp = fingerprint(settings)
+        settings = identity.settings
+        fp = identity.fingerprint
         path = self.root / "fingerprint.json"
         if path.is_file():
             recorded = json.loads(path.read_text())
@@ -500,6 +540,6 @@ class RunDir:
             return fp
         make_dir(self.root)
         atomic_write_json(path, {"fingerprint": fp, "settings": settings})
-        if isinstance(cfg, DictConfig):
-            atomic_write_text(self.root / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        if identity.config_yaml is not None:
+            atomic_write_text(self.root / "config.yaml", identity.config_yaml)
         return fp

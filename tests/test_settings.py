@@ -153,9 +153,11 @@ def test_the_context_holds_the_settings_with_the_data_counts(make_cfg):
     ctx = build_context(make_cfg("data.num_classes=auto"), claim=False)
     assert isinstance(ctx.settings, RunSettings)
     assert ctx.settings.data.num_classes == ctx.data.num_classes == 10
-    assert ctx.settings.data.batch_size == int(ctx.cfg.data.batch_size)
-    # The configuration the run directory's fingerprint is computed from records the data's count, not auto.
-    assert ctx.cfg.data.num_classes == 10
+    assert not hasattr(ctx, "cfg")  # below the entry, nothing holds the configuration
+    # The run's identity, which the run directory records and its fingerprint is computed from, holds the data's
+    # count, not auto.
+    assert ctx.identity.settings["data"]["num_classes"] == 10
+    assert "num_classes: 10" in ctx.identity.config_yaml
 
 
 def test_the_prepared_data_follow_the_data_settings(make_cfg):
@@ -175,3 +177,71 @@ def test_global_ddp_devices_are_checked_whenever_the_method_is_enabled():
         with pytest.raises(ValueError, match=r"num_devices=3 does not divide data\.batch_size=32"):
             _settings(*bad, f"stage={stage}")
     assert _settings(*bad[1:], "stage=local").methods.global_ddp.num_devices == 3  # not enabled: not checked
+
+
+# Where the composed configuration itself may still be taken: the entry's builders of the settings and the context,
+# the run directory's record of it (fingerprint, config.yaml), Hydra's callback API and the report's reading of a
+# finished run's stored config.yaml.
+RAW_CONFIG_ALLOWED = {
+    "ddcnn/context.py": {"build_context"},
+    "ddcnn/rundir.py": {"result_settings", "of", "check_fingerprint"},
+    "ddcnn/settings/run.py": {"from_config", "_plain"},
+    "ddcnn/settings/fit.py": {"from_config"},
+    "ddcnn/parallel/hydra_callbacks.py": {"on_multirun_start"},
+    "ddcnn/report/compare.py": {"_config_columns"},
+}
+
+
+def test_below_the_entry_no_function_takes_the_configuration():
+    """Counted as the settings issue counts them: a parameter named ``cfg``/``config`` or typed ``DictConfig``, in
+    ``ddcnn/`` outside ``cli.py`` and ``pipeline.py``; and no object reads a ``ctx.cfg``."""
+    import ast
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    found, reads = [], []
+    for path in sorted((root / "ddcnn").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        source = path.read_text()
+        reads += [rel] * len(re.findall(r"\b(?:ctx|context|self)\.cfg\b", source))
+        if rel in ("ddcnn/cli.py", "ddcnn/pipeline.py"):
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                for arg in node.args.args + node.args.kwonlyargs:
+                    typed = "DictConfig" in (ast.unparse(arg.annotation) if arg.annotation else "")
+                    if (arg.arg in ("cfg", "config") or typed) and node.name not in RAW_CONFIG_ALLOWED.get(rel, ()):
+                        found.append(f"{rel}:{node.lineno} {node.name}({arg.arg})")
+    assert not found, f"functions below the entry that take the configuration: {found}; take the settings instead"
+    assert not reads, f"modules that read a context's configuration: {reads}; read ctx.settings"
+
+
+def test_the_only_defaults_in_code_are_those_the_yaml_cannot_hold():
+    """``+trainer.accumulate_grad_batches`` / ``+trainer.gradient_clip_algorithm`` are added with ``+`` (Hydra refuses
+    ``+`` for a key the YAML has), so their defaults live in code: the YAML must not hold them, and says how to add
+    them."""
+    from ddcnn.settings.fit import ADDED_TRAINER_DEFAULTS
+
+    text = (CONF / "trainer" / "default.yaml").read_text()
+    for key, value in ADDED_TRAINER_DEFAULTS.items():
+        with pytest.raises(KeyError):
+            yaml_default(f"trainer.{key}")
+        assert f"+trainer.{key}=" in text
+        assert getattr(_settings().fit.trainer, key) == value
+
+
+@pytest.mark.parametrize("name", ["default", "mnist_4x4", "methods"])
+def test_a_run_directory_written_before_the_settings_existed_stays_valid(name, tmp_path):
+    """``fingerprint.json`` as ddcnn wrote it at 8de1352 (before RunSettings; tests/fixtures/fingerprints_8de1352.json):
+    today's entry computes the same fingerprint from the same command line and claims the directory to resume it."""
+    import json
+
+    from ddcnn.rundir import RunDir, RunIdentity
+
+    recorded = json.loads((Path(__file__).parent / "fixtures" / "fingerprints_8de1352.json").read_text())[name]
+    (tmp_path / "fingerprint.json").write_text(json.dumps({k: recorded[k] for k in ("fingerprint", "settings")}))
+    cfg = compose(recorded["overrides"], run_dir=str(tmp_path))
+    identity = RunIdentity.of(cfg)
+    assert identity.settings == recorded["settings"] and identity.fingerprint == recorded["fingerprint"]
+    assert RunDir(tmp_path).claim(identity) == recorded["fingerprint"]
+    assert RunDir(tmp_path).check_fingerprint(cfg) == recorded["fingerprint"]

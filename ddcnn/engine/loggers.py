@@ -15,10 +15,12 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
-from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from ddcnn.settings.fit import FitSettings
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +138,12 @@ class MLflowLogger:
             self._client.set_terminated(self._run_id, "FINISHED" if status == "success" else "FAILED")
 
 
-def build_loggers(cfg: DictConfig, folder: Path) -> list:
-    """The loggers of the ``logger`` config group besides the CSV log (which the loop always writes: the training-curve
+def build_loggers(specs: Mapping[str, Any], folder: Path) -> list:
+    """The loggers of the ``logger`` config group (``specs``: name -> ``_target_`` spec) besides the CSV log (which
+    the loop always writes: the training-curve
     plots read it), each given this stage's folder (``save_dir``) and name (``run_name``) where it takes them."""
     out = []
-    for name, spec in (cfg.get("logger") or {}).items():
+    for name, spec in specs.items():
         if not spec or "_target_" not in spec:
             continue  # logger=csv: the CSV log alone
         try:
@@ -170,7 +173,7 @@ class EpochReporter:
     with ``trainer.log_every_n_steps``, the training loss every n steps) to the loggers of ``logger``.
 
     Args:
-        cfg: The run configuration (``logger``, ``trainer.enable_progress_bar``).
+        settings: The run's :class:`~ddcnn.settings.FitSettings` (``logger``, ``trainer.enable_progress_bar``).
         folder: The stage folder (where the loggers write).
         max_epochs: Epochs of the training.
         every: Log a line every this many epochs (and after the last one), for trainings of many short epochs.
@@ -179,21 +182,20 @@ class EpochReporter:
     the first epoch reported (a resumed training's).
     """
 
-    def __init__(self, cfg: DictConfig, folder: Path, max_epochs: int, every: int = 1) -> None:
-        self.cfg, self.folder = cfg, Path(folder)
+    def __init__(self, settings: FitSettings, folder: Path, max_epochs: int, every: int = 1) -> None:
+        self.specs, self.folder = dict(settings.logger), Path(folder)
         self.name, self.max_epochs, self.every = stage_name(folder), int(max_epochs), max(1, int(every))
-        self.show_bar = (cfg.get("trainer") or {}).get("enable_progress_bar")
+        self.show_bar = settings.trainer.enable_progress_bar
         self.loggers: list | None = None
         self.bar = None
-        # Step losses are worth collecting only for a logger besides the CSV log (which has one row per epoch).
-        self.wants_steps = any(spec and "_target_" in spec for spec in (cfg.get("logger") or {}).values())
+        self.wants_steps = settings.wants_step_losses
 
     def __getstate__(self) -> dict[str, Any]:  # sent to spawned DDP ranks before anything was reported
         return {**self.__dict__, "loggers": None, "bar": None}
 
     def _loggers(self) -> list:
         if self.loggers is None:
-            self.loggers = build_loggers(self.cfg, self.folder)
+            self.loggers = build_loggers(self.specs, self.folder)
         return self.loggers
 
     def steps(self, points: list[tuple[int, float]]) -> None:

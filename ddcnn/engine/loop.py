@@ -73,7 +73,7 @@ import math
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -81,7 +81,6 @@ from typing import Any, Protocol
 import hydra
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ddcnn.data.datamodule import Batches, TensorDataModule
@@ -261,7 +260,13 @@ class Reporter(Protocol):
 
 # --- optimizers, schedules, threads ------------------------------------------------------------------------------
 def _spec(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    """A ``_target_`` spec (a mapping, an OmegaConf node included: its items resolve) as plain dicts and lists; any
+    other value (a callable, ``None``) as it is."""
+    if isinstance(node, Mapping):
+        return {key: _spec(value) for key, value in node.items()}
+    if isinstance(node, Sequence) and not isinstance(node, str | bytes):
+        return [_spec(value) for value in node]
+    return node
 
 
 def build_optimizer(node: Any, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -269,7 +274,7 @@ def build_optimizer(node: Any, params: Iterable[nn.Parameter]) -> torch.optim.Op
 
     A callable ``params -> Optimizer`` is accepted as well.
     """
-    factory = hydra.utils.instantiate(_spec(node)) if isinstance(node, Mapping | DictConfig) else node
+    factory = hydra.utils.instantiate(_spec(node)) if isinstance(node, Mapping) else node
     if not callable(factory):
         raise ValueError(
             f"the optimizer setting must be a Hydra node with _partial_: true (e.g. coarse.optimizer) or a callable, "

@@ -132,8 +132,7 @@ def run_local_stage(ctx, indices: list[int], pool: _Pool | None = None) -> list[
         wait_for_local(ctx.run, indices, since=started, generation=generation)
         return [ctx.run.meta("local", i) for i in indices]
     if settings.parallel.workers > 1:
-        config = None if pool is not None else worker_config(ctx.cfg)
-        return run_local_parallel(settings, config, ctx.run.root, indices, data=ctx.data, pool=pool)
+        return run_local_parallel(settings, ctx.run.root, indices, data=ctx.data, pool=pool)
     device = process_device(settings.device, settings.parallel.threads_per_worker)
     metas = []
     for i in indices:
@@ -235,7 +234,6 @@ def _exit_now(result_q, heartbeat: threading.Thread, stop: threading.Event) -> N
 def _worker_main(
     wdev: WorkerDevice,
     settings: RunSettings,
-    config: dict,
     run_dir: str,
     calibration: dict,
     task_q,
@@ -247,8 +245,7 @@ def _worker_main(
     """Body of one worker process: set up, calibrate, report ready, then train what the parent sends.
 
     ``data`` is the parent's prepared data (its tensors in shared memory), or ``None`` to load it here. ``settings``
-    are the parent's, checked there; ``config`` is the configuration as plain data (the run directory's fingerprint
-    and the stages that read ``ctx.cfg``).
+    are the parent's, checked there (the worker neither checks them again nor claims the run directory).
     """
     rank = wdev.rank
     _die_with_parent(parent_pid)
@@ -260,7 +257,7 @@ def _worker_main(
         _setup_worker_logging(rank)
         import torch
 
-        from ddcnn.context import build_context, build_local_net
+        from ddcnn.context import build_local_net, open_context
         from ddcnn.parallel.schedule import calibrate
 
         if isinstance(data, str) and data == _FROM_QUEUE:
@@ -268,12 +265,10 @@ def _worker_main(
             registry.load("local")
             with watch.waiting_for_parent():
                 data = task_q.get()
-        from omegaconf import OmegaConf
-
-        ctx = build_context(OmegaConf.create(config), run_dir, data=data, settings=settings)
+        ctx = open_context(settings, run_dir, data=data, check=False)
         images_per_s = None
         if int(calibration.get("steps", 0)) > 0:
-            net = build_local_net(ctx.cfg, ctx.data)
+            net = build_local_net(ctx.settings, ctx.data)
             shape = (ctx.data.in_channels, *ctx.decomposition.sub_shape)
             batch = int(calibration["batch_size"])
             images_per_s = calibrate(net, shape, ctx.data.num_classes, batch, wdev.device, int(calibration["steps"]))
@@ -315,7 +310,6 @@ class _Pool:
         self,
         devices: list[WorkerDevice],
         settings: RunSettings,
-        config: dict,
         run_dir: Path,
         calibration: dict,
         data=None,
@@ -339,7 +333,7 @@ class _Pool:
         self.procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(d, settings, config, str(run_dir), calibration, self.task_qs[d.rank], self.result_q, data),
+                args=(d, settings, str(run_dir), calibration, self.task_qs[d.rank], self.result_q, data),
                 kwargs={"parent_pid": os.getpid(), "heartbeat_s": heartbeat_s},
                 name=f"ddcnn-local-worker-{d.rank}",
                 daemon=True,
@@ -436,16 +430,6 @@ class _Pool:
                 p.join(timeout=5)
 
 
-def worker_config(cfg) -> dict:
-    """The configuration as plain data for worker processes (they build their context from it: the run directory's
-    fingerprint and the stages that read ``ctx.cfg``), progress bars off (P bars on one terminal garble)."""
-    from omegaconf import OmegaConf
-
-    config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    config.setdefault("trainer", {})["enable_progress_bar"] = False
-    return config
-
-
 def _todo(settings: RunSettings, run: RunDir, indices: list[int]) -> list[int]:
     """The sub-domains of ``indices`` that must train (not done, or done in an earlier generation with force)."""
     generation = run_generation(settings.run_generation)
@@ -456,17 +440,16 @@ def _todo(settings: RunSettings, run: RunDir, indices: list[int]) -> list[int]:
     ]
 
 
-def _start_pool(settings: RunSettings, config: dict, run_dir: Path, todo: list[int], data) -> _Pool:
+def _start_pool(settings: RunSettings, run_dir: Path, todo: list[int], data) -> _Pool:
     parallel = settings.parallel
     devices = plan_workers(min(parallel.workers, len(todo)), parallel.accelerator, parallel.threads_per_worker)
     calibration = {"steps": parallel.calibration_steps, "batch_size": settings.data.batch_size}
-    # The workers' settings say what their configuration says: no progress bars.
+    # No progress bars in workers: P bars on one terminal garble.
     trainer = dataclasses.replace(settings.fit.trainer, enable_progress_bar=False)
     settings = dataclasses.replace(settings, fit=dataclasses.replace(settings.fit, trainer=trainer))
     pool = _Pool(
         devices,
         settings,
-        config,
         run_dir,
         calibration,
         data,
@@ -477,27 +460,25 @@ def _start_pool(settings: RunSettings, config: dict, run_dir: Path, todo: list[i
     return pool
 
 
-def start_workers_early(settings: RunSettings, config: dict, run_dir: str | Path, indices: list[int]) -> _Pool | None:
+def start_workers_early(settings: RunSettings, run_dir: str | Path, indices: list[int]) -> _Pool | None:
     """Start the worker processes of the local stage before the caller loads the data, or ``None`` when this
     process will not use workers (``parallel.workers`` <= 1, an ``srun`` task, nothing to train).
 
     Each worker's start-up (Python, torch, Lightning Fabric, the stage modules) then overlaps the parent's loading and
-    preparing of the data; :func:`run_local_parallel` hands them the data through their queues. ``config``: the
-    configuration as plain data (:func:`worker_config`).
+    preparing of the data; :func:`run_local_parallel` hands them the data through their queues.
     """
     if settings.parallel.workers <= 1 or srun_task(settings.parallel.mode) is not None:
         return None
     todo = _todo(settings, RunDir(run_dir), indices)
     if not todo:
         return None
-    pool = _start_pool(settings, config, Path(run_dir), todo, _FROM_QUEUE)
+    pool = _start_pool(settings, Path(run_dir), todo, _FROM_QUEUE)
     pool.todo = todo
     return pool
 
 
 def run_local_parallel(
     settings: RunSettings,
-    config: dict | None,
     run_dir: str | Path,
     indices: list[int],
     data=None,
@@ -509,8 +490,7 @@ def run_local_parallel(
     memory: one copy for all workers, nothing read or prepared twice) or, when ``data`` is ``None``, by loading the
     data itself. It measures its images/s and reports the cost of every sub-domain; the parent then places the
     sub-domains (LPT on the calibrated speeds) and collects the results. ``parallel.json`` in the run directory
-    records devices, speeds, the placement, predicted against actual time per worker, and failures. ``config``: the
-    configuration as plain data (:func:`worker_config`; unused when ``pool`` started the workers already).
+    records devices, speeds, the placement, predicted against actual time per worker, and failures.
 
     Returns:
         The metadata of every local net of ``indices`` (trained now or finished before).
@@ -530,7 +510,7 @@ def run_local_parallel(
         if not todo:
             log.info("local nets %s: all finished earlier, skipped (force=true recomputes)", list(indices))
             return [run.meta("local", i) for i in indices]
-        pool = _start_pool(settings, config, run.root, todo, data)
+        pool = _start_pool(settings, run.root, todo, data)
         calibration, devices = pool.calibration, pool.devices
     log.info("local stage: %d sub-domains on %s", len(todo), ", ".join(d.describe() for d in devices))
     session = _Session(devices, todo, run)

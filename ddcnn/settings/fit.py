@@ -32,20 +32,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from ddcnn.settings.read import Section
 
 __all__ = [
     "TrainerSettings",
     "EngineSettings",
     "FitSettings",
+    "LOOP_TRAINER_KEYS",
+    "ADDED_TRAINER_DEFAULTS",
     "PRECISIONS",
     "MONITORS",
     "TRAINER_KEYS",
     "ENGINE_KEYS",
     "AUTO_SWITCHES",
-    "trainer_settings",
-    "engine_settings",
-    "check_training_settings",
     "check_schedule",
     "schedule_kind",
     "default_min_epochs",
@@ -128,11 +127,7 @@ _LOOP_GONE = (
 
 
 def _container(node: Any) -> dict:
-    if node is None:
-        return {}
-    if isinstance(node, DictConfig):
-        return OmegaConf.to_container(node, resolve=True)
-    return dict(node)
+    return {} if node is None else dict(node)
 
 
 def _refuse_unknown(section: str, given: Mapping, known: tuple[str, ...]) -> None:
@@ -171,27 +166,30 @@ def _positive_int(value: Any, what: str, allow_none: bool = False) -> int | None
     return int(value)
 
 
-def trainer_settings(cfg: DictConfig | Mapping) -> dict:
-    """``cfg.trainer`` checked and normalised: every key the loop implements, with its default when absent.
+# The defaults of trainer keys given with `+trainer.<key>=` (documented in conf/trainer/default.yaml, which cannot hold
+# them: Hydra refuses `+` for a key it has).
+ADDED_TRAINER_DEFAULTS = {"accumulate_grad_batches": 1, "gradient_clip_algorithm": "norm"}
+
+
+def _trainer(t: Section) -> dict:
+    """``trainer`` checked and normalised: every key the loop implements, its YAML default where it is absent.
 
     Raises:
         ValueError: Naming the key, its value and what to use instead, for a key the loop does not implement or a
             value it cannot honour.
     """
-    given = _container(cfg.get("trainer"))
-    _refuse_unknown("trainer", given, TRAINER_KEYS)
+    _refuse_unknown("trainer", t.given, TRAINER_KEYS)
     out = {
-        "max_epochs": _positive_int(given.get("max_epochs", 1), "trainer.max_epochs"),
-        "deterministic": bool(given.get("deterministic") or False),
-        "enable_progress_bar": given.get("enable_progress_bar"),
-        "log_every_n_steps": _positive_int(given.get("log_every_n_steps"), "trainer.log_every_n_steps", True),
+        "max_epochs": _positive_int(t("max_epochs"), "trainer.max_epochs"),
+        "deterministic": bool(t("deterministic") or False),
+        "enable_progress_bar": t("enable_progress_bar"),
+        "log_every_n_steps": _positive_int(t("log_every_n_steps"), "trainer.log_every_n_steps", True),
         "accumulate_grad_batches": _positive_int(
-            1 if given.get("accumulate_grad_batches") is None else given["accumulate_grad_batches"],
-            "trainer.accumulate_grad_batches",
+            t.default("accumulate_grad_batches"), "trainer.accumulate_grad_batches"
         ),
     }
-    precision = given.get("precision", "32-true")
-    key = str(precision).lower() if precision is not None else "32-true"
+    precision = t.default("precision")
+    key = str(precision).lower()
     if key not in PRECISIONS:
         raise ValueError(
             f"trainer.precision={precision!r} is not one the loop runs: use 32-true, bf16-mixed (bf16 autocast), "
@@ -203,11 +201,11 @@ def trainer_settings(cfg: DictConfig | Mapping) -> dict:
             f"trainer.enable_progress_bar must be true, false or null (bars on a terminal, one line per epoch "
             f"otherwise), got {out['enable_progress_bar']!r}."
         )
-    clip = given.get("gradient_clip_val")
+    clip = t("gradient_clip_val")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or clip <= 0):
         raise ValueError(f"trainer.gradient_clip_val must be > 0 (or null: no clipping), got {clip!r}.")
     out["gradient_clip_val"] = None if clip is None else float(clip)
-    algorithm = given.get("gradient_clip_algorithm") or "norm"
+    algorithm = t.default("gradient_clip_algorithm")
     if algorithm not in ("norm", "value"):
         raise ValueError(
             f"trainer.gradient_clip_algorithm must be 'norm' (the gradients' global 2-norm, the default) or 'value' "
@@ -215,7 +213,7 @@ def trainer_settings(cfg: DictConfig | Mapping) -> dict:
         )
     out["gradient_clip_algorithm"] = algorithm
     for name in ("limit_train_batches", "limit_val_batches"):
-        value = given.get(name)
+        value = t(name)
         num_batches(1, value, f"trainer.{name}")  # checks the value
         out[name] = value
     if out["limit_train_batches"] in (0, 0.0):
@@ -232,22 +230,21 @@ def _switch(value: Any, what: str) -> str | bool:
     raise ValueError(f"{what} must be auto, true or false, got {value!r}.")
 
 
-def engine_settings(cfg: DictConfig | Mapping) -> dict:
-    """``cfg.engine`` checked, with defaults: monitor, monitor_mode, patience, min_delta, min_epochs (``None``: half
-    the training's epochs, :func:`default_min_epochs`), num_devices, checkpoint_every_s and the GPU policy (``auto``
-    switches decided from the device by :func:`ddcnn.engine.gpu.resolve_policy`)."""
-    given = _container(cfg.get("engine"))
-    if given.get("loop") is not None:
-        raise ValueError(_LOOP_GONE.format(value=given["loop"]))
-    _refuse_unknown("engine", given, ENGINE_KEYS)
+def _engine(e: Section) -> dict:
+    """``engine`` checked, its YAML defaults where keys are absent: monitor, monitor_mode, patience, min_delta,
+    min_epochs (``None``: half the training's epochs, :func:`default_min_epochs`), num_devices, checkpoint_every_s and
+    the GPU policy (``auto`` switches decided from the device by :func:`ddcnn.engine.gpu.resolve_policy`)."""
+    if e("loop") is not None:
+        raise ValueError(_LOOP_GONE.format(value=e.given["loop"]))
+    _refuse_unknown("engine", e.given, ENGINE_KEYS)
     out = {
-        "monitor": str(given.get("monitor", "val_acc")),
-        "monitor_mode": str(given.get("monitor_mode", "max")),
-        "patience": given.get("patience"),
-        "min_delta": given.get("min_delta", 0.0),
-        "min_epochs": given.get("min_epochs"),
-        "num_devices": _positive_int(given.get("num_devices", 1) or 1, "engine.num_devices"),
-        "checkpoint_every_s": given.get("checkpoint_every_s", 30.0),
+        "monitor": str(e("monitor")),
+        "monitor_mode": str(e("monitor_mode")),
+        "patience": e("patience"),
+        "min_delta": e("min_delta"),
+        "min_epochs": e("min_epochs"),
+        "num_devices": _positive_int(e.default("num_devices"), "engine.num_devices"),
+        "checkpoint_every_s": e("checkpoint_every_s"),
     }
     if out["monitor_mode"] not in ("max", "min"):
         raise ValueError(f"engine.monitor_mode must be 'max' or 'min', got {out['monitor_mode']!r}.")
@@ -281,19 +278,19 @@ def engine_settings(cfg: DictConfig | Mapping) -> dict:
         raise ValueError(f"engine.checkpoint_every_s must be >= 0 (0: after every epoch), got {every!r}.")
     out["checkpoint_every_s"] = float(every)
     for key in AUTO_SWITCHES:
-        out[key] = _switch(given.get(key, "auto"), f"engine.{key}")
-    fraction = given.get("device_data_fraction", 0.5)
+        out[key] = _switch(e(key), f"engine.{key}")
+    fraction = e("device_data_fraction")
     if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
         raise ValueError(
             f"engine.device_data_fraction must be a fraction in (0, 1] of the free device memory that a split held on "
             f"the device may take, got {fraction!r}."
         )
     out["device_data_fraction"] = float(fraction)
-    compile_ = given.get("compile", False)
+    compile_ = e("compile")
     if not isinstance(compile_, bool):
         raise ValueError(f"engine.compile must be true (torch.compile the network) or false, got {compile_!r}.")
     out["compile"] = compile_
-    steps = given.get("profile_steps", 0)
+    steps = e("profile_steps")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(
             f"engine.profile_steps must be a whole number >= 0 (0: no profile; N: a Chrome trace of N training steps "
@@ -319,7 +316,7 @@ def schedule_kind(node: Any) -> str:
     cosine annealing) or ``callable`` (a factory passed from Python; the loop checks what it builds)."""
     if not node:
         return "constant"
-    if not isinstance(node, Mapping | DictConfig):
+    if not isinstance(node, Mapping):
         return "callable"
     target = str(_container(node).get("_target_") or "")
     return "plateau" if target.rsplit(".", 1)[-1] == PLATEAU else "fixed"
@@ -388,7 +385,7 @@ def check_schedule(
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    """``trainer.*`` checked and normalised (:func:`trainer_settings`)."""
+    """``trainer.*`` checked and normalised."""
 
     max_epochs: int
     precision: str
@@ -404,7 +401,7 @@ class TrainerSettings:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """``engine.*`` checked and normalised (:func:`engine_settings`); ``auto`` switches are decided from the device
+    """``engine.*`` checked and normalised; ``auto`` switches are decided from the device
     by :func:`ddcnn.engine.gpu.resolve_policy`."""
 
     monitor: str
@@ -423,27 +420,45 @@ class EngineSettings:
     profile_steps: int
 
 
+# The fit_batches arguments that come from the trainer settings and apply to every training of a run, the coarse DNN's
+# included (FitSettings.loop_arguments).
+LOOP_TRAINER_KEYS = (
+    "precision",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
+    "accumulate_grad_batches",
+    "limit_train_batches",
+    "limit_val_batches",
+    "deterministic",
+    "log_every_n_steps",
+)
+
+
 @dataclass(frozen=True)
 class FitSettings:
-    """How every training runs: ``trainer.*`` and ``engine.*``, checked with the run's ``scheduler``."""
+    """How every training runs: ``trainer.*``, ``engine.*``, the ``optimizer`` and ``scheduler`` (``_target_``
+    specs) and the ``logger`` group, checked together (the scheduler against early stopping)."""
 
     trainer: TrainerSettings
     engine: EngineSettings
+    optimizer: dict
+    scheduler: dict | None
+    logger: dict
 
     @classmethod
-    def from_config(cls, cfg: DictConfig | Mapping) -> FitSettings:
-        """Every ``trainer`` and ``engine`` setting, and the ``scheduler`` against early stopping, checked.
+    def from_config(cls, config: Mapping) -> FitSettings:
+        """Every ``trainer`` and ``engine`` setting, and the ``scheduler`` against early stopping, checked, from the
+        composed configuration as plain data (:meth:`ddcnn.settings.RunSettings.from_config` reads it).
 
         Raises:
             ValueError: Naming the setting, its value and the fix.
         """
-        trainer = TrainerSettings(**trainer_settings(cfg))
-        engine = EngineSettings(**engine_settings(cfg))
+        trainer = TrainerSettings(**_trainer(Section("trainer", config.get("trainer"), ADDED_TRAINER_DEFAULTS)))
+        engine = EngineSettings(**_engine(Section("engine", config.get("engine"))))
+        top = Section("", config)
+        scheduler = None if top("scheduler") is None else dict(top("scheduler"))
         check_schedule(
-            cfg.get("scheduler"),
-            patience=engine.patience,
-            monitor_mode=engine.monitor_mode,
-            min_delta=engine.min_delta,
+            scheduler, patience=engine.patience, monitor_mode=engine.monitor_mode, min_delta=engine.min_delta
         )
         if engine.patience is not None and (engine.min_epochs or 0) > trainer.max_epochs:
             raise ValueError(
@@ -463,19 +478,19 @@ class FitSettings:
                 f"select the weights on: set engine.monitor=train_loss engine.monitor_mode=min (or train_acc / max), "
                 f"or validate (limit_val_batches null or > 0)."
             )
-        return cls(trainer, engine)
+        return cls(trainer, engine, dict(top("optimizer")), scheduler, dict(top("logger") or {}))
 
+    def loop_arguments(self) -> dict[str, Any]:
+        """The :func:`~ddcnn.engine.loop.fit_batches` arguments of the ``trainer`` settings that apply to every
+        training of the run, the coarse DNN's included: precision, clipping, gradient accumulation, batch limits,
+        deterministic algorithms, step logging."""
+        return {key: getattr(self.trainer, key) for key in LOOP_TRAINER_KEYS}
 
-def check_training_settings(cfg: DictConfig) -> FitSettings:
-    """Every ``trainer`` and ``engine`` setting (:meth:`FitSettings.from_config`), and the ``srun`` step a DDP stage
-    would train across, checked before anything trains (see the module doc)."""
-    fit = FitSettings.from_config(cfg)
-    stage = str(cfg.get("stage", "all"))
-    enabled = ((cfg.get("methods") or {}).get("enabled") or {}).get("global_ddp", False)
-    if stage == "global_ddp" or (stage == "all" and enabled):
-        value = ((cfg.get("methods") or {}).get("global_ddp") or {}).get("num_devices", 2)
-        check_srun_ddp(int(value), "methods.global_ddp.num_devices")
-    return fit
+    @property
+    def wants_step_losses(self) -> bool:
+        """Whether a logger besides the CSV log (one row per epoch) is configured: only then are step losses worth
+        collecting."""
+        return any(spec and "_target_" in spec for spec in self.logger.values())
 
 
 def check_srun_ddp(num_devices: int, setting: str = "methods.global_ddp.num_devices") -> int | None:

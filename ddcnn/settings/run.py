@@ -19,14 +19,12 @@ check_fingerprint`), so run directories written before these settings existed st
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddcnn import registry
 from ddcnn.settings.fit import FitSettings, check_srun_ddp
+from ddcnn.settings.read import AUTO, Section, yaml_default
 
 if TYPE_CHECKING:
     from ddcnn.data.prepare import PrepareSettings
@@ -54,78 +52,6 @@ __all__ = [
 
 # What ``stage`` may say besides ``all``: every stage of the registry, in run order, then the evaluation.
 STAGES = (*registry.STAGE_NAMES, "evaluate")
-AUTO = "auto"
-# The YAML file of each section's default (the group's default option; the top level is config.yaml).
-_DEFAULT_FILES = {
-    "": "config.yaml",
-    "data": "data/_base.yaml",
-    "coarse": "coarse/mlp.yaml",
-    "trainer": "trainer/default.yaml",
-    "engine": "engine/default.yaml",
-    "parallel": "parallel/default.yaml",
-    "methods": "methods/default.yaml",
-}
-
-
-@functools.cache
-def _default_file(name: str) -> dict:
-    from omegaconf import OmegaConf
-
-    from ddcnn.config import CONFIG_DIR
-
-    node = OmegaConf.load(Path(CONFIG_DIR) / name)
-    return OmegaConf.to_container(node, resolve=False)
-
-
-def yaml_default(key: str) -> Any:
-    """The default of setting ``key`` (``store.reuse``, ``data.val_fraction``) as its YAML file states it.
-
-    Raises:
-        KeyError: For a key that has no default in the YAML.
-    """
-    section, _, rest = key.partition(".")
-    if section in _DEFAULT_FILES and rest:
-        node, parts = _default_file(_DEFAULT_FILES[section]), rest.split(".")
-    else:
-        node, parts = _default_file(_DEFAULT_FILES[""]), key.split(".")
-    for part in parts:
-        if not isinstance(node, Mapping) or part not in node:
-            raise KeyError(f"{key} has no default in conf/ ({_DEFAULT_FILES.get(section, 'config.yaml')})")
-        node = node[part]
-    return node
-
-
-class _Section:
-    """One mapping of the configuration read key by key: a missing key takes its YAML default; what is left unread
-    is refused by :meth:`done`, with the known keys listed."""
-
-    def __init__(self, name: str, given: Any) -> None:
-        self.name = name
-        self.given = dict(given or {})
-        self.read: list[str] = []
-
-    def __call__(self, key: str) -> Any:
-        self.read.append(key)
-        if key in self.given:
-            return self.given[key]
-        return yaml_default(f"{self.name}.{key}" if self.name else key)
-
-    def sub(self, key: str) -> _Section:
-        node = self(key)
-        return _Section(
-            f"{self.name}.{key}" if self.name else key, {"enabled": node} if isinstance(node, bool) else node
-        )
-
-    def done(self, extra_known: tuple[str, ...] = ()) -> None:
-        known = list(dict.fromkeys([*self.read, *extra_known]))
-        unknown = [k for k in self.given if k not in known]
-        if unknown:
-            where = f"{self.name}." if self.name else ""
-            key = unknown[0]
-            raise ValueError(
-                f"{where}{key}={self.given[key]!r} is not a setting of ddcnn; the {self.name or 'top-level'} settings "
-                f"are {', '.join(known)}. Remove it (or fix its spelling)."
-            )
 
 
 def _positive_int(value: Any, key: str, auto: bool = False, none: bool = False) -> Any:
@@ -212,7 +138,7 @@ class DataSettings:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def read(cls, d: _Section) -> DataSettings:
+    def read(cls, d: Section) -> DataSettings:
         batch = _positive_int(d("batch_size"), "data.batch_size")
         frac = d("val_fraction")
         if not isinstance(frac, int | float) or not 0 < frac < 1:
@@ -285,7 +211,7 @@ class DecompositionSettings:
     overlap: int | float | tuple
 
     @classmethod
-    def read(cls, d: _Section) -> DecompositionSettings:
+    def read(cls, d: Section) -> DecompositionSettings:
         overlap = d("overlap")
         out = cls(str(d("name")), tuple(d("grid")), overlap if isinstance(overlap, int | float) else tuple(overlap))
         d.done()
@@ -326,39 +252,35 @@ class CoarseSettings:
     scheduler: dict | None
 
     @classmethod
-    def read(cls, c: _Section) -> CoarseSettings:
-        def given(section: _Section, key: str) -> Any:  # null: the YAML default
-            value = section(key)
-            return yaml_default(f"{section.name}.{key}") if value is None else value
-
+    def read(cls, c: Section) -> CoarseSettings:
         for key in ("batch_size", "max_epochs"):
-            if given(c, key) != AUTO:
-                _positive_int(given(c, key), f"coarse.{key}")
-        steps = _positive_int(given(c, "steps"), "coarse.steps")
+            if c.default(key) != AUTO:
+                _positive_int(c.default(key), f"coarse.{key}")
+        steps = _positive_int(c.default("steps"), "coarse.steps")
         kind = c("input")
         if kind not in ("probs", "logits"):
             raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
-        monitor = given(c, "monitor")
+        monitor = c.default("monitor")
         if monitor not in ("val_loss", "val_acc"):
             raise ValueError(
                 f"coarse.monitor must be val_loss or val_acc (the validation split selects), got {monitor!r}."
             )
-        restarts = given(c, "divergence_restarts")
+        restarts = c.default("divergence_restarts")
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ValueError(f"coarse.divergence_restarts must be >= 0, got {restarts!r}.")
         lin = c.sub("linear")
         linear = CoarseLinearSettings(
-            bool(given(lin, "enabled")),
-            tuple(float(v) for v in given(lin, "l2_grid")),
-            int(given(lin, "max_rows")),
-            int(given(lin, "max_iter")),
+            bool(lin.default("enabled")),
+            tuple(float(v) for v in lin.default("l2_grid")),
+            int(lin.default("max_rows")),
+            int(lin.default("max_iter")),
         )
         lin.done()
         every = c("checkpoint_every")
         out = cls(
             input=str(kind),
-            max_epochs=given(c, "max_epochs"),
-            batch_size=given(c, "batch_size"),
+            max_epochs=c.default("max_epochs"),
+            batch_size=c.default("batch_size"),
             steps=steps,
             monitor=str(monitor),
             patience=c("patience"),
@@ -375,11 +297,11 @@ class CoarseSettings:
 
 
 # --- the optional methods (one class per method with settings) -----------------------------------
-def _method_epochs(m: _Section, stage: str) -> int | None:
+def _method_epochs(m: Section, stage: str) -> int | None:
     return _positive_int(m("max_epochs"), f"methods.{stage}.max_epochs", none=True)
 
 
-def _lr_scale(m: _Section, stage: str) -> float:
+def _lr_scale(m: Section, stage: str) -> float:
     scale = m("lr_scale")
     if isinstance(scale, bool) or not isinstance(scale, int | float) or scale <= 0:
         raise ValueError(f"methods.{stage}.lr_scale must be a positive number, got {scale!r}.")
@@ -394,7 +316,7 @@ class StackerSettings:
     max_iter: int
 
     @classmethod
-    def read(cls, m: _Section) -> StackerSettings:
+    def read(cls, m: Section) -> StackerSettings:
         return cls(tuple(float(v) for v in m("l2_grid")), int(m("max_iter")))
 
 
@@ -405,7 +327,7 @@ class LocalOofSettings:
     folds: int
 
     @classmethod
-    def read(cls, m: _Section) -> LocalOofSettings:
+    def read(cls, m: Section) -> LocalOofSettings:
         return cls(int(m("folds")))
 
 
@@ -417,7 +339,7 @@ class FineTuneSettings:
     lr_scale: float
 
     @classmethod
-    def read(cls, m: _Section) -> FineTuneSettings:
+    def read(cls, m: Section) -> FineTuneSettings:
         stage = m.name.rsplit(".", 1)[1]
         return cls(_method_epochs(m, stage), _lr_scale(m, stage))
 
@@ -431,7 +353,7 @@ class GlobalTransferSettings:
     lr_scale: float
 
     @classmethod
-    def read(cls, m: _Section) -> GlobalTransferSettings:
+    def read(cls, m: Section) -> GlobalTransferSettings:
         return cls(m("init"), _method_epochs(m, "global_transfer"), _lr_scale(m, "global_transfer"))
 
 
@@ -443,7 +365,7 @@ class GlobalDdpSettings:
     num_devices: int
 
     @classmethod
-    def read(cls, m: _Section) -> GlobalDdpSettings:
+    def read(cls, m: Section) -> GlobalDdpSettings:
         return cls(m("num_devices"))
 
 
@@ -470,7 +392,7 @@ class MethodsSettings:
     global_ddp: GlobalDdpSettings
 
     @classmethod
-    def read(cls, m: _Section) -> MethodsSettings:
+    def read(cls, m: Section) -> MethodsSettings:
         known = set(registry.OPTIONAL_STAGES)
         enabled = dict(m("enabled") or {})
         unknown = sorted(set(enabled) - known)
@@ -490,7 +412,7 @@ class MethodsSettings:
             sub.done()
         for stage in known - set(_METHOD_CLASSES):
             if m.given.get(stage):
-                _Section(f"methods.{stage}", m.given[stage]).done()  # it has none: each key is refused
+                Section(f"methods.{stage}", m.given[stage]).done()  # it has none: each key is refused
         return cls(enabled={name: bool(enabled.get(name, False)) for name in registry.OPTIONAL_STAGES}, **sections)
 
     def settings_of(self, stage: str) -> Any:
@@ -512,7 +434,7 @@ class ParallelSettings:
     startup_timeout_s: float
 
     @classmethod
-    def read(cls, p: _Section) -> ParallelSettings:
+    def read(cls, p: Section) -> ParallelSettings:
         mode = p("mode")
         if mode not in ("auto", "srun", "single"):
             raise ValueError(
@@ -541,7 +463,7 @@ class CurveSettings:
     max_train_rows: int
 
     @classmethod
-    def read(cls, c: _Section) -> CurveSettings:
+    def read(cls, c: Section) -> CurveSettings:
         out = cls(bool(c("enabled")), int(c("points") or 0), int(c("max_train_rows") or 0))
         if out.points < 0 or out.max_train_rows < 0:
             raise ValueError(
@@ -561,7 +483,7 @@ class ReportSettings:
     curves: CurveSettings
 
     @classmethod
-    def read(cls, r: _Section) -> ReportSettings:
+    def read(cls, r: Section) -> ReportSettings:
         out = cls(
             _bool(r("plots"), "report.plots", "the PNG figures in RUN_DIR/plots/"),
             _bool(r("export"), "report.export", "the TorchScript export in RUN_DIR/export/"),
@@ -581,7 +503,7 @@ class StoreSettings:
     reuse: bool
 
     @classmethod
-    def read(cls, s: _Section) -> StoreSettings:
+    def read(cls, s: Section) -> StoreSettings:
         reuse = s("reuse")
         if not isinstance(reuse, bool):
             raise ValueError(
@@ -623,9 +545,6 @@ class RunSettings:
     store: StoreSettings
     model: dict
     global_model: dict | None
-    optimizer: dict
-    scheduler: dict | None
-    logger: dict
 
     @classmethod
     def from_config(cls, cfg: Any) -> RunSettings:
@@ -639,9 +558,9 @@ class RunSettings:
         stage = str(plain.get("stage", yaml_default("stage")))
         if stage not in ("all", *STAGES):
             raise ValueError(f"unknown stage {stage!r}; choose one of: all, {', '.join(STAGES)}.")
-        top = _Section("", plain)
+        top = Section("", plain)
         fit = FitSettings.from_config(plain)
-        top.read += ["trainer", "engine"]
+        top.read += ["trainer", "engine", "optimizer", "scheduler", "logger"]
         data = DataSettings.read(top.sub("data"))
         methods = MethodsSettings.read(top.sub("methods"))
         if stage == "global_ddp" or methods.enabled["global_ddp"]:
@@ -673,9 +592,6 @@ class RunSettings:
             store=StoreSettings.read(top.sub("store")),
             model=_spec(top("model")),
             global_model=_spec(top("global_model")),
-            optimizer=_spec(top("optimizer")),
-            scheduler=_spec(top("scheduler")),
-            logger=_spec(top("logger")) or {},
         )
         top.done(extra_known=("stage",))
         return out
@@ -727,6 +643,8 @@ def _plain(cfg: Any) -> dict:
         return OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True) if cfg else {}
     out = {}
     for key in cfg:
+        if key == "hydra":  # Hydra's own node (compose(..., return_hydra_config=True)): not a setting of ddcnn
+            continue
         try:
             out[key] = OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
         except OmegaConfBaseException:

@@ -57,7 +57,6 @@ from ddcnn.data.datamodule import TensorDataModule
 from ddcnn.engine.convex import fit_logistic
 from ddcnn.engine.loggers import EpochReporter
 from ddcnn.engine.loop import EVAL_CHUNK, FitResult, fit_tensors, torch_threads
-from ddcnn.engine.train import loop_settings
 from ddcnn.io import atomic_write_json
 from ddcnn.metrics import chance_margin, majority_rate, near_chance
 from ddcnn.rundir import CURVE_FILE, SPLITS, TARGET_SPLIT
@@ -192,8 +191,8 @@ def fit_coarse(
         device: Where it trains.
         on_epoch_end: The progress reporter (:class:`~ddcnn.engine.loggers.EpochReporter`), outside the clock.
         start: ``time.perf_counter()`` at the start of the stage.
-        loop: The run's settings of the training loop (:func:`ddcnn.engine.train.loop_settings`: precision, clipping,
-            batch limits, ...), so that they reach the coarse DNN as every other training.
+        loop: The run's settings of the training loop (:meth:`ddcnn.settings.FitSettings.loop_arguments`:
+            precision, clipping, batch limits, ...), so that they reach the coarse DNN as every other training.
     """
     start = time.perf_counter() if start is None else float(start)
     folder = Path(folder)
@@ -408,7 +407,7 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
     spec = coarse_net_spec(coarse, kind)
     net = build_coarse_net(coarse, n, ctx.data.num_classes, spec=spec)
     plan = coarse_plan(len(fit_y["train"]), coarse)
-    reporter = EpochReporter(ctx.cfg, folder, plan["max_epochs"], every=max(1, plan["max_epochs"] // 10))
+    reporter = EpochReporter(ctx.settings.fit, folder, plan["max_epochs"], every=max(1, plan["max_epochs"] // 10))
     with torch_threads(coarse.num_threads), contextlib.ExitStack() as stack:
         stack.callback(reporter.close)
         fitted = fit_coarse(
@@ -421,7 +420,7 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
             device=device,
             on_epoch_end=reporter,
             start=start,
-            loop=loop_settings(ctx.cfg),
+            loop=ctx.settings.fit.loop_arguments(),
         )
         dm = TensorDataModule(x, y, eval_batch_size=EVAL_CHUNK, seed=seed)  # predictions only
         if stage == "coarse" and ctx.settings.report.curves.enabled:
@@ -492,7 +491,7 @@ def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
         net = build_coarse_net(coarse, n, k, kind=kind)
         fit_start = time.perf_counter()
         with tempfile.TemporaryDirectory() as folder:
-            fitted = fit_coarse(net, x, y, folder, coarse, seed=seed, loop=loop_settings(ctx.cfg))
+            fitted = fit_coarse(net, x, y, folder, coarse, seed=seed, loop=ctx.settings.fit.loop_arguments())
         coarse_s = time.perf_counter() - fit_start
         val, test = _scores(fitted.net, x["val"], y["val"], "cpu"), _scores(fitted.net, x["test"], y["test"], "cpu")
         base = {"epoch": epoch, "local_max_s": max(times), "local_total_s": sum(times), "train_rows": len(rows)}

@@ -191,7 +191,7 @@ def method_epochs(ctx: Context, stage: str) -> int:
 def method_optimizer(ctx: Context, stage: str) -> dict:
     """The run's ``optimizer`` with its learning rate scaled by ``methods.<stage>.lr_scale`` (fine-tuning wants
     less)."""
-    opt = dict(ctx.settings.optimizer)
+    opt = dict(ctx.settings.fit.optimizer)
     if "lr" in opt:
         opt["lr"] = float(opt["lr"]) * ctx.settings.methods.settings_of(stage).lr_scale
     return opt
@@ -311,7 +311,7 @@ def train_full_images(
     net.train()
     epochs = method_epochs(ctx, stage)
     hook = curve_hook(ctx, dm, device, epochs)
-    result = fit(ctx.cfg, net, dm, folder, device, seed, start, epochs, method_optimizer(ctx, stage), hook)
+    result = fit(ctx.settings.fit, net, dm, folder, device, seed, start, epochs, method_optimizer(ctx, stage), hook)
     extra = {"max_epochs": epochs, **extra}
     if before is not None:
         extra["start_accuracy"] = {"val": before}

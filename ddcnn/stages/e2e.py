@@ -26,7 +26,7 @@ def run(ctx: Context, device=None) -> dict:
     nets = []
     for i in range(n):
         seed_everything(subdomain_seed(ctx.settings.seed, i))
-        nets.append(build_local_net(ctx.cfg, ctx.data))
+        nets.append(build_local_net(ctx.settings, ctx.data))
     seed_everything(stage_seed(ctx, "coarse"))
     coarse = build_coarse_net(ctx.settings.coarse, n, ctx.data.num_classes)
     model = CNNDNN(ctx.decomposition, nets, coarse, ctx.settings.coarse.input)

@@ -47,10 +47,10 @@ def train_stage(ctx: Context, device, stage: str, num_devices: int, extra: dict)
     dm = full_image_data(ctx, seed, batch // num_devices)
     start = time.perf_counter()
     seed_everything(seed)
-    net = build_global_net(ctx.cfg, ctx.data)
+    net = build_global_net(ctx.settings, ctx.data)
     hook = curve_hook(ctx, dm, device, ctx.settings.fit.trainer.max_epochs) if num_devices == 1 else None
     result = fit(
-        ctx.cfg,
+        ctx.settings.fit,
         net,
         dm,
         folder,

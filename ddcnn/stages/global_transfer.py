@@ -63,7 +63,7 @@ def init_global_transfer(ctx: Context) -> tuple[nn.Module, dict]:
         else:  # integer buffers (BatchNorm's num_batches_tracked) are counters, not weights: take the first
             source[key] = value
     seed_everything(stage_seed(ctx, "global"))  # the global CNN's initial weights
-    net = build_global_net(ctx.cfg, ctx.data)
+    net = build_global_net(ctx.settings, ctx.data)
     target = net.state_dict()
     copied = {k: v for k, v in source.items() if k in target and target[k].shape == v.shape}
     skipped = sorted(set(target) - set(copied))

@@ -79,8 +79,8 @@ def _train_fold(ctx: Context, subdomain: int, fold: int, held: torch.Tensor, dev
     dm = _fold_data(ctx, subdomain, keep, seed)
     start = time.perf_counter()
     seed_everything(seed)
-    net = build_local_net(ctx.cfg, ctx.data)
-    result = fit(ctx.cfg, net, dm, folder, device, seed, start)
+    net = build_local_net(ctx.settings, ctx.data)
+    result = fit(ctx.settings.fit, net, dm, folder, device, seed, start)
     predict_start = time.perf_counter()
     # The held-out rows, as the local net sees them (its view of sub-domain `subdomain`, no augmentation).
     full = _fold_data(ctx, subdomain, held, seed)

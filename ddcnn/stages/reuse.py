@@ -21,6 +21,7 @@ and leaves the store alone.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -28,11 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from ddcnn.context import Context, open_store
 from ddcnn.data.sources import NOT_IDENTITY, source_identity
-from ddcnn.rundir import PROB_FILES, network_identity, result_settings
+from ddcnn.rundir import PROB_FILES, network_identity
 from ddcnn.runtime import run_generation, source_hash
 from ddcnn.store import Entry, Store, StoreError
 
@@ -62,17 +62,18 @@ def stage_depends(ctx: Context, stage: str, device) -> dict:
     (:func:`ddcnn.rundir.result_settings`) but the decomposition's (:data:`DECOMPOSITION_KEYS`), with the network it
     trains in place of ``model`` / ``global_model``, the accuracy-versus-time curve settings (the curve travels with
     the copy), the identity of the data's files, the device kind and the package's source hash."""
-    cfg = ctx.cfg
-    settings = result_settings(cfg)
+    if ctx.identity is None:
+        raise RuntimeError("stage_depends needs the run's identity (ddcnn.context.build_context), a worker has none")
+    settings = copy.deepcopy(ctx.identity.settings)
     for key in (*DECOMPOSITION_KEYS, "model", "global_model"):
         settings.pop(key, None)
-    spec = OmegaConf.to_container(cfg.data.source, resolve=True)
+    spec = ctx.settings.data.source
     curves = ctx.settings.report.curves
     depends = {
         "format": REUSE_FORMAT,
         "stage": stage,
         "settings": settings,
-        "network": network_identity(OmegaConf.to_container(cfg.get("global_model") or cfg.model, resolve=True)),
+        "network": network_identity(ctx.settings.global_model or ctx.settings.model),
         "curves": {"enabled": curves.enabled, "points": curves.points},
         "data_files": source_identity({k: v for k, v in spec.items() if k not in NOT_IDENTITY}),
         "device_kind": device_kind(device),

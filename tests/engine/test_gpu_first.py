@@ -20,7 +20,6 @@ from ddcnn.data.prepare import prepare
 from ddcnn.data.sources import Splits
 from ddcnn.decomposition import Decomposition
 from ddcnn.engine import gpu
-from ddcnn.engine.settings import check_training_settings
 from ddcnn.engine.train import fit
 from ddcnn.parallel.devices import plan_workers, process_device
 from ddcnn.pipeline import train
@@ -72,7 +71,8 @@ def _fit(make_cfg, folder: Path, *overrides: str, net=None, data=None):
     data = (
         data if data is not None else PreparedBatches(_prepared(), 8, seed=0, augment=Augment(flip_axes=(1,), seed=2))
     )
-    return fit(cfg, net or _Recording(), data, folder, "cpu", 0, time.perf_counter(), optimizer_cfg=SGD)
+    settings = RunSettings.from_config(cfg).fit
+    return fit(settings, net or _Recording(), data, folder, "cpu", 0, time.perf_counter(), optimizer=SGD)
 
 
 # --- device=auto ---------------------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def test_autotuning_under_deterministic_and_bad_values_are_refused(make_cfg):
         ("+trainer.profiler=simple", "engine.profile_steps=N"),
     ]:
         with pytest.raises(ValueError, match=message):
-            check_training_settings(make_cfg(*override.split()))
+            RunSettings.from_config(make_cfg(*override.split()))
 
 
 def _legacy_tf32() -> tuple:

@@ -23,10 +23,11 @@ from torch import nn
 
 from ddcnn.data.datamodule import PreparedBatches, TensorDataModule
 from ddcnn.engine.loop import fit_batches
-from ddcnn.engine.settings import ENGINE_KEYS, TRAINER_KEYS, check_training_settings
+from ddcnn.engine.settings import ENGINE_KEYS, TRAINER_KEYS
 from ddcnn.engine.train import fit
 from ddcnn.pipeline import train
 from ddcnn.rundir import CURVE_FILE, RunDir
+from ddcnn.settings import RunSettings
 from tests.conftest import CONFIG_DIR, sigkill_after_first_checkpoint
 
 K = 5  # an odd class count, so that a hard-coded 10 cannot pass
@@ -60,8 +61,9 @@ def _net(seed: int = 0) -> nn.Module:
 def _fit(make_cfg, folder: Path, *overrides: str, net: nn.Module | None = None, data=None, **loop):
     cfg = make_cfg("trainer.max_epochs=2", "trainer.limit_train_batches=null", *overrides)
     optimizer = loop.pop("optimizer", SGD)
+    settings = RunSettings.from_config(cfg).fit
     return fit(
-        cfg, net or _net(), data or _data(), folder, "cpu", 0, time.perf_counter(), optimizer_cfg=optimizer, **loop
+        settings, net or _net(), data or _data(), folder, "cpu", 0, time.perf_counter(), optimizer=optimizer, **loop
     )
 
 
@@ -126,7 +128,7 @@ def test_every_key_of_the_trainer_and_engine_configs_is_one_the_loop_implements(
 def test_a_setting_the_loop_cannot_honour_is_refused_before_anything_trains(make_cfg, override, message):
     cfg = make_cfg(*override.split(" "), "stage=local", "subdomain=0")
     with pytest.raises(ValueError, match=message):
-        check_training_settings(cfg)
+        RunSettings.from_config(cfg)
     with pytest.raises(ValueError, match=message):
         train(cfg)
     assert not RunDir(cfg.paths.run_dir).stage_dir("local", 0).exists()  # refused before the stage started
@@ -457,7 +459,7 @@ def test_a_local_net_and_a_one_rank_ddp_training_of_it_record_the_same_time(make
     def timed(folder: Path, **how) -> tuple:
         start = time.perf_counter()
         seed_everything(seed)
-        result = fit(cfg, build_local_net(cfg, ctx.data), data, folder, "cpu", seed, start, **how)
+        result = fit(ctx.settings.fit, build_local_net(ctx.settings, ctx.data), data, folder, "cpu", seed, start, **how)
         return result, time.perf_counter() - start
 
     ddp, wall = timed(tmp_path / "ddp", num_devices=1, launcher="spawn")

@@ -129,7 +129,7 @@ def test_a_missing_library_is_named_with_its_install_command(make_cfg, monkeypat
 def test_a_library_target_gets_only_what_it_takes(make_cfg):
     """``model._target_=torchvision.models.mobilenet_v2`` on a group of ddcnn's VGG (with its norm and width_mult)."""
     ctx = build_context(make_cfg("model._target_=torchvision.models.mobilenet_v2"), claim=False)
-    net = build_local_net(ctx.cfg, ctx.data)
+    net = build_local_net(ctx.settings, ctx.data)
     assert type(net).__name__ == "MobileNetV2" and net.classifier[-1].out_features == 10
 
 

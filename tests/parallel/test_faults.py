@@ -85,7 +85,7 @@ def _assert_consistent(run_dir: Path, subdomains: range) -> None:
     run = RunDir(run_dir)
     for i in subdomains:
         assert run.is_done("local", i), f"local {i} not done"
-        net = build_local_net(ctx.cfg, ctx.data)
+        net = build_local_net(ctx.settings, ctx.data)
         net.load_state_dict(torch.load(run.stage_dir("local", i) / "net.pt", weights_only=True))
         box = (slice(None), slice(None), *ctx.decomposition.box(i))
         x = {"test": ctx.data.x["test"][box].contiguous()}

@@ -18,6 +18,7 @@ from ddcnn.decomposition import Decomposition
 from ddcnn.pipeline import train
 from ddcnn.report.compare import load_run, write_report
 from ddcnn.rundir import RunDir
+from ddcnn.settings import RunSettings
 from tests.conftest import CONFIG_DIR, compose_config
 
 # experiment -> (data.name, image shape, channels, local nets of the sweep)
@@ -56,7 +57,7 @@ def test_experiment_composes_and_every_run_of_its_sweep_can_start(experiment):
     for model in sorted(models):
         run = _compose([f"experiment={experiment}", f"model={model}"])
         assert run.model.name == model and run.data.name == name  # the sweep's choice wins over the experiment's
-        net = build_local_net(run, _Shape(run)).eval()
+        net = build_local_net(RunSettings.from_config(run), _Shape(run)).eval()
         for grid, overlap in itertools.product(grids, overlaps):
             dec = Decomposition(grid, image_shape, overlap)
             with torch.no_grad():

@@ -50,9 +50,9 @@ def finished(tmp_path_factory):
     started: dict[str, dict[str, torch.Tensor]] = {}
     fit = common.fit
 
-    def recording_fit(cfg, net, dm, folder, *args, **kwargs):
+    def recording_fit(settings, net, dm, folder, *args, **kwargs):
         started[folder.name] = copy.deepcopy(net.state_dict())
-        return fit(cfg, net, dm, folder, *args, **kwargs)
+        return fit(settings, net, dm, folder, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(common, "fit", recording_fit)
@@ -117,7 +117,7 @@ def test_e2e_starts_from_the_local_nets_random_initialisation(finished):
     ctx = build_context(cfg, run.root, claim=False)
     for i in range(N):
         seed_everything(subdomain_seed(cfg.seed, i))
-        fresh = build_local_net(cfg, ctx.data).state_dict()
+        fresh = build_local_net(ctx.settings, ctx.data).state_dict()
         _assert_same(_prefixed(started["e2e"], f"local_nets.{i}."), fresh)
 
 

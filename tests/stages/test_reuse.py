@@ -58,12 +58,16 @@ DOES_NOT_MATTER = [
 def _key(*overrides: str) -> str:
     from types import SimpleNamespace
 
+    from ddcnn.rundir import RunIdentity
     from ddcnn.settings import RunSettings
     from ddcnn.stages.reuse import stage_depends
 
     cfg = compose_config(list(overrides), Path("/tmp/unused-run"))
     return Store.key(
-        "global", stage_depends(SimpleNamespace(cfg=cfg, settings=RunSettings.from_config(cfg)), "global", "cpu")
+        "global",
+        stage_depends(
+            SimpleNamespace(identity=RunIdentity.of(cfg), settings=RunSettings.from_config(cfg)), "global", "cpu"
+        ),
     )
 
 
@@ -101,13 +105,16 @@ def test_runs_that_differ_in_the_decomposition_train_the_global_cnn_once(make_cf
 def _ddp_key(*overrides: str) -> str:
     from types import SimpleNamespace
 
+    from ddcnn.rundir import RunIdentity
     from ddcnn.settings import RunSettings
     from ddcnn.stages.reuse import stage_depends
 
     cfg = compose_config(["methods.enabled.global_ddp=true", *overrides], Path("/tmp/unused-run"))
     return Store.key(
         "global_ddp",
-        stage_depends(SimpleNamespace(cfg=cfg, settings=RunSettings.from_config(cfg)), "global_ddp", "cpu"),
+        stage_depends(
+            SimpleNamespace(identity=RunIdentity.of(cfg), settings=RunSettings.from_config(cfg)), "global_ddp", "cpu"
+        ),
     )
 
 
