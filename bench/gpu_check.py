@@ -1288,7 +1288,7 @@ def stage_rows(run_dir: Path, cfg, results: dict) -> list[dict]:
             epochs = int(
                 meta.get("max_epochs") or planned or (cfg.coarse.max_epochs if coarse else cfg.trainer.max_epochs)
             )
-            from ddcnn.engine.settings import num_batches
+            from ddcnn.settings.fit import num_batches
 
             limit = None if coarse else cfg.trainer.get("limit_train_batches")
             steps = epochs * num_batches(-(-n_train // min(batch, n_train)), limit, "limit_train_batches")

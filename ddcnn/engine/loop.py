@@ -98,10 +98,10 @@ from ddcnn.engine.gpu import (
     resolve_policy,
 )
 from ddcnn.engine.launch import LAUNCHERS, RankFailed, build_fabric, failures_stop_every_rank, isolated_launch
-from ddcnn.engine.settings import MONITORS, PRECISIONS, check_schedule, num_batches
 from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
 from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_text, is_space_or_permission
 from ddcnn.rundir import TARGET_SPLIT
+from ddcnn.settings.fit import MONITORS, PRECISIONS, check_schedule, num_batches
 
 log = logging.getLogger(__name__)
 
@@ -1329,7 +1329,7 @@ class _Training:
             return
         row = self.validate(epoch, lr, state.step, sums, state.clock)
         if not math.isfinite(row["val_loss"] or 0.0):
-            self.restart(state, epoch, f"val_loss {row['val_loss']}: the weights after the epoch are not finite", True)
+            self.restart(state, epoch, f"val_loss {row['val_loss']}: the weights after the epoch are not finite")
             return
         self.run_after_epoch(row, state.clock)
         state.add(row)
@@ -1387,12 +1387,12 @@ class _Training:
             return None
         return _divergence(train_loss, state.initial_loss, state.num_classes, s.divergence_factor)
 
-    def restart(self, state: TrainState, epoch: int, reason: str, not_finite: bool = False) -> None:
+    def restart(self, state: TrainState, epoch: int, reason: str) -> None:
         """Start again from the initial weights with lower learning rates, or raise :class:`Diverged` when no
-        restart is left. Weights that are not finite (``not_finite``) start again even where divergence is not
-        checked (``divergence_restarts`` null), at most :data:`NOT_FINITE_RETRIES` times and then at the same rates:
-        the same attempt again, whose draws are those of ``(seed, epoch)``, so only a kernel's occasional fault
-        differs."""
+        restart is left. Weights that are not finite (a validation loss that is not) start again even where
+        divergence is not checked (``divergence_restarts`` null), at most :data:`NOT_FINITE_RETRIES` times and then
+        at the same rates: the same attempt again, whose draws are those of ``(seed, epoch)``, so only a kernel's
+        occasional fault differs."""
         s = self.settings
         where = f"the training in {Path(self.folder)} diverged in epoch {epoch} ({reason})"
         checked = s.divergence_restarts is not None

@@ -23,7 +23,7 @@ from ddcnn.engine.gpu import POLICY_OFF
 from ddcnn.engine.launch import seed_everything
 from ddcnn.engine.loggers import EpochReporter
 from ddcnn.engine.loop import FitResult, fit_batches
-from ddcnn.engine.settings import FitSettings, default_min_epochs
+from ddcnn.settings.fit import FitSettings, default_min_epochs
 
 __all__ = ["FitResult", "fit", "seed_everything"]
 

@@ -3,7 +3,7 @@
 
 Light on purpose (no Lightning Fabric, no torch import): a coordinating process that never trains checks a run's
 settings with it. :func:`ddcnn.engine.train.fit` reads the settings through the same functions, so what is checked is
-what is used (``ddcnn.engine.settings`` re-exports this module for the loop).
+what is used.
 
 Every key of ``conf/trainer`` and ``conf/engine`` changes what the loop does, or is refused with what to use instead:
 

@@ -7,8 +7,8 @@ import time
 
 from ddcnn import registry
 from ddcnn.context import Context, build_global_net
-from ddcnn.engine.settings import check_srun_ddp
 from ddcnn.engine.train import fit, seed_everything
+from ddcnn.settings.fit import check_srun_ddp
 from ddcnn.stages import reuse
 from ddcnn.stages.common import curve_hook, finish_stage, full_image_data, skip, stage_seed
 

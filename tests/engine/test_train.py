@@ -23,11 +23,11 @@ from torch import nn
 
 from ddcnn.data.datamodule import PreparedBatches, TensorDataModule
 from ddcnn.engine.loop import fit_batches
-from ddcnn.engine.settings import ENGINE_KEYS, TRAINER_KEYS
 from ddcnn.engine.train import fit
 from ddcnn.pipeline import train
 from ddcnn.rundir import CURVE_FILE, RunDir
 from ddcnn.settings import RunSettings
+from ddcnn.settings.fit import ENGINE_KEYS, TRAINER_KEYS
 from tests.conftest import CONFIG_DIR, sigkill_after_first_checkpoint
 
 K = 5  # an odd class count, so that a hard-coded 10 cannot pass
