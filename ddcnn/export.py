@@ -317,9 +317,8 @@ def export_run(run_dir: str | Path, path: str | Path | None = None) -> Path:
     Raises:
         FileNotFoundError: ``run_dir`` holds no ``config.yaml`` or its local/coarse stages have not finished.
     """
-    from omegaconf import OmegaConf
-
     from ddcnn.context import open_context
+    from ddcnn.rundir import RunDir
 
     root = Path(run_dir)
     config = root / "config.yaml"
@@ -328,9 +327,8 @@ def export_run(run_dir: str | Path, path: str | Path | None = None) -> Path:
             f"{root} is not a ddcnn run directory (no config.yaml); pass the directory ddcnn-train wrote "
             f"(hydra.run.dir)."
         )
-    cfg = OmegaConf.load(config)
     # The networks come from the run's net.pt files: a pretrained weights file it started from is not needed.
-    ctx = open_context(RunSettings.from_config(cfg), root, weights=False)
+    ctx = open_context(RunSettings.from_config(RunDir(root).recorded_config()), root, weights=False)
     return export_context(ctx, path)
 
 

@@ -395,6 +395,12 @@ class RunDir:
     def make_stage_dir(self, stage: str, subdomain: int | None = None) -> Path:
         return make_dir(self.stage_dir(stage, subdomain))
 
+    def recorded_config(self) -> dict:
+        """``config.yaml`` as plain dicts and lists, interpolations left as written (the configuration the directory
+        was claimed with; ``{}`` when it has none)."""
+        path = self.root / "config.yaml"
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else {}
+
     def is_done(self, stage: str, subdomain: int | None = None) -> bool:
         return (self.stage_dir(stage, subdomain) / "done").is_file()
 
@@ -500,10 +506,6 @@ class RunDir:
         head, _, tail = key.partition(".")
         stage = tail.partition(".")[0]
         return head == "methods" and bool(stage) and not (self.root / stage).exists()
-
-    def check_fingerprint(self, cfg: DictConfig) -> str:
-        """:meth:`claim` the run directory for the configuration ``cfg`` (:meth:`RunIdentity.of`)."""
-        return self.claim(RunIdentity.of(cfg))
 
     def claim(self, identity: RunIdentity) -> str:
         """Record the run's identity (its fingerprint, the settings that change results and ``config.yaml``) on first

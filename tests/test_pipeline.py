@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddcnn.pipeline import train
-from ddcnn.rundir import FingerprintMismatch, RunDir
+from ddcnn.rundir import FingerprintMismatch, RunDir, RunIdentity
 
 
 def test_tiny_run_writes_every_artifact_and_results(make_cfg, tmp_path):
@@ -72,15 +72,15 @@ def test_settings_of_a_method_that_never_ran_may_change_and_are_then_recorded(ma
     run = RunDir(cfg.paths.run_dir)
     # The out-of-fold stage never ran here: its k may change (switching on coarse_oof later with k=3 needs no new run
     # directory), and the new k is what the run then holds.
-    run.check_fingerprint(make_cfg("methods.local_oof.folds=3"))
+    run.claim(RunIdentity.of(make_cfg("methods.local_oof.folds=3")))
     recorded = json.loads((run.root / "fingerprint.json").read_text())
     assert recorded["settings"]["methods"]["local_oof"]["folds"] == 3
     (run.root / "local_oof").mkdir()  # once it has started, its settings are those it started with
     with pytest.raises(FingerprintMismatch, match="methods.local_oof.folds: 3 -> 5"):
-        run.check_fingerprint(make_cfg())
+        run.claim(RunIdentity.of(make_cfg()))
     # A method's settings never excuse another difference.
     with pytest.raises(FingerprintMismatch, match="seed: 0 -> 1"):
-        run.check_fingerprint(make_cfg("seed=1", "methods.e2e.lr_scale=0.5"))
+        run.claim(RunIdentity.of(make_cfg("seed=1", "methods.e2e.lr_scale=0.5")))
 
 
 def test_three_dimensional_run(make_cfg, tmp_path):

@@ -37,12 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import OmegaConf
 
 from ddcnn.io import atomic_write_text
 from ddcnn.report.results import METHODS, TIMING_RULE, method_rows
 from ddcnn.report.stats import PAIRS, paired_difference
-from ddcnn.rundir import NON_RESULT_KEYS, flatten
+from ddcnn.rundir import NON_RESULT_KEYS, RunDir, flatten
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +204,7 @@ def load_run(path: str | Path) -> Run:
             f"stage finished (stage=all, or stage=evaluate afterwards)."
         )
     results = json.loads(results_file.read_text())
-    config = OmegaConf.to_container(OmegaConf.load(config_file), resolve=False)
+    config = RunDir(path).recorded_config()
     dec = results["decomposition"]
     model = config.get("model") or {}
     return Run(
@@ -423,9 +422,9 @@ def _config_key(run: Run, keys: Sequence[str]) -> tuple:
     return (run.backbone, math.prod(run.grid), run.grid_label, run.overlap_label, _settings_label(run, keys))
 
 
-def _config_columns(dataset: str, config: tuple) -> dict[str, Any]:
+def _config_columns(dataset: str, key: tuple) -> dict[str, Any]:
     """The leading columns of a row (:data:`_CONFIG_COLUMNS`): its dataset and configuration (:func:`_config_key`)."""
-    backbone, n, grid, overlap, label = config
+    backbone, n, grid, overlap, label = key
     return dict(zip(_CONFIG_COLUMNS, (dataset, backbone, grid, n, overlap, label), strict=True))
 
 

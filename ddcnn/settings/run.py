@@ -12,8 +12,8 @@ run directory) takes the value of the YAML file that holds its default (:func:`y
 here. The setting names are those of the YAML (``settings.store.reuse`` is ``store.reuse``); ``trainer`` and
 ``engine`` are :class:`~ddcnn.settings.fit.FitSettings` (``settings.fit.trainer.max_epochs``).
 
-The run directory's fingerprint is still computed from the configuration itself (:meth:`ddcnn.rundir.RunDir.
-check_fingerprint`), so run directories written before these settings existed stay valid.
+The run directory's fingerprint is still computed from the configuration itself (:meth:`ddcnn.rundir.RunIdentity.of`,
+:meth:`ddcnn.rundir.RunDir.claim`), so run directories written before these settings existed stay valid.
 """
 
 from __future__ import annotations

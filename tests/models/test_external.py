@@ -18,7 +18,7 @@ from ddcnn.context import build_context, build_local_net
 from ddcnn.models import external, pretrained
 from ddcnn.pipeline import train
 from ddcnn.predict import predict_main
-from ddcnn.rundir import FingerprintMismatch, RunDir, fingerprint, network_identity, result_settings
+from ddcnn.rundir import FingerprintMismatch, RunDir, RunIdentity, fingerprint, network_identity, result_settings
 from tests.conftest import compose_config, shared_data
 from tests.models.conftest import NUM_CLASSES
 
@@ -260,7 +260,7 @@ def test_pretrained_weights_train_through_the_pipeline(tmp_path, make_cfg):
     # another file under the same name is another configuration
     torch.save(external.timm_net("mobilenetv2_035", 2, 3, 1000).state_dict(), path)
     with pytest.raises(FingerprintMismatch, match="model.weights: 'sha256:"):
-        RunDir(run_dir).check_fingerprint(cfg)
+        RunDir(run_dir).claim(RunIdentity.of(cfg))
     path.unlink()
     from ddcnn.export import export_run
 
