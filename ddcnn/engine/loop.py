@@ -101,7 +101,7 @@ from ddcnn.engine.launch import LAUNCHERS, RankFailed, build_fabric, failures_st
 from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
 from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_text, is_space_or_permission
 from ddcnn.rundir import TARGET_SPLIT
-from ddcnn.settings.fit import MONITORS, PRECISIONS, check_schedule, num_batches
+from ddcnn.settings.fit import LOOP_SETTINGS, MONITORS, check_schedule, loop_setting, num_batches
 
 log = logging.getLogger(__name__)
 
@@ -670,93 +670,54 @@ class _FitSettings:
     gpu: Mapping[str, Any]
 
     def __post_init__(self) -> None:
-        self._check()
-        unknown = sorted(set(self.gpu or {}) - set(POLICY_OFF))
-        if unknown:
-            raise ValueError(f"gpu settings {unknown} are not ones the loop knows; it knows {', '.join(POLICY_OFF)}.")
-        gpu = {**POLICY_OFF, **(self.gpu or {})}
-        if int(gpu["profile_steps"]) < 0:
-            raise ValueError(f"profile_steps must be >= 0 (0: no profile), got {gpu['profile_steps']!r}.")
-        optional = {"checkpoint_every_s": float, "gradient_clip_val": float, "log_every_n_steps": int}
-        optional |= {"divergence_restarts": int, "patience": int}
-        normalised = {
-            key: None if getattr(self, key) is None else kind(getattr(self, key)) for key, kind in optional.items()
-        }
-        normalised |= {
-            "optimizer": _spec(self.optimizer),
-            "scheduler": _spec(self.scheduler),
-            "max_epochs": int(self.max_epochs),
-            "seed": int(self.seed),
-            "checkpoint_every": int(self.checkpoint_every),
-            "precision": PRECISIONS[str(self.precision)],
-            "accumulate_grad_batches": int(self.accumulate_grad_batches),
-            "deterministic": bool(self.deterministic),
-            "divergence_factor": float(self.divergence_factor),
-            "divergence_lr_factor": float(self.divergence_lr_factor),
-            "min_delta": float(self.min_delta),
-            "min_epochs": int(self.min_epochs or 0),
-            "write_best": bool(self.write_best),
-            "gpu": gpu,
-        }
-        for key, value in normalised.items():
-            object.__setattr__(self, key, value)
-
-    def _check(self) -> None:
-        """Refuse a bad setting, naming it, its value and what would work."""
-        if int(self.max_epochs) < 1:
-            raise ValueError(f"max_epochs must be >= 1, got {self.max_epochs!r}.")
+        """Refuse a bad setting, naming it, its value and what would work (the settings a run's configuration also
+        gives are checked by the same :func:`~ddcnn.settings.fit.loop_setting`); hold the normalised values."""
+        normalised = {key: loop_setting(key, getattr(self, key)) for key in LOOP_SETTINGS}
         if int(self.checkpoint_every) < 1:
             raise ValueError(
                 f"checkpoint_every must be >= 1 (epochs between checkpoints), got {self.checkpoint_every!r}."
             )
-        if self.monitor_mode not in ("max", "min"):
-            raise ValueError(f"monitor_mode must be 'max' or 'min', got {self.monitor_mode!r}.")
-        if self.monitor not in MONITORS:
-            raise ValueError(f"monitor must be one of {list(MONITORS)}, got {self.monitor!r}.")
-        every_s, clip = self.checkpoint_every_s, self.gradient_clip_val
-        if every_s is not None and float(every_s) < 0:
-            raise ValueError(f"checkpoint_every_s must be >= 0 (0: after every epoch), got {every_s!r}.")
-        if clip is not None and float(clip) <= 0:
-            raise ValueError(f"gradient_clip_val must be > 0 (or null: no clipping), got {clip!r}.")
-        if self.gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(
-                f"gradient_clip_algorithm must be 'norm' or 'value', got {self.gradient_clip_algorithm!r}."
-            )
-        if int(self.accumulate_grad_batches) < 1:
-            raise ValueError(f"accumulate_grad_batches must be >= 1, got {self.accumulate_grad_batches!r}.")
-        if str(self.precision) not in PRECISIONS:
-            raise ValueError(f"precision must be 32-true, bf16-mixed, 16-mixed or 64-true, got {self.precision!r}.")
-        if self.log_every_n_steps is not None and int(self.log_every_n_steps) < 1:
-            raise ValueError(f"log_every_n_steps must be >= 1 or null, got {self.log_every_n_steps!r}.")
-        if self.limit_train_batches in (0, 0.0):
-            raise ValueError("limit_train_batches=0 trains nothing; use a positive number of batches or null.")
-        for name in ("limit_train_batches", "limit_val_batches"):
-            num_batches(1, getattr(self, name), name)
-        restarts, patience, min_epochs = self.divergence_restarts, self.patience, self.min_epochs
+        least = self.min_epochs
+        if least is not None and (isinstance(least, bool) or int(least) < 0):
+            raise ValueError(f"min_epochs must be a whole number of epochs >= 0 (or null: 0), got {least!r}.")
+        restarts = self.divergence_restarts
         if restarts is not None and int(restarts) < 0:
             raise ValueError(f"divergence_restarts must be >= 0 or null (no check), got {restarts!r}.")
-        if patience is not None and (isinstance(patience, bool) or int(patience) < 1):
-            raise ValueError(
-                f"patience must be a positive number of epochs or null (no early stopping), got {patience!r}."
-            )
-        if not float(self.min_delta) >= 0.0:
-            raise ValueError(f"min_delta must be >= 0 (in the units of the monitored metric), got {self.min_delta!r}.")
-        if min_epochs is not None and (isinstance(min_epochs, bool) or int(min_epochs) < 0):
-            raise ValueError(f"min_epochs must be a whole number of epochs >= 0 (or null: 0), got {min_epochs!r}.")
-        check_schedule(
-            self.scheduler,
-            patience=patience,
-            monitor_mode=self.monitor_mode,
-            min_delta=float(self.min_delta),
-            refuse_fixed=False,
-            names={"patience": "patience", "monitor_mode": "monitor_mode", "min_delta": "min_delta"},
-        )
         if float(self.divergence_factor) <= 1.0:
             raise ValueError(f"divergence_factor must be > 1, got {self.divergence_factor!r}.")
         if not 0.0 < float(self.divergence_lr_factor) < 1.0:
             raise ValueError(
                 f"divergence_lr_factor must lie strictly between 0 and 1, got {self.divergence_lr_factor!r}."
             )
+        check_schedule(
+            self.scheduler,
+            patience=normalised["patience"],
+            monitor_mode=normalised["monitor_mode"],
+            min_delta=normalised["min_delta"],
+            refuse_fixed=False,
+            names={"patience": "patience", "monitor_mode": "monitor_mode", "min_delta": "min_delta"},
+        )
+        unknown = sorted(set(self.gpu or {}) - set(POLICY_OFF))
+        if unknown:
+            raise ValueError(f"gpu settings {unknown} are not ones the loop knows; it knows {', '.join(POLICY_OFF)}.")
+        gpu = {**POLICY_OFF, **(self.gpu or {})}
+        if int(gpu["profile_steps"]) < 0:
+            raise ValueError(f"profile_steps must be >= 0 (0: no profile), got {gpu['profile_steps']!r}.")
+        normalised |= {
+            "optimizer": _spec(self.optimizer),
+            "scheduler": _spec(self.scheduler),
+            "seed": int(self.seed),
+            "checkpoint_every": int(self.checkpoint_every),
+            "deterministic": bool(self.deterministic),
+            "divergence_restarts": None if restarts is None else int(restarts),
+            "divergence_factor": float(self.divergence_factor),
+            "divergence_lr_factor": float(self.divergence_lr_factor),
+            "min_epochs": int(least or 0),
+            "write_best": bool(self.write_best),
+            "gpu": gpu,
+        }
+        for key, value in normalised.items():
+            object.__setattr__(self, key, value)
 
 
 # last.ckpt: its keys, in the order TrainState.state_dict writes them and TrainState.load_state_dict reads them back.

@@ -27,6 +27,7 @@ Every key of ``conf/trainer`` and ``conf/engine`` changes what the loop does, or
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ __all__ = [
     "default_min_epochs",
     "check_srun_ddp",
     "num_batches",
+    "loop_setting",
+    "LOOP_SETTINGS",
 ]
 
 # What trainer.precision may say (Lightning's spellings, old aliases included) -> the precision the loop runs.
@@ -94,6 +97,22 @@ ENGINE_KEYS = (
     "compile",
     "profile_steps",
     "loop",
+)
+# The settings loop_setting checks (a run's trainer.* and engine.*, and fit_batches' keywords of these names).
+LOOP_SETTINGS = (
+    "max_epochs",
+    "precision",
+    "log_every_n_steps",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
+    "limit_train_batches",
+    "limit_val_batches",
+    "accumulate_grad_batches",
+    "monitor",
+    "monitor_mode",
+    "patience",
+    "min_delta",
+    "checkpoint_every_s",
 )
 # engine.* settings that are auto (decided from the device), true or false.
 AUTO_SWITCHES = ("channels_last", "tf32", "cudnn_benchmark", "data_on_device")
@@ -161,9 +180,80 @@ def num_batches(n_batches: int, limit: int | float | None, what: str) -> int:
 def _positive_int(value: Any, what: str, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{what} must be a positive whole number{' or null' if allow_none else ''}, got {value!r}.")
     return int(value)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def loop_setting(key: str, value: Any, name: str | None = None) -> Any:
+    """The loop setting ``key`` checked and normalised: the one check of each setting that a run's configuration
+    (``trainer.<key>``, ``engine.<key>``: :class:`FitSettings`) and a caller of
+    :func:`ddcnn.engine.loop.fit_batches` (the keyword ``key``) both give. The message names the setting as ``name``
+    (default ``key``), its value and what works.
+
+    Raises:
+        ValueError: For a value the loop cannot honour.
+    """
+    name = name or key
+    prefix = name[: -len(key)]  # "engine.", "trainer." or ""
+    monitor, epochs = f"{prefix}monitor", "trainer.max_epochs" if prefix == "engine." else f"{prefix}max_epochs"
+    if key in ("max_epochs", "accumulate_grad_batches", "log_every_n_steps"):
+        return _positive_int(value, name, allow_none=key == "log_every_n_steps")
+    if key == "precision":
+        if str(value).lower() not in PRECISIONS:
+            raise ValueError(
+                f"{name}={value!r} is not one the loop runs: use 32-true, bf16-mixed (bf16 autocast), 16-mixed "
+                f"(float16 autocast with a loss scaler) or 64-true (float64 weights and arithmetic)."
+            )
+        return PRECISIONS[str(value).lower()]
+    if key == "gradient_clip_val":
+        if value is not None and (not _number(value) or not value > 0):
+            raise ValueError(f"{name} must be > 0 (or null: no clipping), got {value!r}.")
+        return None if value is None else float(value)
+    if key == "gradient_clip_algorithm":
+        if value not in ("norm", "value"):
+            raise ValueError(
+                f"{name} must be 'norm' (the gradients' global 2-norm, the default) or 'value' (each gradient entry), "
+                f"got {value!r}."
+            )
+        return value
+    if key in ("limit_train_batches", "limit_val_batches"):
+        num_batches(1, value, name)  # checks the value
+        if key == "limit_train_batches" and value in (0, 0.0):
+            raise ValueError(f"{name}=0 trains nothing; use a positive number of batches or null.")
+        return value
+    if key == "monitor_mode":
+        if value not in ("max", "min"):
+            raise ValueError(f"{name} must be 'max' or 'min', got {value!r}.")
+        return str(value)
+    if key == "monitor":
+        if value not in MONITORS:
+            raise ValueError(f"{name} must be one of {', '.join(MONITORS)}, got {value!r}.")
+        return str(value)
+    if key == "patience":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            raise ValueError(
+                f"{name} must be a whole number of epochs >= 1 (stop a training once {monitor} has not improved for "
+                f"that many epochs) or null (train {epochs} epochs), got {value!r}."
+            )
+        return None if value is None else int(value)
+    if key == "min_delta":
+        value = 0.0 if value is None else value
+        if not _number(value) or not value >= 0:
+            raise ValueError(
+                f"{name} must be >= 0 (early stopping counts an epoch as an improvement only when it beats the best "
+                f"one by more than this, in {monitor}'s units; 0 = any improvement), got {value!r}."
+            )
+        return float(value)
+    if key == "checkpoint_every_s":
+        if value is not None and (not _number(value) or value < 0):
+            raise ValueError(f"{name} must be >= 0 (0: after every epoch), got {value!r}.")
+        return None if value is None else float(value)
+    raise KeyError(f"{key} is not a setting loop_setting checks")
 
 
 # The defaults of trainer keys given with `+trainer.<key>=` (documented in conf/trainer/default.yaml, which cannot hold
@@ -179,45 +269,19 @@ def _trainer(t: Section) -> dict:
             value it cannot honour.
     """
     _refuse_unknown("trainer", t.given, TRAINER_KEYS)
+    null_is_default = ("precision", "accumulate_grad_batches", "gradient_clip_algorithm")
     out = {
-        "max_epochs": _positive_int(t("max_epochs"), "trainer.max_epochs"),
-        "deterministic": bool(t("deterministic") or False),
-        "enable_progress_bar": t("enable_progress_bar"),
-        "log_every_n_steps": _positive_int(t("log_every_n_steps"), "trainer.log_every_n_steps", True),
-        "accumulate_grad_batches": _positive_int(
-            t.default("accumulate_grad_batches"), "trainer.accumulate_grad_batches"
-        ),
+        key: loop_setting(key, t.default(key) if key in null_is_default else t(key), f"trainer.{key}")
+        for key in TRAINER_KEYS
+        if key in LOOP_SETTINGS
     }
-    precision = t.default("precision")
-    key = str(precision).lower()
-    if key not in PRECISIONS:
-        raise ValueError(
-            f"trainer.precision={precision!r} is not one the loop runs: use 32-true, bf16-mixed (bf16 autocast), "
-            f"16-mixed (float16 autocast with a loss scaler) or 64-true (float64 weights and arithmetic)."
-        )
-    out["precision"] = PRECISIONS[key]
+    out["deterministic"] = bool(t("deterministic") or False)
+    out["enable_progress_bar"] = t("enable_progress_bar")
     if out["enable_progress_bar"] not in (None, True, False):
         raise ValueError(
             f"trainer.enable_progress_bar must be true, false or null (bars on a terminal, one line per epoch "
             f"otherwise), got {out['enable_progress_bar']!r}."
         )
-    clip = t("gradient_clip_val")
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or clip <= 0):
-        raise ValueError(f"trainer.gradient_clip_val must be > 0 (or null: no clipping), got {clip!r}.")
-    out["gradient_clip_val"] = None if clip is None else float(clip)
-    algorithm = t.default("gradient_clip_algorithm")
-    if algorithm not in ("norm", "value"):
-        raise ValueError(
-            f"trainer.gradient_clip_algorithm must be 'norm' (the gradients' global 2-norm, the default) or 'value' "
-            f"(each gradient entry), got {algorithm!r}."
-        )
-    out["gradient_clip_algorithm"] = algorithm
-    for name in ("limit_train_batches", "limit_val_batches"):
-        value = t(name)
-        num_batches(1, value, f"trainer.{name}")  # checks the value
-        out[name] = value
-    if out["limit_train_batches"] in (0, 0.0):
-        raise ValueError("trainer.limit_train_batches=0 trains nothing; use a positive number of batches or null.")
     return out
 
 
@@ -237,46 +301,15 @@ def _engine(e: Section) -> dict:
     if e("loop") is not None:
         raise ValueError(_LOOP_GONE.format(value=e.given["loop"]))
     _refuse_unknown("engine", e.given, ENGINE_KEYS)
-    out = {
-        "monitor": str(e("monitor")),
-        "monitor_mode": str(e("monitor_mode")),
-        "patience": e("patience"),
-        "min_delta": e("min_delta"),
-        "min_epochs": e("min_epochs"),
-        "num_devices": _positive_int(e.default("num_devices"), "engine.num_devices"),
-        "checkpoint_every_s": e("checkpoint_every_s"),
-    }
-    if out["monitor_mode"] not in ("max", "min"):
-        raise ValueError(f"engine.monitor_mode must be 'max' or 'min', got {out['monitor_mode']!r}.")
-    if out["monitor"] not in MONITORS:
-        raise ValueError(f"engine.monitor must be one of {', '.join(MONITORS)}, got {out['monitor']!r}.")
-    patience = out["patience"]
-    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
-        raise ValueError(
-            f"engine.patience must be a whole number of epochs >= 1 (stop a training once engine.monitor has not "
-            f"improved for that many epochs) or null (train trainer.max_epochs epochs), got {patience!r}."
-        )
-    delta = out["min_delta"]
-    if delta is None:
-        delta = 0.0
-    if isinstance(delta, bool) or not isinstance(delta, int | float) or not delta >= 0:
-        raise ValueError(
-            f"engine.min_delta must be >= 0 (early stopping counts an epoch as an improvement only when it beats the "
-            f"best one by more than this, in engine.monitor's units; 0 = any improvement), got {delta!r}."
-        )
-    out["min_delta"] = float(delta)
-    least = out["min_epochs"]
+    out = {key: loop_setting(key, e(key), f"engine.{key}") for key in ENGINE_KEYS if key in LOOP_SETTINGS}
+    out["num_devices"] = _positive_int(e.default("num_devices"), "engine.num_devices")
+    out["checkpoint_every_s"] = out["checkpoint_every_s"] or 0.0
+    least = out["min_epochs"] = e("min_epochs")
     if least is not None and (isinstance(least, bool) or not isinstance(least, int) or least < 1):
         raise ValueError(
             f"engine.min_epochs must be a whole number of epochs >= 1 (early stopping never ends a training before "
             f"it) or null (half of the training's epochs, rounded up), got {least!r}."
         )
-    every = out["checkpoint_every_s"]
-    if every is None:
-        every = 0.0
-    if isinstance(every, bool) or not isinstance(every, int | float) or every < 0:
-        raise ValueError(f"engine.checkpoint_every_s must be >= 0 (0: after every epoch), got {every!r}.")
-    out["checkpoint_every_s"] = float(every)
     for key in AUTO_SWITCHES:
         out[key] = _switch(e(key), f"engine.{key}")
     fraction = e("device_data_fraction")

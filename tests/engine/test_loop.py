@@ -546,6 +546,34 @@ def test_bad_settings_name_the_argument(tmp_path):
         _fit(tmp_path, checkpoint_every=0)
 
 
+@pytest.mark.parametrize(
+    ("key", "bad", "section"),
+    [
+        ("precision", "16-true", "trainer"),
+        ("gradient_clip_val", 0, "trainer"),
+        ("limit_train_batches", 0, "trainer"),
+        ("log_every_n_steps", 0, "trainer"),
+        ("max_epochs", 0, "trainer"),
+        ("patience", 0, "engine"),
+        ("min_delta", -0.01, "engine"),
+        ("checkpoint_every_s", -1, "engine"),
+    ],
+)
+def test_a_loop_setting_is_checked_in_one_place(tmp_path, key, bad, section):
+    """fit_batches' keyword and the run's trainer/engine setting of the same name are refused by one check, with one
+    wording: the configuration's message names ``section.key``, the keyword's ``key``."""
+    from ddcnn.config import compose
+    from ddcnn.settings import RunSettings
+
+    with pytest.raises(ValueError) as from_config:
+        RunSettings.from_config(compose([f"{section}.{key}={bad}"], tmp_path / "run"))
+    with pytest.raises(ValueError) as from_keyword:
+        _fit(tmp_path, **{"max_epochs": 1, key: bad})
+    assert str(from_keyword.value) == str(from_config.value).replace(f"{section}.{key}", key).replace(
+        "engine.monitor", "monitor"
+    ).replace("trainer.max_epochs", "max_epochs")
+
+
 def test_the_callers_random_state_is_left_alone(tmp_path):
     net = _net()
     torch.manual_seed(11)
