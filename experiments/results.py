@@ -4,6 +4,7 @@
     python experiments/results.py --tiny --out /tmp/results --workdir /tmp/results/runs  # CI's few-second version
     python experiments/results.py --check [--out docs] [--root DIR]   # page and generated blocks == what the runs wrote
     python experiments/results.py --snapshot          # keep the finished runs of an unfinished invocation (commit them)
+    python experiments/results.py --interim           # the page of those finished runs, marked interim (commit it)
     python experiments/results.py --write             # refill the generated blocks of the docs from the committed page
     python experiments/results.py --estimate [flags]  # the CPU the page would cost at these flags
     python experiments/results.py --rewrite           # the page again from its snapshots, with today's report code
@@ -80,7 +81,10 @@ training images, which errs high), chose the training set: the largest step of 1
 
 Read them as the development machine's (2 cores, one torch thread per training): on another machine of the same kind,
 under a second job's load, the same runs had taken about twice the CPU. An invocation stopped part-way is simply
-started again, also on a fresh machine from the committed snapshots (step 1).
+started again, also on a fresh machine from the committed snapshots (step 1). To commit what a part-way invocation
+measured, ``--interim`` (with the same flags, ``--out`` the page's folder) writes the page from the finished runs of
+the plan alone, checked like any page, its header marked interim with the runs still missing; its snapshots are those
+the next invocation restores (a development session's machine keeps only what is committed to main).
 """
 
 from __future__ import annotations
@@ -772,6 +776,7 @@ def training_header(root: Path, names: list[str], meta: dict[str, str]) -> list[
         f"| runs trained by | {trained_by} |",
         f"| page written by | `{meta['command']}` at {meta['written']} in {meta['wall_s']} s (runs it found finished "
         "were reused) |",
+        *([f"| **interim** | {meta['interim']} |"] if meta.get("interim") else []),
     ]
 
 
@@ -933,6 +938,7 @@ def write_page(
         "runs": runs,
         "header_lines": head,
         "tables": manifest_tables,
+        **({"interim": meta["interim"]} if meta.get("interim") else {}),
     }
     (out / PAGE).write_text(text)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -1312,6 +1318,12 @@ def _parser() -> argparse.ArgumentParser:
         help="only copy the finished runs of WORKDIR into OUT/results/runs (commit them: a later invocation restores "
         "them instead of training them again); trains nothing, writes no page",
     )
+    parser.add_argument(
+        "--interim",
+        action="store_true",
+        help="only write OUT's page from the finished runs of the planned ones (their snapshots in OUT/results/runs), "
+        "marked interim with what is missing; trains nothing (commit it: the next invocation restores those runs)",
+    )
     parser.add_argument("--check", action="store_true", help="only check OUT's page against its manifest and runs")
     parser.add_argument("--root", type=Path, help="with --check: the run directories (default: OUT/results/runs)")
     parser.add_argument(
@@ -1386,6 +1398,7 @@ def rewrite(out: Path, command: str) -> int:
             "written": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "wall_s": f"{time.time() - start:.0f}",
             "threads": threads,
+            "interim": manifest.get("interim"),
         }
         page, manifest = write_page(used, specs, workdir, out, meta, is_tiny)
         manifest["workdir"] = str(out / ASSETS / "runs")
@@ -1395,6 +1408,57 @@ def rewrite(out: Path, command: str) -> int:
         write_blocks(manifest, out / ASSETS / "runs")
     print(
         f"results.py: {out / PAGE} written again from {len(names)} snapshotted runs"
+        + (f"; CHECK FAILED: {problems}" if problems else "")
+    )
+    return 1 if problems else 0
+
+
+def interim(out: Path, datasets: list[Dataset], specs: list[RunSpec], command: str, threads: int, tiny: bool) -> int:
+    """Write ``OUT/results.md`` from the finished runs of an unfinished invocation: those of ``specs`` whose snapshot
+    under ``OUT/results/runs`` holds the planned command; the header says the page is interim, with what is missing.
+    Committed, it is a checked page of what has been measured, and its snapshots are what the next invocation restores
+    instead of training them again."""
+    snapshots = out / ASSETS / "runs"
+    start = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        done = []
+        for spec in specs:
+            saved = snapshots / spec.name
+            if _finished(saved) and not command_differences(
+                json.loads((saved / "experiment_run.json").read_text()).get("command", ""),
+                planned_command(spec, workdir),
+            ):
+                shutil.copytree(saved, workdir / spec.name)
+                done.append(spec)
+        if not done:
+            print(f"results.py: none of the {len(specs)} planned runs is finished in {snapshots}; no page written")
+            return 1
+        seeds = {d.key: sorted({s.seed for s in done if s.dataset == d}) for d in datasets}
+        missing = [s.name for s in specs if s not in done]
+        used = [d for d in datasets if seeds[d.key]]
+        report(done, workdir, threads, plots=not tiny)
+        meta = {
+            "commit": _git_commit(),
+            "command": command,
+            "written": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "wall_s": f"{time.time() - start:.0f}",
+            "threads": str(threads),
+            "interim": (
+                f"{len(done)} of the {len(specs)} planned runs are finished (seeds "
+                + "; ".join(f"{k}: {', '.join(map(str, v)) or 'none'}" for k, v in seeds.items())
+                + f"); missing: {', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}. The same invocation "
+                "without --interim restores these runs from their snapshots and trains the rest."
+            ),
+        }
+        page, manifest = write_page(used, done, workdir, out, meta, tiny)
+        manifest["workdir"] = str(snapshots)
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        problems = check_manifest(page, manifest, snapshots)
+    if not problems and out == (ROOT / "docs").resolve():
+        write_blocks(manifest, snapshots)
+    print(
+        f"results.py: interim {out / PAGE} from {len(done)} of {len(specs)} planned runs"
         + (f"; CHECK FAILED: {problems}" if problems else "")
     )
     return 1 if problems else 0
@@ -1433,11 +1497,13 @@ def main(argv: list[str] | None = None) -> int:
             save_snapshot(workdir / name, out / ASSETS / "runs" / name)
         print(f"results.py: {len(done)} of {len(specs)} runs finished, snapshotted into {out / ASSETS / 'runs'}")
         return 0
+    given = argv if argv is not None else sys.argv[1:]
+    command = "python experiments/results.py " + " ".join(shlex.quote(a) for a in given)
+    if args.interim:
+        return interim(out, datasets, specs, command, args.threads, args.tiny)
     stale = stale_runs(specs, workdir)
     if stale and not args.retrain:
         raise SystemExit(stale_message(stale, workdir))
-    given = argv if argv is not None else sys.argv[1:]
-    command = "python experiments/results.py " + " ".join(shlex.quote(a) for a in given)
     start = time.time()
     print(f"results.py: {len(specs)} runs into {workdir}, page into {out} (load {_loadavg()})", flush=True)
 

@@ -503,3 +503,29 @@ def test_rewrite_writes_the_page_again_from_its_snapshots_without_training(resul
     record = json.loads((copy / "results" / "runs" / "digits" / "2x2_o0_s0" / "experiment_run.json").read_text())
     (line,) = [line for line in again.splitlines() if line.startswith("Runs: `ddcnn-train ")]
     assert "trainer.max_epochs=1" in line and "trainer.max_epochs=1" in record["command"] and "seed=" not in line
+
+
+@pytest.mark.slow
+def test_an_interim_page_holds_the_finished_runs_of_the_plan_and_says_so(results, tiny, tmp_path, capsys):
+    """--interim: a checked page from the finished snapshots of the planned command only (a missing run and one of
+    other settings are left out and named), marked interim; a later invocation restores its runs."""
+    out, _ = tiny
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    record = copy / "results" / "runs" / "digits" / "2x2_o2_s0" / "experiment_run.json"
+    data = json.loads(record.read_text())
+    data["command"] = data["command"].replace("trainer.max_epochs=1", "trainer.max_epochs=2")  # another recipe
+    record.write_text(json.dumps(data))
+    assert results.main(["--tiny", "--interim", "--out", str(copy)]) == 0
+    assert "interim" in capsys.readouterr().out
+    page, manifest = _page_and_manifest(copy)
+    assert list(manifest["runs"]) == ["digits/2x2_o0_s0"]
+    assert "| **interim** | 1 of the 2 planned runs are finished (seeds digits: 0); missing: digits/2x2_o2_s0." in page
+    assert not (copy / "results" / "runs" / "digits" / "2x2_o2_s0").exists()  # a page holds the snapshots of its runs
+    assert results.main(["--check", "--out", str(copy)]) == 0
+    # the page rewritten keeps saying it is interim
+    assert results.main(["--rewrite", "--out", str(copy)]) == 0
+    assert "| **interim** | 1 of the 2 planned runs" in (copy / "results.md").read_text()
+    # nothing finished: no page
+    shutil.rmtree(copy / "results" / "runs" / "digits" / "2x2_o0_s0")
+    assert results.main(["--tiny", "--interim", "--out", str(copy)]) == 1
