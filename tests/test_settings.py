@@ -185,7 +185,6 @@ RAW_CONFIG_ALLOWED = {
     "ddcnn/context.py": {"build_context"},
     "ddcnn/rundir.py": {"result_settings", "of"},
     "ddcnn/settings/run.py": {"from_config", "_plain"},
-    "ddcnn/settings/fit.py": {"from_config"},
     "ddcnn/parallel/hydra_callbacks.py": {"on_multirun_start"},
 }
 

@@ -479,16 +479,16 @@ class FitSettings:
     logger: dict
 
     @classmethod
-    def from_config(cls, config: Mapping) -> FitSettings:
+    def read(cls, plain: Mapping) -> FitSettings:
         """Every ``trainer`` and ``engine`` setting, and the ``scheduler`` against early stopping, checked, from the
-        composed configuration as plain data (:meth:`ddcnn.settings.RunSettings.from_config` reads it).
+        composed configuration as plain data (what :meth:`ddcnn.settings.RunSettings.from_config` made of it).
 
         Raises:
             ValueError: Naming the setting, its value and the fix.
         """
-        trainer = TrainerSettings(**_trainer(Section("trainer", config.get("trainer"), ADDED_TRAINER_DEFAULTS)))
-        engine = EngineSettings(**_engine(Section("engine", config.get("engine"))))
-        top = Section("", config)
+        trainer = TrainerSettings(**_trainer(Section("trainer", plain.get("trainer"), ADDED_TRAINER_DEFAULTS)))
+        engine = EngineSettings(**_engine(Section("engine", plain.get("engine"))))
+        top = Section("", plain)
         scheduler = None if top("scheduler") is None else dict(top("scheduler"))
         check_schedule(
             scheduler, patience=engine.patience, monitor_mode=engine.monitor_mode, min_delta=engine.min_delta

@@ -559,7 +559,7 @@ class RunSettings:
         if stage not in ("all", *STAGES):
             raise ValueError(f"unknown stage {stage!r}; choose one of: all, {', '.join(STAGES)}.")
         top = Section("", plain)
-        fit = FitSettings.from_config(plain)
+        fit = FitSettings.read(plain)
         top.read += ["trainer", "engine", "optimizer", "scheduler", "logger"]
         data = DataSettings.read(top.sub("data"))
         methods = MethodsSettings.read(top.sub("methods"))
