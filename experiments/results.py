@@ -1122,9 +1122,11 @@ def estimate(root: Path, args: argparse.Namespace) -> dict[str, float]:
     fixed validation and test splits do not, so this errs high), times :data:`EPOCH_FACTOR_2D` for 2D runs made
     without ``engine.min_epochs`` (the protocol's minimum epochs, which the page runs with once the engine has it),
     times the cap over the epochs its global CNN ran for AdrenalMNIST3D runs made with early stopping; plus one DDP
-    per dataset and seed (reused by its other runs); averaged per seed and multiplied by the seeds of ``args``.
+    per dataset and seed (reused by its other runs); averaged over the seeds that have every run of the dataset (an
+    interim page's last seed may have fewer) and multiplied by the seeds of ``args``.
     """
     per_seed: dict[str, dict[int, float]] = {}
+    runs: dict[str, dict[int, int]] = {}
     ddp: dict[str, list[float]] = {}
     for record in sorted(root.glob("*/*/experiment_run.json")):
         run_dir = record.parent
@@ -1149,13 +1151,16 @@ def estimate(root: Path, args: argparse.Namespace) -> dict[str, float]:
         seed = int(cfg.get("seed", 0))
         per_seed.setdefault(key, {})
         per_seed[key][seed] = per_seed[key].get(seed, 0.0) + (cpu - ddp_cpu) * factor
+        runs.setdefault(key, {})
+        runs[key][seed] = runs[key].get(seed, 0) + 1
         if trained_ddp:
             ddp.setdefault(key, []).append(ddp_cpu * factor)
     seeds = len(args.seeds)
-    return {
-        key: seeds * (sum(costs.values()) / len(costs) + (_mean(ddp.get(key, [])) or 0.0))
-        for key, costs in per_seed.items()
-    }
+    out = {}
+    for key, costs in per_seed.items():  # the seeds with every run of the dataset (an interim page has fewer)
+        whole = [cost for seed, cost in costs.items() if runs[key][seed] == max(runs[key].values())]
+        out[key] = seeds * (sum(whole) / len(whole) + (_mean(ddp.get(key, [])) or 0.0))
+    return out
 
 
 def estimate_text(root: Path, args: argparse.Namespace) -> str:
