@@ -1043,8 +1043,14 @@ def summary_block(manifest: dict, root: Path) -> list[str]:
     differences, each with its 95% interval and verdict (:func:`lead_cell`, as the page's glance tables print them)."""
     names = sorted(manifest["runs"])
     runs = runs_summary(root, names)
+    interim = manifest.get("interim")
     lines = [
-        f"The committed page: {runs['runs']} runs, {runs['cpu_s'] / 3600:.1f} CPU-hours, {runs['span_h']:.1f} h from "
+        (
+            f"The committed page is interim ({interim.split(' are finished')[0]}; its header names the rest)"
+            if interim
+            else "The committed page"
+        )
+        + f": {runs['runs']} runs, {runs['cpu_s'] / 3600:.1f} CPU-hours, {runs['span_h']:.1f} h from "
         f"the first run's start to the last one's end ({'; '.join(runs['machines']) or 'machine not recorded'}). "
         "The CNN-DNN minus the other method in test-accuracy points, paired by seed: the mean, its 95% interval and "
         "the verdict the interval gives.",

@@ -523,6 +523,8 @@ def test_an_interim_page_holds_the_finished_runs_of_the_plan_and_says_so(results
     assert "| **interim** | 1 of the 2 planned runs are finished (seeds digits: 0); missing: digits/2x2_o2_s0." in page
     assert not (copy / "results" / "runs" / "digits" / "2x2_o2_s0").exists()  # a page holds the snapshots of its runs
     assert results.main(["--check", "--out", str(copy)]) == 0
+    summary = results.summary_block(manifest, copy / "results" / "runs")[0]  # README's lines on the committed page
+    assert summary.startswith("The committed page is interim (1 of the 2 planned runs; its header names the rest): 1 ")
     # the page rewritten keeps saying it is interim
     assert results.main(["--rewrite", "--out", str(copy)]) == 0
     assert "| **interim** | 1 of the 2 planned runs" in (copy / "results.md").read_text()
