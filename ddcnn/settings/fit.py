@@ -98,21 +98,10 @@ ENGINE_KEYS = (
     "profile_steps",
     "loop",
 )
-# The settings loop_setting checks (a run's trainer.* and engine.*, and fit_batches' keywords of these names).
+# The settings loop_setting checks: the run's trainer.* and engine.* keys that fit_batches takes as keywords too.
 LOOP_SETTINGS = (
-    "max_epochs",
-    "precision",
-    "log_every_n_steps",
-    "gradient_clip_val",
-    "gradient_clip_algorithm",
-    "limit_train_batches",
-    "limit_val_batches",
-    "accumulate_grad_batches",
-    "monitor",
-    "monitor_mode",
-    "patience",
-    "min_delta",
-    "checkpoint_every_s",
+    *(key for key in TRAINER_KEYS if key not in ("deterministic", "enable_progress_bar")),
+    *("monitor", "monitor_mode", "patience", "min_delta", "checkpoint_every_s"),
 )
 # engine.* settings that are auto (decided from the device), true or false.
 AUTO_SWITCHES = ("channels_last", "tf32", "cudnn_benchmark", "data_on_device")
