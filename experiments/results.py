@@ -1120,7 +1120,7 @@ def recipe_block(manifest: dict, root: Path) -> list[str]:
     return lines
 
 
-def estimate(root: Path, args: argparse.Namespace) -> dict[str, float]:
+def estimate(root: Path, args: argparse.Namespace) -> dict[str, float | None]:
     """CPU seconds of the page at ``args``, per dataset, from the recorded CPU of the runs under ``root``.
 
     Per run: its CPU less the DDP it trained (2 processes: twice its training clock and start-up), times the ratio of
@@ -1128,8 +1128,8 @@ def estimate(root: Path, args: argparse.Namespace) -> dict[str, float]:
     fixed validation and test splits do not, so this errs high), times :data:`EPOCH_FACTOR_2D` for 2D runs made
     without ``engine.min_epochs`` (the protocol's minimum epochs, which the page runs with once the engine has it),
     times the cap over the epochs its global CNN ran for AdrenalMNIST3D runs made with early stopping; plus one DDP
-    per dataset and seed (reused by its other runs); averaged over the seeds that have every run of the dataset (an
-    interim page's last seed may have fewer) and multiplied by the seeds of ``args``.
+    per dataset and seed (reused by its other runs); averaged over the seeds that have every planned run of the dataset
+    and multiplied by the seeds of ``args``. ``None`` for a dataset without such a seed (an interim page's).
     """
     per_seed: dict[str, dict[int, float]] = {}
     runs: dict[str, dict[int, int]] = {}
@@ -1161,16 +1161,22 @@ def estimate(root: Path, args: argparse.Namespace) -> dict[str, float]:
         runs[key][seed] = runs[key].get(seed, 0) + 1
         if trained_ddp:
             ddp.setdefault(key, []).append(ddp_cpu * factor)
-    seeds = len(args.seeds)
-    out = {}
-    for key, costs in per_seed.items():  # the seeds with every run of the dataset (an interim page has fewer)
-        whole = [cost for seed, cost in costs.items() if runs[key][seed] == max(runs[key].values())]
-        out[key] = seeds * (sum(whole) / len(whole) + (_mean(ddp.get(key, [])) or 0.0))
+    seeds, planned = len(args.seeds), {d.key: len(d.grids) * len(d.overlaps) for d in plan(args)}
+    out: dict[str, float | None] = {}
+    for key, costs in per_seed.items():  # the seeds with every planned run of the dataset (an interim page's fewer)
+        whole = [cost for seed, cost in costs.items() if runs[key][seed] >= planned[key]]
+        out[key] = seeds * (sum(whole) / len(whole) + (_mean(ddp.get(key, [])) or 0.0)) if whole else None
     return out
 
 
 def estimate_text(root: Path, args: argparse.Namespace) -> str:
     cost = estimate(root, args)
+    unknown = [key for key, value in cost.items() if value is None]
+    if unknown:
+        return (
+            f"{len(args.seeds)} seeds, {args.train_subset} training images per 2D dataset: no estimate yet, the page's "
+            f"runs hold no seed with every run of {', '.join(unknown)} (an interim page)"
+        )
     total = sum(cost.values())
     each = ", ".join(f"{key} {value:.0f} s" for key, value in cost.items())
     return (
@@ -1237,9 +1243,11 @@ def check_blocks(manifest: dict, root: Path) -> list[str]:
         elif filled != text:
             problems.append(f"{file}: the block {name!r} is not what the page's runs give: run results.py --write")
     args = _resolve(_parser().parse_args([]))
-    fits = sum(estimate(root, args).values()) <= CPU_BUDGET_S
+    cost = estimate(root, args)
+    fits = None not in cost.values() and sum(cost.values()) <= CPU_BUDGET_S
     args.train_subset = TRAIN_SUBSET + TRAIN_STEP
-    if not fits or sum(estimate(root, args).values()) <= CPU_BUDGET_S:
+    # an interim page's runs (no seed with every run of a dataset) cannot judge the training set's size yet
+    if None not in cost.values() and (not fits or sum(estimate(root, args).values()) <= CPU_BUDGET_S):
         problems.append(
             f"--train-subset's default {TRAIN_SUBSET} is no longer the largest step of {TRAIN_STEP} images whose "
             f"estimate fits {CPU_BUDGET_S} s CPU (python experiments/results.py --estimate --train-subset N): choose "

@@ -531,3 +531,21 @@ def test_an_interim_page_holds_the_finished_runs_of_the_plan_and_says_so(results
     # nothing finished: no page
     shutil.rmtree(copy / "results" / "runs" / "digits" / "2x2_o0_s0")
     assert results.main(["--tiny", "--interim", "--out", str(copy)]) == 1
+
+
+def test_the_estimate_uses_only_seeds_with_every_planned_run(results, tmp_path):
+    """A seed with only some of its dataset's runs (an interim page's) would lower the estimate: it is left out, and
+    a dataset without a whole seed has no estimate (said so, and --check does not judge the training set by it)."""
+    root = tmp_path / "runs"
+    shutil.copytree(REPO / "docs" / "results" / "runs", root)
+    kept: dict[str, str] = {}
+    for run in sorted((root / "mnist").iterdir()):  # one run per mnist seed: none whole (4 planned per seed)
+        seed = run.name.rsplit("_", 1)[-1]
+        if seed in kept:
+            shutil.rmtree(run)
+        kept.setdefault(seed, run.name)
+    args = results._resolve(results._parser().parse_args([]))
+    cost = results.estimate(root, args)
+    assert cost["mnist"] is None
+    assert cost["adrenal3d"] > 0  # one run per seed planned: every seed is whole
+    assert "no estimate yet, the page's runs hold no seed with every run of mnist" in results.estimate_text(root, args)
