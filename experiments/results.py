@@ -1244,15 +1244,15 @@ def check_blocks(manifest: dict, root: Path) -> list[str]:
             problems.append(f"{file}: the block {name!r} is not what the page's runs give: run results.py --write")
     args = _resolve(_parser().parse_args([]))
     cost = estimate(root, args)
-    fits = None not in cost.values() and sum(cost.values()) <= CPU_BUDGET_S
-    args.train_subset = TRAIN_SUBSET + TRAIN_STEP
-    # an interim page's runs (no seed with every run of a dataset) cannot judge the training set's size yet
-    if None not in cost.values() and (not fits or sum(estimate(root, args).values()) <= CPU_BUDGET_S):
-        problems.append(
-            f"--train-subset's default {TRAIN_SUBSET} is no longer the largest step of {TRAIN_STEP} images whose "
-            f"estimate fits {CPU_BUDGET_S} s CPU (python experiments/results.py --estimate --train-subset N): choose "
-            "TRAIN_SUBSET again"
-        )
+    if None not in cost.values():  # an interim page's runs (no whole seed of a dataset) cannot judge the size yet
+        fits = sum(cost.values()) <= CPU_BUDGET_S
+        args.train_subset = TRAIN_SUBSET + TRAIN_STEP
+        if not fits or sum(estimate(root, args).values()) <= CPU_BUDGET_S:
+            problems.append(
+                f"--train-subset's default {TRAIN_SUBSET} is no longer the largest step of {TRAIN_STEP} images "
+                f"whose estimate fits {CPU_BUDGET_S} s CPU (python experiments/results.py --estimate --train-subset "
+                "N): choose TRAIN_SUBSET again"
+            )
     defaults = vars(_resolve(_parser().parse_args([])))
     for flag, value in re.findall(r"``--([a-z-]+)`` = ([0-9][0-9.]*)", __doc__ or ""):
         default = defaults.get(flag.replace("-", "_"))
@@ -1392,6 +1392,38 @@ def spec_of(name: str, datasets: dict[str, Dataset]) -> RunSpec:
     return RunSpec(datasets[key], parts[0], overlap, int(parts[-1][1:]))
 
 
+def _page_from_snapshots(
+    out: Path,
+    workdir: Path,
+    datasets: list[Dataset],
+    specs: list[RunSpec],
+    command: str,
+    threads: str,
+    tiny: bool,
+    start: float,
+    interim: str | None = None,
+) -> list[str]:
+    """Report the runs copied from ``OUT/results/runs`` into ``workdir``, write the page and its manifest (pointing at
+    the snapshots), check them, and refill the docs' generated blocks when ``OUT`` is ``docs`` and the check passed;
+    the check's problems."""
+    report(specs, workdir, int(threads), plots=not tiny)
+    meta = {
+        "commit": _git_commit(),
+        "command": command,
+        "written": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "wall_s": f"{time.time() - start:.0f}",
+        "threads": threads,
+        "interim": interim,
+    }
+    page, manifest = write_page(datasets, specs, workdir, out, meta, tiny)
+    manifest["workdir"] = str(out / ASSETS / "runs")
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    problems = check_manifest(page, manifest, out / ASSETS / "runs")
+    if not problems and out == (ROOT / "docs").resolve():
+        write_blocks(manifest, out / ASSETS / "runs")
+    return problems
+
+
 def rewrite(out: Path, command: str) -> int:
     """Write ``OUT/results.md`` and its manifest again from the snapshots of its runs (``OUT/results/runs``), with
     today's ``ddcnn-report``: no run is trained, each keeps its record; ``--check`` then compares the page with them."""
@@ -1410,21 +1442,9 @@ def rewrite(out: Path, command: str) -> int:
         records = [json.loads((workdir / n / "experiment_run.json").read_text()) for n in names]
         threads = str(records[0].get("threads", 1))
         is_tiny = all(s.dataset.key == "digits" for s in specs)
-        report(specs, workdir, int(threads), plots=not is_tiny)
-        meta = {
-            "commit": _git_commit(),
-            "command": command,
-            "written": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "wall_s": f"{time.time() - start:.0f}",
-            "threads": threads,
-            "interim": manifest.get("interim"),
-        }
-        page, manifest = write_page(used, specs, workdir, out, meta, is_tiny)
-        manifest["workdir"] = str(out / ASSETS / "runs")
-        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        problems = check_manifest(page, manifest, out / ASSETS / "runs")
-    if not problems and out == (ROOT / "docs").resolve():
-        write_blocks(manifest, out / ASSETS / "runs")
+        problems = _page_from_snapshots(
+            out, workdir, used, specs, command, threads, is_tiny, start, manifest.get("interim")
+        )
     print(
         f"results.py: {out / PAGE} written again from {len(names)} snapshotted runs"
         + (f"; CHECK FAILED: {problems}" if problems else "")
@@ -1456,26 +1476,13 @@ def interim(out: Path, datasets: list[Dataset], specs: list[RunSpec], command: s
         seeds = {d.key: sorted({s.seed for s in done if s.dataset == d}) for d in datasets}
         missing = [s.name for s in specs if s not in done]
         used = [d for d in datasets if seeds[d.key]]
-        report(done, workdir, threads, plots=not tiny)
-        meta = {
-            "commit": _git_commit(),
-            "command": command,
-            "written": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "wall_s": f"{time.time() - start:.0f}",
-            "threads": str(threads),
-            "interim": (
-                f"{len(done)} of the {len(specs)} planned runs are finished (seeds "
-                + "; ".join(f"{k}: {', '.join(map(str, v)) or 'none'}" for k, v in seeds.items())
-                + f"); missing: {', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}. The same invocation "
-                "without --interim restores these runs from their snapshots and trains the rest."
-            ),
-        }
-        page, manifest = write_page(used, done, workdir, out, meta, tiny)
-        manifest["workdir"] = str(snapshots)
-        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        problems = check_manifest(page, manifest, snapshots)
-    if not problems and out == (ROOT / "docs").resolve():
-        write_blocks(manifest, snapshots)
+        text = (
+            f"{len(done)} of the {len(specs)} planned runs are finished (seeds "
+            + "; ".join(f"{k}: {', '.join(map(str, v)) or 'none'}" for k, v in seeds.items())
+            + f"); missing: {', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}. The same invocation "
+            "without --interim restores these runs from their snapshots and trains the rest."
+        )
+        problems = _page_from_snapshots(out, workdir, used, done, command, str(threads), tiny, start, text)
     print(
         f"results.py: interim {out / PAGE} from {len(done)} of {len(specs)} planned runs"
         + (f"; CHECK FAILED: {problems}" if problems else "")
