@@ -163,7 +163,7 @@ def build_context(
     if settings is None:
         settings = RunSettings.from_config(cfg)
     ctx = open_context(settings, run_dir, data=data, weights=weights)
-    ctx.identity = RunIdentity.of(cfg, ctx.data.num_classes, ctx.data.in_channels)
+    ctx.identity = ctx.settings.identity()
     if claim:  # only a configuration that can run claims the run directory
         ctx.run.claim(ctx.identity)
     return ctx

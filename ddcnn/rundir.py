@@ -17,7 +17,6 @@ and ``done`` is written last, so a reader never mistakes a half-written stage fo
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_json, atomic_write_text, make_dir
 
@@ -234,14 +233,11 @@ def network_identity(spec: Mapping | None) -> Any:
 AUGMENT_RNG = "splitmix64/1"
 
 
-def result_settings(cfg: DictConfig | Mapping) -> dict:
-    """The part of the configuration that changes results (everything but :data:`NON_RESULT_KEYS`, the settings
-    of :data:`NEUTRAL_SETTINGS` at their neutral value, and those of :data:`INERT_WITHOUT` while the setting they need
-    is null)."""
-    if isinstance(cfg, DictConfig):
-        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    else:
-        data = json.loads(json.dumps(cfg, default=str))
+def result_settings(plain: Mapping) -> dict:
+    """The part of the configuration ``plain`` (plain data, interpolations resolved) that changes results: everything
+    but :data:`NON_RESULT_KEYS`, the settings of :data:`NEUTRAL_SETTINGS` at their neutral value, and those of
+    :data:`INERT_WITHOUT` while the setting they need is null."""
+    data = json.loads(json.dumps(plain, default=str))
     for key in NON_RESULT_KEYS:
         _drop(data, key)
     for key in ("model", "global_model"):  # pretrained weights by content, not by path
@@ -267,8 +263,8 @@ def fingerprint(settings: Mapping) -> str:
 @dataclass(frozen=True)
 class RunIdentity:
     """What a run directory records of the configuration that claims it (:meth:`RunDir.claim`): the settings that
-    change results (:func:`result_settings`), their fingerprint and the configuration as ``config.yaml``. Built at the
-    entry, where the configuration is (:func:`ddcnn.context.build_context`); plain data below it."""
+    change results (:func:`result_settings`), their fingerprint and the configuration as ``config.yaml``; built from
+    the plain configuration the settings record (:meth:`ddcnn.settings.RunSettings.identity`)."""
 
     settings: dict
     config_yaml: str | None = None
@@ -278,23 +274,16 @@ class RunIdentity:
         return fingerprint(self.settings)
 
     @classmethod
-    def of(
-        cls, cfg: DictConfig | Mapping, num_classes: int | None = None, in_channels: int | None = None
-    ) -> RunIdentity:
-        """The identity of configuration ``cfg``, with ``data.num_classes`` / ``data.in_channels`` that are ``auto``
-        set to the data's (a run of 4 classes is not a run of 5)."""
+    def of(cls, plain: Mapping, num_classes: int | None = None, in_channels: int | None = None) -> RunIdentity:
+        """The identity of the configuration ``plain`` (plain data, interpolations resolved:
+        :attr:`ddcnn.settings.RunSettings.recorded`), with ``data.num_classes`` / ``data.in_channels`` that are
+        ``auto`` set to the data's (a run of 4 classes is not a run of 5)."""
         counts = {"num_classes": num_classes, "in_channels": in_channels}
-        data = cfg.get("data") or {}
+        data = plain.get("data") or {}
         auto = {key: int(value) for key, value in counts.items() if value is not None and data.get(key) == "auto"}
-        if auto and isinstance(cfg, DictConfig):
-            cfg = copy.deepcopy(cfg)
-            with open_dict(cfg):
-                for key, value in auto.items():
-                    cfg.data[key] = value
-        elif auto:
-            cfg = {**cfg, "data": {**data, **auto}}
-        text = OmegaConf.to_yaml(cfg, resolve=True) if isinstance(cfg, DictConfig) else None
-        return cls(result_settings(cfg), text)
+        if auto:
+            plain = {**plain, "data": {**data, **auto}}
+        return cls(result_settings(plain), OmegaConf.to_yaml(plain))
 
 
 def flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ddcnn.pipeline import train
-from ddcnn.rundir import FingerprintMismatch, RunDir, RunIdentity
+from ddcnn.rundir import FingerprintMismatch, RunDir
+from ddcnn.settings import RunSettings
 
 
 def test_tiny_run_writes_every_artifact_and_results(make_cfg, tmp_path):
@@ -72,15 +73,15 @@ def test_settings_of_a_method_that_never_ran_may_change_and_are_then_recorded(ma
     run = RunDir(cfg.paths.run_dir)
     # The out-of-fold stage never ran here: its k may change (switching on coarse_oof later with k=3 needs no new run
     # directory), and the new k is what the run then holds.
-    run.claim(RunIdentity.of(make_cfg("methods.local_oof.folds=3")))
+    run.claim(RunSettings.from_config(make_cfg("methods.local_oof.folds=3")).identity())
     recorded = json.loads((run.root / "fingerprint.json").read_text())
     assert recorded["settings"]["methods"]["local_oof"]["folds"] == 3
     (run.root / "local_oof").mkdir()  # once it has started, its settings are those it started with
     with pytest.raises(FingerprintMismatch, match="methods.local_oof.folds: 3 -> 5"):
-        run.claim(RunIdentity.of(make_cfg()))
+        run.claim(RunSettings.from_config(make_cfg()).identity())
     # A method's settings never excuse another difference.
     with pytest.raises(FingerprintMismatch, match="seed: 0 -> 1"):
-        run.claim(RunIdentity.of(make_cfg("seed=1", "methods.e2e.lr_scale=0.5")))
+        run.claim(RunSettings.from_config(make_cfg("seed=1", "methods.e2e.lr_scale=0.5")).identity())
 
 
 def test_three_dimensional_run(make_cfg, tmp_path):
@@ -111,14 +112,14 @@ def test_three_dimensional_run(make_cfg, tmp_path):
 def test_a_setting_added_later_at_its_neutral_value_leaves_fingerprints_as_they_were(tmp_path):
     """engine.min_delta came after run directories and store entries were recorded without it: at 0 (any improvement
     counts, as before) it is not part of the fingerprint, so they stay valid; at another value it is."""
-    from ddcnn.rundir import fingerprint, result_settings
+    from ddcnn.rundir import fingerprint
     from tests.conftest import compose_config
 
     cfg = compose_config([], tmp_path)
     assert cfg.engine.min_delta == 0.0
-    settings = result_settings(cfg)
+    settings = RunSettings.from_config(cfg).identity().settings
     assert "min_delta" not in settings["engine"]
     recorded_before = {**settings, "engine": {k: v for k, v in settings["engine"].items() if k != "min_delta"}}
     assert fingerprint(settings) == fingerprint(recorded_before)
     cfg.engine.min_delta = 0.002
-    assert result_settings(cfg)["engine"]["min_delta"] == 0.002
+    assert RunSettings.from_config(cfg).identity().settings["engine"]["min_delta"] == 0.002

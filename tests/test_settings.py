@@ -179,12 +179,11 @@ def test_global_ddp_devices_are_checked_whenever_the_method_is_enabled():
     assert _settings(*bad[1:], "stage=local").methods.global_ddp.num_devices == 3  # not enabled: not checked
 
 
-# Where the composed configuration itself may still be taken: the entry's builders of the settings and the context,
-# the run directory's record of it (fingerprint, config.yaml) and Hydra's callback API.
+# Where the composed configuration itself may still be taken: the builder of the settings, the notebooks' builder of
+# the context and Hydra's callback API. The run directory records the plain configuration the settings keep.
 RAW_CONFIG_ALLOWED = {
     "ddcnn/context.py": {"build_context"},
-    "ddcnn/rundir.py": {"result_settings", "of"},
-    "ddcnn/settings/run.py": {"from_config", "_plain"},
+    "ddcnn/settings/run.py": {"from_config"},
     "ddcnn/parallel/hydra_callbacks.py": {"on_multirun_start"},
 }
 
@@ -233,12 +232,13 @@ def test_a_run_directory_written_before_the_settings_existed_stays_valid(name, t
     today's entry computes the same fingerprint from the same command line and claims the directory to resume it."""
     import json
 
-    from ddcnn.rundir import RunDir, RunIdentity
+    from ddcnn.rundir import RunDir
 
     recorded = json.loads((Path(__file__).parent / "fixtures" / "fingerprints_8de1352.json").read_text())[name]
     (tmp_path / "fingerprint.json").write_text(json.dumps({k: recorded[k] for k in ("fingerprint", "settings")}))
     cfg = compose(recorded["overrides"], run_dir=str(tmp_path))
-    identity = RunIdentity.of(cfg)
+    identity = RunSettings.from_config(cfg).identity()
     assert identity.settings == recorded["settings"] and identity.fingerprint == recorded["fingerprint"]
+    assert identity.config_yaml == OmegaConf.to_yaml(cfg, resolve=True)  # config.yaml as it was written then
     assert RunDir(tmp_path).claim(identity) == recorded["fingerprint"]
-    assert RunDir(tmp_path).claim(RunIdentity.of(cfg)) == recorded["fingerprint"]
+    assert RunDir(tmp_path).claim(RunSettings.from_config(cfg).identity()) == recorded["fingerprint"]

@@ -14,7 +14,7 @@ import torch
 from ddcnn.context import load_data
 from ddcnn.pipeline import train
 from ddcnn.report.curves import held_out_target, time_to_target
-from ddcnn.rundir import RunDir, fingerprint, result_settings
+from ddcnn.rundir import RunDir, fingerprint
 from ddcnn.settings import RunSettings
 
 
@@ -45,10 +45,12 @@ def test_mapped_data_keep_the_carved_splits_in_a_worker(make_cfg):
 
 def test_a_target_fraction_of_zero_keeps_every_fingerprint(make_cfg):
     cfg = make_cfg()
-    before = dict(result_settings(cfg))
+    before = dict(RunSettings.from_config(cfg).identity().settings)
     before["data"] = {k: v for k, v in before["data"].items() if k != "val_target_fraction"}  # as older runs recorded
-    assert fingerprint(result_settings(cfg)) == fingerprint(before)
-    assert fingerprint(result_settings(make_cfg("data.val_target_fraction=0.3"))) != fingerprint(before)
+    assert fingerprint(RunSettings.from_config(cfg).identity().settings) == fingerprint(before)
+    assert fingerprint(
+        RunSettings.from_config(make_cfg("data.val_target_fraction=0.3")).identity().settings
+    ) != fingerprint(before)
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.0, "half"])

@@ -1712,39 +1712,13 @@ def fit_batches(
         Diverged: With ``divergence_restarts`` set, when the last allowed attempt diverges too.
         ArtifactWriteError: When the disk is full or not writable (the training resumes from its last checkpoint).
     """
+    keywords = dict(locals())  # the settings of the training: _FitSettings' fields, by name
     start = time.perf_counter() if start is None else float(start)
     launcher = launcher or ("local" if int(num_devices) == 1 else "spawn")
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}.")
-    settings = _FitSettings(
-        optimizer=optimizer,
-        scheduler=scheduler,
-        max_epochs=max_epochs,
-        seed=data.seed if seed is None else seed,
-        monitor=monitor,
-        monitor_mode=monitor_mode,
-        checkpoint_every=checkpoint_every,
-        checkpoint_every_s=checkpoint_every_s,
-        precision=precision,
-        gradient_clip_val=gradient_clip_val,
-        gradient_clip_algorithm=gradient_clip_algorithm,
-        accumulate_grad_batches=accumulate_grad_batches,
-        limit_train_batches=limit_train_batches,
-        limit_val_batches=limit_val_batches,
-        deterministic=deterministic,
-        log_every_n_steps=log_every_n_steps,
-        reporter=reporter,
-        on_epoch_end=on_epoch_end,
-        after_epoch=after_epoch,
-        divergence_restarts=divergence_restarts,
-        divergence_factor=divergence_factor,
-        divergence_lr_factor=divergence_lr_factor,
-        patience=patience,
-        min_delta=min_delta,
-        min_epochs=min_epochs,
-        write_best=write_best,
-        gpu=gpu,
-    )
+    given = {f.name: keywords[f.name] for f in dataclasses.fields(_FitSettings)}
+    settings = _FitSettings(**given | {"seed": data.seed if seed is None else seed})
     _check_data(data)
     threads = max(1, torch.get_num_threads() // int(num_devices)) if launcher == "spawn" else None
     began = time.perf_counter()

@@ -12,8 +12,9 @@ run directory) takes the value of the YAML file that holds its default (:func:`y
 here. The setting names are those of the YAML (``settings.store.reuse`` is ``store.reuse``); ``trainer`` and
 ``engine`` are :class:`~ddcnn.settings.fit.FitSettings` (``settings.fit.trainer.max_epochs``).
 
-The run directory's fingerprint is still computed from the configuration itself (:meth:`ddcnn.rundir.RunIdentity.of`,
-:meth:`ddcnn.rundir.RunDir.claim`), so run directories written before these settings existed stay valid.
+The settings keep the configuration they were read from as plain data (:attr:`RunSettings.recorded`): the run
+directory's fingerprint and ``config.yaml`` are computed from it (:meth:`RunSettings.identity`), as they were from the
+configuration before these settings existed, so run directories written then stay valid.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ddcnn import registry
+from ddcnn.rundir import RunIdentity
 from ddcnn.settings.fit import FitSettings, check_srun_ddp
 from ddcnn.settings.read import AUTO, Section, yaml_default
 
@@ -545,6 +547,9 @@ class RunSettings:
     store: StoreSettings
     model: dict
     global_model: dict | None
+    # The configuration these settings were read from, as plain data, interpolations resolved (Hydra's own ``hydra``
+    # node left out; ``paths.run_dir`` null where it cannot be resolved): what the run directory records.
+    recorded: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, cfg: Any) -> RunSettings:
@@ -554,7 +559,22 @@ class RunSettings:
             ValueError: For an unknown key (with the known ones listed) or a bad value, naming the setting, the value
                 and the fix.
         """
-        plain = _plain(cfg)
+        from omegaconf import DictConfig, OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        if not isinstance(cfg, DictConfig):
+            cfg = OmegaConf.create(dict(cfg or {}))
+        plain = {}
+        for key in cfg:
+            if key == "hydra":  # Hydra's own node (compose(..., return_hydra_config=True)): not a setting of ddcnn
+                continue
+            try:
+                node = cfg[key]
+                plain[key] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+            except OmegaConfBaseException:  # ${hydra:runtime.output_dir} outside a Hydra app: the caller passes it
+                if key != "paths":
+                    raise
+                plain[key] = {"run_dir": None}
         stage = str(plain.get("stage", yaml_default("stage")))
         if stage not in ("all", *STAGES):
             raise ValueError(f"unknown stage {stage!r}; choose one of: all, {', '.join(STAGES)}.")
@@ -592,6 +612,7 @@ class RunSettings:
             store=StoreSettings.read(top.sub("store")),
             model=_spec(top("model")),
             global_model=_spec(top("global_model")),
+            recorded=plain,
         )
         top.done(extra_known=("stage",))
         return out
@@ -604,6 +625,14 @@ class RunSettings:
         if data.in_channels == AUTO:
             data = dataclasses.replace(data, in_channels=int(in_channels))
         return self if data is self.data else dataclasses.replace(self, data=data)
+
+    def identity(self) -> RunIdentity:
+        """What the run directory records of these settings (:meth:`ddcnn.rundir.RunDir.claim`): the configuration
+        they were read from as ``config.yaml``, the part of it that changes results and its fingerprint, with
+        ``data.num_classes`` / ``data.in_channels`` that were ``auto`` set to the data's once
+        :meth:`with_data_counts` has set them."""
+        counts = [None if n == AUTO else int(n) for n in (self.data.num_classes, self.data.in_channels)]
+        return RunIdentity.of(self.recorded, *counts)
 
 
 def _check_ddp_devices(value: Any, batch: int) -> int:
@@ -631,24 +660,3 @@ def _subdomain(sel: Any) -> tuple[int, ...] | None:
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"subdomain must be an integer index or a list of them, got {sel!r}.")
     return tuple(int(v) for v in values)
-
-
-def _plain(cfg: Any) -> dict:
-    """``cfg`` as plain dicts and lists, interpolations resolved. ``paths.run_dir`` stays unresolved when it cannot
-    be (``${hydra:runtime.output_dir}`` outside a Hydra app: the caller then passes the run directory)."""
-    from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    if not isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True) if cfg else {}
-    out = {}
-    for key in cfg:
-        if key == "hydra":  # Hydra's own node (compose(..., return_hydra_config=True)): not a setting of ddcnn
-            continue
-        try:
-            out[key] = OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
-        except OmegaConfBaseException:
-            if key != "paths":
-                raise
-            out[key] = {"run_dir": None}
-    return out

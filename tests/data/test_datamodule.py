@@ -20,6 +20,7 @@ from ddcnn.data.datamodule import Batches, PreparedBatches, TensorDataModule
 from ddcnn.data.prepare import PrepareSettings, load_prepared, prepare
 from ddcnn.data.sources import Splits, npz
 from ddcnn.decomposition import Decomposition
+from ddcnn.settings import RunSettings
 from ddcnn.store import Store
 
 SPLITS = ("train", "val", "test")
@@ -273,14 +274,14 @@ def test_the_augmentation_draws_depend_only_on_seed_epoch_and_sample():
 
 
 def test_an_augmented_runs_fingerprint_holds_the_generator_and_an_unaugmented_one_does_not(make_cfg):
-    from ddcnn.rundir import fingerprint, result_settings
+    from ddcnn.rundir import fingerprint
 
-    plain = result_settings(make_cfg())
+    plain = RunSettings.from_config(make_cfg()).identity().settings
     assert plain["data"]["augment"] is None
-    flips = result_settings(make_cfg("data.augment={flip_axes:[1]}"))
+    flips = RunSettings.from_config(make_cfg("data.augment={flip_axes:[1]}")).identity().settings
     assert flips["data"]["augment"] == {"flip_axes": [1], "rng": "splitmix64/1"}
-    rotation = result_settings(make_cfg("data.augment={flip_axes:[],rotate_deg:5.0}"))
+    rotation = RunSettings.from_config(make_cfg("data.augment={flip_axes:[],rotate_deg:5.0}")).identity().settings
     assert rotation["data"]["augment"]["rng"] == "splitmix64/1"
-    none = result_settings(make_cfg("data.augment={flip_axes:[],rotate_deg:0.0}"))
+    none = RunSettings.from_config(make_cfg("data.augment={flip_axes:[],rotate_deg:0.0}")).identity().settings
     assert "rng" not in none["data"]["augment"]  # no augmentation: its generator does not matter
     assert fingerprint(plain) != fingerprint(flips)

@@ -23,7 +23,7 @@ from ddcnn.engine import gpu
 from ddcnn.engine.train import fit
 from ddcnn.parallel.devices import plan_workers, process_device
 from ddcnn.pipeline import train
-from ddcnn.rundir import RunDir, RunIdentity
+from ddcnn.rundir import RunDir
 from ddcnn.runtime import resolve_device
 from ddcnn.settings import RunSettings
 from tests.conftest import load_script
@@ -98,9 +98,11 @@ def test_the_default_config_says_auto_and_resolves_to_cpu_without_a_gpu(make_cfg
 
 def test_a_run_dir_recorded_with_device_cpu_accepts_device_auto(make_cfg, tmp_path):
     run = RunDir(tmp_path / "run")
-    run.claim(RunIdentity.of(make_cfg("device=cpu")))
-    run.claim(RunIdentity.of(make_cfg()))  # device=auto (here: cpu) is not a settings change
-    run.claim(RunIdentity.of(make_cfg("device=cuda")))  # where a run trains never changes its fingerprint
+    run.claim(RunSettings.from_config(make_cfg("device=cpu")).identity())
+    run.claim(RunSettings.from_config(make_cfg()).identity())  # device=auto (here: cpu) is not a settings change
+    run.claim(
+        RunSettings.from_config(make_cfg("device=cuda")).identity()
+    )  # where a run trains never changes its fingerprint
 
 
 # --- the GPU policy --------------------------------------------------------------------------------------------------

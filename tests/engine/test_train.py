@@ -605,11 +605,18 @@ def test_min_epochs_stays_out_of_the_fingerprint_while_early_stopping_is_off(mak
     """engine.min_epochs came after run directories and stored global CNNs were recorded without it; it changes
     nothing without engine.patience, so there it is not part of the fingerprint (whatever its value) and they stay
     valid. With early stopping it is."""
-    from ddcnn.rundir import fingerprint, result_settings
+    from ddcnn.rundir import fingerprint
 
-    plain = result_settings(make_cfg())
+    plain = RunSettings.from_config(make_cfg()).identity().settings
     assert "min_epochs" not in plain["engine"] and "patience" in plain["engine"]
-    assert fingerprint(result_settings(make_cfg("engine.min_epochs=4"))) == fingerprint(plain)
-    stopping = [result_settings(make_cfg("engine.patience=3", f"engine.min_epochs={m}")) for m in ("null", 2, 4)]
+    assert fingerprint(RunSettings.from_config(make_cfg("engine.min_epochs=4")).identity().settings) == fingerprint(
+        plain
+    )
+    stopping = [
+        RunSettings.from_config(make_cfg("engine.patience=3", "trainer.max_epochs=8", f"engine.min_epochs={m}"))
+        .identity()
+        .settings
+        for m in ("null", 2, 4)
+    ]
     assert stopping[1]["engine"]["min_epochs"] == 2
     assert len({fingerprint(s) for s in stopping}) == 3

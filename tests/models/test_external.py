@@ -18,7 +18,8 @@ from ddcnn.context import build_context, build_local_net
 from ddcnn.models import external, pretrained
 from ddcnn.pipeline import train
 from ddcnn.predict import predict_main
-from ddcnn.rundir import FingerprintMismatch, RunDir, RunIdentity, fingerprint, network_identity, result_settings
+from ddcnn.rundir import FingerprintMismatch, RunDir, fingerprint, network_identity
+from ddcnn.settings import RunSettings
 from tests.conftest import compose_config, shared_data
 from tests.models.conftest import NUM_CLASSES
 
@@ -260,7 +261,7 @@ def test_pretrained_weights_train_through_the_pipeline(tmp_path, make_cfg):
     # another file under the same name is another configuration
     torch.save(external.timm_net("mobilenetv2_035", 2, 3, 1000).state_dict(), path)
     with pytest.raises(FingerprintMismatch, match="model.weights: 'sha256:"):
-        RunDir(run_dir).claim(RunIdentity.of(cfg))
+        RunDir(run_dir).claim(RunSettings.from_config(cfg).identity())
     path.unlink()
     from ddcnn.export import export_run
 
@@ -272,11 +273,11 @@ def test_pretrained_weights_train_through_the_pipeline(tmp_path, make_cfg):
 def test_no_weights_leave_the_fingerprint_and_store_keys_as_they_were(make_cfg):
     cfg = make_cfg()
     assert cfg.model.weights is None
-    before = result_settings(cfg)
+    before = RunSettings.from_config(cfg).identity().settings
     with open_dict(cfg):
         del cfg.model["weights"]  # the configuration as it was before model.weights existed
-    assert result_settings(cfg) == before and "weights" not in before["model"]
-    assert fingerprint(result_settings(cfg)) == fingerprint(before)
+    assert RunSettings.from_config(cfg).identity().settings == before and "weights" not in before["model"]
+    assert fingerprint(RunSettings.from_config(cfg).identity().settings) == fingerprint(before)
     spec = {"name": "vgg_small", "_target_": "ddcnn.models.vgg.vgg_small", "width_mult": 1.0, "norm": "batch"}
     assert network_identity({**spec, "weights": None}) == spec
 

@@ -26,7 +26,8 @@ from ddcnn.report.compare import (
 )
 from ddcnn.report.results import METHODS
 from ddcnn.report.stats import t_quantile_975
-from ddcnn.rundir import RunDir, RunIdentity
+from ddcnn.rundir import RunDir
+from ddcnn.settings import RunSettings
 from tests.conftest import compose_config, mark_converged
 
 DEFAULT_METHODS = ("global", "mean_prob", "majority_vote", "cnn_dnn_probs", "cnn_dnn_logits", "cnn_dnn_val", "stacker")
@@ -51,7 +52,7 @@ def sweep(tmp_path_factory):
         mark_converged(root / name)
         train(compose_config([*settings, "stage=evaluate"], root / name))
     # A job that started (config.yaml and fingerprint.json written) but never got to evaluate.
-    RunDir(root / "3_1x2_s2").claim(RunIdentity.of(compose_config(["seed=2"], root / "3_1x2_s2")))
+    RunDir(root / "3_1x2_s2").claim(RunSettings.from_config(compose_config(["seed=2"], root / "3_1x2_s2")).identity())
     return root
 
 

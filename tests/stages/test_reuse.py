@@ -58,7 +58,6 @@ DOES_NOT_MATTER = [
 def _key(*overrides: str) -> str:
     from types import SimpleNamespace
 
-    from ddcnn.rundir import RunIdentity
     from ddcnn.settings import RunSettings
     from ddcnn.stages.reuse import stage_depends
 
@@ -66,7 +65,9 @@ def _key(*overrides: str) -> str:
     return Store.key(
         "global",
         stage_depends(
-            SimpleNamespace(identity=RunIdentity.of(cfg), settings=RunSettings.from_config(cfg)), "global", "cpu"
+            SimpleNamespace(identity=RunSettings.from_config(cfg).identity(), settings=RunSettings.from_config(cfg)),
+            "global",
+            "cpu",
         ),
     )
 
@@ -105,7 +106,6 @@ def test_runs_that_differ_in_the_decomposition_train_the_global_cnn_once(make_cf
 def _ddp_key(*overrides: str) -> str:
     from types import SimpleNamespace
 
-    from ddcnn.rundir import RunIdentity
     from ddcnn.settings import RunSettings
     from ddcnn.stages.reuse import stage_depends
 
@@ -113,7 +113,9 @@ def _ddp_key(*overrides: str) -> str:
     return Store.key(
         "global_ddp",
         stage_depends(
-            SimpleNamespace(identity=RunIdentity.of(cfg), settings=RunSettings.from_config(cfg)), "global_ddp", "cpu"
+            SimpleNamespace(identity=RunSettings.from_config(cfg).identity(), settings=RunSettings.from_config(cfg)),
+            "global_ddp",
+            "cpu",
         ),
     )
 
