@@ -535,20 +535,76 @@ def test_an_interim_page_holds_the_finished_runs_of_the_plan_and_says_so(results
 
 def test_the_estimate_uses_only_seeds_with_every_planned_run(results, tmp_path):
     """A seed with only some of its dataset's runs (an interim page's) would lower the estimate: it is left out, and
-    a dataset without a whole seed has no estimate (said so, and --check does not judge the training set by it)."""
-    root = tmp_path / "runs"
-    shutil.copytree(REPO / "docs" / "results" / "runs", root)
-    kept: dict[str, str] = {}
-    for run in sorted((root / "mnist").iterdir()):  # one run per mnist seed: none whole (4 planned per seed)
-        seed = run.name.rsplit("_", 1)[-1]
-        if seed in kept:
-            shutil.rmtree(run)
-        kept.setdefault(seed, run.name)
+    a dataset without a whole seed, or without any run, has no estimate (said so, and --check does not judge the
+    training set by it)."""
     args = results._resolve(results._parser().parse_args([]))
+    root = tmp_path / "runs"
+
+    def run(name: str, seed: int, cpu: float) -> None:  # what estimate reads of a run of the planned recipe
+        folder = root / name
+        folder.mkdir(parents=True)
+        config = {"seed": seed, "data": {"train_subset": args.train_subset}, "engine": {"min_epochs": 8}}
+        (folder / "config.yaml").write_text(json.dumps(config))
+        (folder / "results.json").write_text(json.dumps({"time_s": {"global_ddp": 10.0}, "startup_s": {}}))
+        (folder / "experiment_run.json").write_text(json.dumps({"cpu_s": cpu}))
+
+    for grid in ("2x2_o0", "2x2_o2", "4x4_o0", "4x4_o2"):  # seed 0 whole
+        run(f"mnist/{grid}_s0", 0, 1000.0)
+    run("mnist/2x2_o0_s1", 1, 100.0)  # seed 1: one of its four runs
+    run("adrenal3d/2x2x2_s0", 0, 500.0)
     cost = results.estimate(root, args)
-    assert cost["mnist"] is None
-    assert cost["adrenal3d"] > 0  # one run per seed planned: every seed is whole
+    seeds = len(args.seeds)
+    assert cost["mnist"] == pytest.approx(seeds * (4 * (1000.0 - 20.0) + 20.0))  # seed 0 only; one DDP per seed
+    assert cost["adrenal3d"] == pytest.approx(seeds * 500.0)  # one run per seed planned: every seed is whole
+    assert cost["fashion_mnist"] is None  # no run at all
     text = results.estimate_text(root, args)
-    assert (
-        "no estimate yet, the page's runs hold no seed with every run of" in text and "mnist (an interim page)" in text
-    )
+    assert "no estimate yet, the page's runs hold no seed with every run of fashion_mnist (an interim page)" in text
+
+
+def test_the_cpu_of_a_process_tree_counts_its_ended_and_running_children(results):
+    """What the sampler of a training reads: a child that ended (waited for) and one still running both count."""
+    import sys
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+    code = f"import subprocess, sys, time\nsubprocess.run([sys.executable, '-c', {burn!r}])\n{burn}time.sleep(30)\n"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        cpu = 0.0
+        for _ in range(100):  # until both have burnt their 0.6 s (the parent then sleeps)
+            cpu = results.tree_cpu(proc.pid)
+            if cpu >= 1.2:
+                break
+            __import__("time").sleep(0.1)
+        assert 1.2 <= cpu < 5.0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_a_run_finished_after_a_stopped_invocation_records_the_cpu_of_both(results, tmp_path, monkeypatch):
+    """An invocation stopped part-way (a session's end) leaves its CPU, sampled while it trained, in the run
+    directory's ledger; the invocation that finishes the run counts it in ``cpu_s`` and names it."""
+    monkeypatch.setattr(results, "SAMPLE_S", 0.5)
+    args = results._resolve(results._parser().parse_args(["--tiny"]))
+    spec = results.run_specs(results.plan(args), args.seeds)[0]
+    ledger = tmp_path / spec.name / results.LEDGER
+    ledger.parent.mkdir(parents=True)
+    stopped = {"started": "2026-12-03T20:00:00+00:00", "wall_s": 900.0, "cpu_s": 700.0}
+    ledger.write_text(json.dumps([stopped]))
+    seen: list[list[dict]] = []
+    write = results._wait
+
+    def watching(proc, timeout_s, progress):  # what a stop at any sample would have left behind
+        def keep(cpu: float) -> None:
+            progress(cpu)
+            seen.append(json.loads(ledger.read_text()))
+
+        return write(proc, timeout_s, keep)
+
+    monkeypatch.setattr(results, "_wait", watching)
+    record = results.train(spec, tmp_path, 1, None, print)
+    assert seen and all(entries[0] == stopped and entries[1]["cpu_s"] > 0 for entries in seen)
+    assert record["earlier_invocations"] == [stopped] and record["cpu_s"] > 700.0
+    assert record["cpu_s"] - 700.0 >= seen[-1][1]["cpu_s"] - 0.5  # this invocation's own rusage, not less
+    assert not ledger.exists()

@@ -434,3 +434,5 @@ def failures_stop_every_rank(fabric, poll_s: float = 0.5, grace_s: float = 5.0) 
         raise
     finally:
         failures.done.set()
+        # No store call of the watcher may outlive the block: the process group (and its store) may go next.
+        failures.thread.join(timeout=poll_s + 5.0)

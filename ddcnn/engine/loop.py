@@ -1554,6 +1554,10 @@ def _run_spawned(fabric, training: _Training, prefit_s: float) -> str | None:
             if failures is None or not failures.other_failed_first():
                 _save_error(err, Path(training.folder) / _SPAWN_ERROR.format(fabric.global_rank), fabric.global_rank)
             raise
+    # Every rank leaves the process group while its interpreter is whole: left to the interpreter's end, gloo's
+    # worker threads may still hold tensors whose release then aborts the process (SIGABRT, "terminate called
+    # without an active exception"), and the parent would take a finished training for a failed one.
+    _leave_process_group(fabric)
     if fabric.global_rank != 0:
         return None
     atomic_torch_save({"state": _cpu_state(result.net), "result": dataclasses.replace(result, net=None)}, path)
@@ -1794,9 +1798,9 @@ def _fit_here(fabric, training: _Training, launcher: str, began: float) -> FitRe
 
 
 def _leave_process_group(fabric, wait: bool = True) -> None:
-    """End this srun task's part in the DDP training: the ranks wait for each other (``wait``: not after a failure,
-    the others may never come), then the group is destroyed (a rank that goes on alone, rank 0 predicting, must not
-    meet the others' collectives)."""
+    """End this rank's part in the DDP training (an srun task's or a spawned rank's): the ranks wait for each other
+    (``wait``: not after a failure, the others may never come), then the group is destroyed (a rank that goes on
+    alone, rank 0 predicting, must not meet the others' collectives)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
