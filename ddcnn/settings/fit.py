@@ -174,7 +174,7 @@ def _positive_int(value: Any, what: str, allow_none: bool = False) -> int | None
     return int(value)
 
 
-def _number(value: Any) -> bool:
+def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -200,7 +200,7 @@ def loop_setting(key: str, value: Any, name: str | None = None) -> Any:
             )
         return PRECISIONS[str(value).lower()]
     if key == "gradient_clip_val":
-        if value is not None and (not _number(value) or not value > 0):
+        if value is not None and (not _is_real(value) or not value > 0):
             raise ValueError(f"{name} must be > 0 (or null: no clipping), got {value!r}.")
         return None if value is None else float(value)
     if key == "gradient_clip_algorithm":
@@ -232,14 +232,14 @@ def loop_setting(key: str, value: Any, name: str | None = None) -> Any:
         return None if value is None else int(value)
     if key == "min_delta":
         value = 0.0 if value is None else value
-        if not _number(value) or not value >= 0:
+        if not _is_real(value) or not value >= 0:
             raise ValueError(
                 f"{name} must be >= 0 (early stopping counts an epoch as an improvement only when it beats the best "
                 f"one by more than this, in {monitor}'s units; 0 = any improvement), got {value!r}."
             )
         return float(value)
     if key == "checkpoint_every_s":
-        if value is not None and (not _number(value) or value < 0):
+        if value is not None and (not _is_real(value) or value < 0):
             raise ValueError(f"{name} must be >= 0 (0: after every epoch), got {value!r}.")
         return None if value is None else float(value)
     raise KeyError(f"{key} is not a setting loop_setting checks")
