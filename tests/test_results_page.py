@@ -534,16 +534,16 @@ def test_an_interim_page_holds_the_finished_runs_of_the_plan_and_says_so(results
 
 
 def test_the_estimate_uses_only_seeds_with_every_planned_run(results, tmp_path):
-    """A seed with only some of its dataset's runs (an interim page's) would lower the estimate: it is left out, and
-    a dataset without a whole seed, or without any run, has no estimate (said so, and --check does not judge the
-    training set by it)."""
+    """A seed with only some of its dataset's runs (an interim page's) would lower the estimate: it is left out, as
+    are runs at another training set (their CPU does not scale with it); a dataset without a whole seed, or without
+    any run, has no estimate (said so)."""
     args = results._resolve(results._parser().parse_args([]))
     root = tmp_path / "runs"
 
-    def run(name: str, seed: int, cpu: float) -> None:  # what estimate reads of a run of the planned recipe
+    def run(name: str, seed: int, cpu: float, size: int = args.train_subset) -> None:  # what estimate reads of a run
         folder = root / name
         folder.mkdir(parents=True)
-        config = {"seed": seed, "data": {"train_subset": args.train_subset}, "engine": {"min_epochs": 8}}
+        config = {"seed": seed, "data": {"train_subset": size}, "engine": {"min_epochs": 8}}
         (folder / "config.yaml").write_text(json.dumps(config))
         (folder / "results.json").write_text(json.dumps({"time_s": {"global_ddp": 10.0}, "startup_s": {}}))
         (folder / "experiment_run.json").write_text(json.dumps({"cpu_s": cpu}))
@@ -551,6 +551,8 @@ def test_the_estimate_uses_only_seeds_with_every_planned_run(results, tmp_path):
     for grid in ("2x2_o0", "2x2_o2", "4x4_o0", "4x4_o2"):  # seed 0 whole
         run(f"mnist/{grid}_s0", 0, 1000.0)
     run("mnist/2x2_o0_s1", 1, 100.0)  # seed 1: one of its four runs
+    for grid in ("2x2_o0", "2x2_o2", "4x4_o0", "4x4_o2"):  # seed 2 whole, but at another training set: not scaled
+        run(f"mnist/{grid}_s2", 2, 50.0, size=args.train_subset // 2)
     run("adrenal3d/2x2x2_s0", 0, 500.0)
     cost = results.estimate(root, args)
     seeds = len(args.seeds)
@@ -559,6 +561,11 @@ def test_the_estimate_uses_only_seeds_with_every_planned_run(results, tmp_path):
     assert cost["fashion_mnist"] is None  # no run at all
     text = results.estimate_text(root, args)
     assert "no estimate yet, the page's runs hold no seed with every run of fashion_mnist (an interim page)" in text
+    args.datasets = [key for key in args.datasets if key != "fashion_mnist"]  # the rest has an estimate
+    assert f"about {cost['mnist'] + cost['adrenal3d']:.0f} s CPU" in results.estimate_text(root, args)
+    assert "6.2 CPU-hours, within the 10 allowed" in results.estimate_text(root, args)
+    args.seeds = list(range(10))  # twice the seeds: over
+    assert "12.3 CPU-hours, over the 10 allowed" in results.estimate_text(root, args)
 
 
 def test_the_cpu_of_a_process_tree_counts_its_ended_and_running_children(results):
