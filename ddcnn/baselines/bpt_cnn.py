@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddcnn.baselines.launch import RankInfo, device_for, launch, process_group, threads_per_rank
-from ddcnn.baselines.loop import TrainSpec, evaluate, make_optimizer, set_lr
+from ddcnn.baselines.loop import TrainSpec, epoch_order, evaluate, make_optimizer, set_lr
 
 __all__ = ["MODES", "agwu_weight", "idpa_allocate", "round_chunks", "train_bpt"]
 
@@ -134,9 +134,8 @@ def agwu_weight(staleness: int, gamma: float = 0.5) -> float:
 
 
 def round_chunks(num_samples: int, rounds_per_epoch: int, seed: int, epoch: int) -> list[torch.Tensor]:
-    """The sample indices of each round of one epoch: a seeded shuffle cut into ``rounds_per_epoch`` equal chunks."""
-    generator = torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch))
-    return list(torch.randperm(num_samples, generator=generator).tensor_split(rounds_per_epoch))
+    """The sample indices of each round of one epoch: :func:`epoch_order` cut into ``rounds_per_epoch`` equal chunks."""
+    return list(epoch_order(num_samples, seed, epoch).tensor_split(rounds_per_epoch))
 
 
 # --- flat weights --------------------------------------------------------------------------------
@@ -479,7 +478,7 @@ def train_bpt(
 ) -> dict:
     """Train ``net`` with BPT-CNN's outer layer: a parameter server (rank 0) and ``workers`` worker ranks.
 
-    Every epoch the training split is shuffled (seeded as in :func:`ddcnn.baselines.loop.batch_order`) and cut into
+    Every epoch the training split is shuffled (:func:`ddcnn.baselines.loop.epoch_order`) and cut into
     ``rounds_per_epoch`` chunks that IDPA hands out in proportion to the workers' speeds. Each worker runs local
     mini-batch steps of ``spec``'s optimizer over its allocation, keeping its optimizer state between rounds; the
     learning rate follows ``spec.schedule`` by the round's place in the run.

@@ -64,6 +64,7 @@ from torch import nn
 
 from ddcnn.baselines.launch import RankInfo, backend_for, device_for, launch, process_group, threads_per_rank
 from ddcnn.baselines.loop import TrainSpec, evaluate, make_optimizer, timing_summary, train_epochs
+from ddcnn.models.layers import conv_like
 
 __all__ = [
     "FilterParallelConv",
@@ -353,19 +354,7 @@ class FilterParallelConv(nn.Module):
         self.out_channels = conv.out_channels
         self.reduce_input_grad = True
         self.partial_output_grad = False
-        self.local = type(conv)(
-            conv.in_channels,
-            self.counts[rank],
-            conv.kernel_size,
-            stride=conv.stride,
-            padding=conv.padding,
-            dilation=conv.dilation,
-            groups=1,
-            bias=conv.bias is not None,
-            padding_mode=conv.padding_mode,
-            device=conv.weight.device,
-            dtype=conv.weight.dtype,
-        )
+        self.local = conv_like(conv, conv.in_channels, self.counts[rank])
         with torch.no_grad():
             self.local.weight.copy_(conv.weight[self.start : self.stop])
             if conv.bias is not None:
@@ -386,18 +375,7 @@ class FilterParallelConv(nn.Module):
         Gradients come along: where the slices have one, the whole layer's parameters get the gathered gradient.
         """
         local = self.local
-        conv = type(local)(
-            local.in_channels,
-            self.out_channels,
-            local.kernel_size,
-            stride=local.stride,
-            padding=local.padding,
-            dilation=local.dilation,
-            bias=local.bias is not None,
-            padding_mode=local.padding_mode,
-            device=local.weight.device,
-            dtype=local.weight.dtype,
-        )
+        conv = conv_like(local, local.in_channels, self.out_channels)
         conv.weight = self._gather_parameter(local.weight)
         if local.bias is not None:
             conv.bias = self._gather_parameter(local.bias)

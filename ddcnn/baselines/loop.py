@@ -22,6 +22,7 @@ from torch import nn
 __all__ = [
     "TrainSpec",
     "batch_order",
+    "epoch_order",
     "set_lr",
     "evaluate",
     "make_optimizer",
@@ -98,14 +99,14 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def batch_order(num_samples: int, batch_size: int, seed: int, epoch: int) -> list[torch.Tensor]:
-    """Shuffled mini-batch indices of one epoch, the same in every process for the same ``seed`` and ``epoch``.
+def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The shuffled sample indices of one epoch, the same in every process for the same ``seed`` and ``epoch``."""
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch)))
 
-    A last batch of a single sample is dropped: batch norm cannot train on it.
-    """
-    generator = torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch))
-    order = torch.randperm(num_samples, generator=generator)
-    batches = list(order.split(batch_size))
+
+def batch_order(num_samples: int, batch_size: int, seed: int, epoch: int) -> list[torch.Tensor]:
+    """Mini-batches of :func:`epoch_order`; a last batch of one sample is dropped (batch norm cannot train on it)."""
+    batches = list(epoch_order(num_samples, seed, epoch).split(batch_size))
     if len(batches) > 1 and len(batches[-1]) < 2:
         batches.pop()
     return batches

@@ -86,12 +86,7 @@ def splits_to_nifti(
 
     Args:
         splits: ``{"train": (x, y), "val": (x, y), ...}``; arrays as in :func:`arrays_to_nifti`.
-        out_dir: Output folder.
-        class_names: Folder name of each class; default: zero-padded indices.
-        spacing: Voxel size in mm along ``(D, H, W)``.
-        manifest_name: Manifest file name inside ``out_dir``.
-        gzip: Write ``.nii.gz`` (else ``.nii``).
-        progress: Show a progress bar.
+        out_dir, class_names, spacing, manifest_name, gzip, progress: As in :func:`arrays_to_nifti`.
 
     Returns:
         The manifest path.
@@ -120,11 +115,8 @@ def npz_to_nifti(
 
     Args:
         npz_path: The ``.npz`` archive; volumes ``(N, D, H, W)``, labels ``(N,)`` or ``(N, 1)``.
-        out_dir: Output folder.
+        out_dir, spacing, gzip, progress: As in :func:`arrays_to_nifti`.
         limit_per_split: Convert only the first ``limit_per_split`` volumes of each split.
-        spacing: Voxel size in mm along ``(D, H, W)``.
-        gzip: Write ``.nii.gz`` (else ``.nii``).
-        progress: Show a progress bar.
 
     Returns:
         The manifest path.

@@ -47,6 +47,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from ddcnn.models.layers import conv_like
+
 __all__ = [
     "LIBRARIES",
     "MissingLibrary",
@@ -257,17 +259,7 @@ def torchvision_net(arch: str, spatial_dims: int, in_channels: int, num_classes:
             raise ValueError(
                 f"torchvision {arch}: its first convolution is grouped; it cannot take {in_channels} channels."
             )
-        new = type(conv)(
-            in_channels,
-            conv.out_channels,
-            conv.kernel_size,
-            stride=conv.stride,
-            padding=conv.padding,
-            dilation=conv.dilation,
-            bias=conv.bias is not None,
-            padding_mode=conv.padding_mode,
-        )
-        setattr(parent, name, new)
+        setattr(parent, name, conv_like(conv, in_channels, conv.out_channels))
     calm_classifier(net, num_classes, f"torchvision {arch}")
     return net
 

@@ -22,6 +22,7 @@ __all__ = [
     "check_act",
     "check_positive",
     "check_norm",
+    "conv_like",
     "conv_nd",
     "group_count",
     "init_conv_weights",
@@ -65,6 +66,14 @@ def _check_spatial_dims(spatial_dims: int) -> int:
     return int(spatial_dims)
 
 
+def _check_choice(value: str, choices: tuple[str, ...], what: str) -> str:
+    """Return ``value`` in lower case if it is one of ``choices``; else raise a ``ValueError`` that lists them."""
+    key = value.lower() if isinstance(value, str) else value
+    if key not in choices:
+        raise ValueError(f"{what} must be one of {choices}, got {value!r}.")
+    return key
+
+
 def conv_nd(spatial_dims: int) -> type[nn.Module]:
     """Return the convolution class for ``spatial_dims``.
 
@@ -78,6 +87,31 @@ def conv_nd(spatial_dims: int) -> type[nn.Module]:
         ValueError: If ``spatial_dims`` is not 1, 2 or 3.
     """
     return _CONV[_check_spatial_dims(spatial_dims)]
+
+
+def conv_like(conv: nn.Module, in_channels: int, out_channels: int) -> nn.Module:
+    """A new convolution of ``conv``'s class and settings with other channel counts, initialised as PyTorch does.
+
+    Kernel size, stride, padding, dilation, groups, bias, padding mode, device and dtype are those of ``conv``.
+
+    Args:
+        conv: The convolution to copy the settings of (``nn.Conv1d``, ``nn.Conv2d`` or ``nn.Conv3d``).
+        in_channels: Input channels of the new convolution.
+        out_channels: Output channels of the new convolution.
+    """
+    return type(conv)(
+        in_channels,
+        out_channels,
+        conv.kernel_size,
+        stride=conv.stride,
+        padding=conv.padding,
+        dilation=conv.dilation,
+        groups=conv.groups,
+        bias=conv.bias is not None,
+        padding_mode=conv.padding_mode,
+        device=conv.weight.device,
+        dtype=conv.weight.dtype,
+    )
 
 
 def group_count(num_channels: int, max_groups: int = _MAX_GROUPS) -> int:
@@ -123,7 +157,7 @@ def norm_nd(norm: str, spatial_dims: int, num_features: int) -> nn.Module:
         ValueError: If ``norm`` or ``spatial_dims`` is not supported.
     """
     spatial_dims = _check_spatial_dims(spatial_dims)
-    key = norm.lower() if isinstance(norm, str) else norm
+    key = check_norm(norm)
     if key == "batch":
         return _BATCH_NORM[spatial_dims](num_features)
     if key == "instance":
@@ -132,9 +166,7 @@ def norm_nd(norm: str, spatial_dims: int, num_features: int) -> nn.Module:
         return nn.GroupNorm(group_count(num_features), num_features)
     if key == "layer":
         return nn.GroupNorm(1, num_features)
-    if key == "none":
-        return nn.Identity()
-    raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
+    return nn.Identity()
 
 
 def check_norm(norm: str) -> str:
@@ -149,10 +181,7 @@ def check_norm(norm: str) -> str:
     Raises:
         ValueError: If ``norm`` is not supported.
     """
-    key = norm.lower() if isinstance(norm, str) else norm
-    if key not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
-    return key
+    return _check_choice(norm, NORMS, "norm")
 
 
 def pool_nd(kind: str, spatial_dims: int) -> type[nn.Module]:
@@ -203,10 +232,7 @@ def act(name: str) -> nn.Module:
     Raises:
         ValueError: If ``name`` is not supported.
     """
-    key = name.lower() if isinstance(name, str) else name
-    if key not in _ACT:
-        raise ValueError(f"act must be one of {ACTIVATIONS}, got {name!r}.")
-    return _ACT[key]()
+    return _ACT[check_act(name)]()
 
 
 def check_act(name: str) -> str:
@@ -221,10 +247,7 @@ def check_act(name: str) -> str:
     Raises:
         ValueError: If ``name`` is not supported.
     """
-    key = name.lower() if isinstance(name, str) else name
-    if key not in _ACT:
-        raise ValueError(f"act must be one of {ACTIVATIONS}, got {name!r}.")
-    return key
+    return _check_choice(name, ACTIVATIONS, "act")
 
 
 def as_tuple(value: int | Sequence[int], spatial_dims: int, name: str = "value") -> tuple[int, ...]:

@@ -35,11 +35,9 @@ STEMS = ("small", "imagenet")
 MAX_STAGES = 4
 
 
-def _downsample(
-    spatial_dims: int, in_channels: int, out_channels: int, stride: int, norm: str, needed: bool
-) -> nn.Module:
-    """Projection shortcut (1x1 conv + norm) when the shape changes, else the identity."""
-    if not needed:
+def _downsample(spatial_dims: int, in_channels: int, out_channels: int, stride: int, norm: str) -> nn.Module:
+    """Projection shortcut (1x1 conv + norm) when the stride or the channels change the shape, else the identity."""
+    if stride == 1 and in_channels == out_channels:
         return nn.Identity()
     conv = _layers.conv_nd(spatial_dims)
     return nn.Sequential(
@@ -84,9 +82,7 @@ class BasicBlock(nn.Module):
         self.conv2 = conv(channels, out_channels, kernel, padding=padding, bias=False)
         self.bn2 = _layers.norm_nd(norm, spatial_dims, out_channels)
         self.act2 = _layers.act(act)
-        self.downsample = _downsample(
-            spatial_dims, in_channels, out_channels, stride, norm, needed=stride != 1 or in_channels != out_channels
-        )
+        self.downsample = _downsample(spatial_dims, in_channels, out_channels, stride, norm)
 
     def zero_init_last(self) -> None:
         """Zero the last norm's scale so the block starts as the identity (Goyal et al., arXiv 1706.02677)."""
@@ -139,9 +135,7 @@ class Bottleneck(nn.Module):
         self.conv3 = conv(channels, out_channels, kernel_size=1, bias=False)
         self.bn3 = _layers.norm_nd(norm, spatial_dims, out_channels)
         self.act3 = _layers.act(act)
-        self.downsample = _downsample(
-            spatial_dims, in_channels, out_channels, stride, norm, needed=stride != 1 or in_channels != out_channels
-        )
+        self.downsample = _downsample(spatial_dims, in_channels, out_channels, stride, norm)
 
     def zero_init_last(self) -> None:
         """Zero the last norm's scale so the block starts as the identity (Goyal et al., arXiv 1706.02677)."""
