@@ -44,7 +44,6 @@ __all__ = [
     "build_context",
     "open_context",
     "check_networks",
-    "tuple_or_int",
     "build_augment",
     "subdomain_seed",
     "instantiate",
@@ -139,7 +138,7 @@ def open_context(
     # what the stages read and the fingerprint records: a run of 4 classes is not a run of 5
     settings = settings.with_data_counts(data.num_classes, data.in_channels)
     grid, overlap = settings.decomposition.grid, settings.decomposition.overlap
-    ctx = Context(RunDir(run_dir), data, Decomposition(grid, data.image_shape, tuple_or_int(overlap)), settings)
+    ctx = Context(RunDir(run_dir), data, Decomposition(grid, data.image_shape, overlap), settings)
     if check:
         check_networks(ctx, weights=weights)
     return ctx
@@ -184,34 +183,31 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
         (global_key, "full images", lambda: build_global_net(settings, data, weights=weights), data.image_shape),
     ]
     for key, what, build, spatial in checks:
-        try:
-            net = build()
-        except (FileNotFoundError, external.MissingLibrary, pretrained.WeightsError):
-            raise  # they name the setting and the fix already
-        except Exception as err:
-            target = _spec_of(ctx, key).get("_target_", "?")
-            raise ValueError(
-                f"cannot build the network of {key} (_target_={target}): {' '.join(str(err).split())}. Check the "
-                f"name and arguments under {key} in the configuration (conf/{key.split('.')[0]}/ lists the available "
-                "ones)."
-            ) from err
+        net = _built(ctx, key, build)
         _log_weights(key, net)
         _check_input_size(ctx, key, what, net, tuple(spatial))
     key, shape = "coarse.net", (2, dec.num_subdomains, data.num_classes)
-    try:
-        net = build_coarse_net(ctx.settings.coarse, dec.num_subdomains, data.num_classes)
-    except Exception as err:
-        target = _spec_of(ctx, key).get("_target_", "?")
-        raise ValueError(
-            f"cannot build the network of {key} (_target_={target}): {' '.join(str(err).split())}. Check the name "
-            "and arguments under coarse.net in the configuration (conf/coarse/ lists the available ones)."
-        ) from err
+    net = _built(ctx, key, lambda: build_coarse_net(ctx.settings.coarse, dec.num_subdomains, data.num_classes))
     try:
         with torch.no_grad():
             out = net.eval()(torch.zeros(shape))
     except Exception as err:
         raise ValueError(f"the network of {key} fails on inputs of shape {shape[1:]}: {err}.") from err
     _check_output(key, out, data.num_classes)
+
+
+def _built(ctx: Context, key: str, build) -> nn.Module:
+    """``build()``, or an error naming the setting ``key``, its ``_target_`` and where the available ones are."""
+    try:
+        return build()
+    except (FileNotFoundError, external.MissingLibrary, pretrained.WeightsError):
+        raise  # they name the setting and the fix already
+    except Exception as err:
+        target = _spec_of(ctx, key).get("_target_", "?")
+        raise ValueError(
+            f"cannot build the network of {key} (_target_={target}): {' '.join(str(err).split())}. Check the name "
+            f"and arguments under {key} in the configuration (conf/{key.split('.')[0]}/ lists the available ones)."
+        ) from err
 
 
 def _spec_of(ctx: Context, key: str) -> dict:
@@ -321,11 +317,6 @@ def _check_input_size(ctx: Context, key: str, what: str, net: nn.Module, spatial
             report.design_size,
             "fewer sub-domains, more overlap or data.image_size" if what == "sub-domains" else "data.image_size",
         )
-
-
-def tuple_or_int(value) -> int | float | tuple:
-    """A config scalar or list as the Decomposition takes it (it validates the values itself)."""
-    return value if isinstance(value, int | float) else tuple(value)
 
 
 def build_augment(settings: RunSettings) -> Augment | None:

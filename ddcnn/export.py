@@ -297,10 +297,7 @@ def export_context(ctx, path: str | Path | None = None) -> Path:
     )
     wrapped = ExportedCNNDNN(pre, model).eval()
     scripted = _script(wrapped, model, ctx)
-    accuracy = None
-    if ctx.run.is_done("coarse"):
-        accuracy = ctx.run.meta("coarse").get("accuracy", {}).get("test")
-    meta = _metadata(ctx, accuracy)
+    meta = _metadata(ctx, ctx.run.meta("coarse").get("accuracy", {}).get("test"))  # assembled: coarse has finished
     buffer = io.BytesIO()
     with _jit_deprecation_quiet():
         torch.jit.save(scripted, buffer, _extra_files={METADATA_FILE: json.dumps(meta, indent=2)})

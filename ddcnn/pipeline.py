@@ -68,11 +68,7 @@ def run_evaluate(ctx: Context) -> dict:
 def _wait_for_rank_zero(ctx: Context, stages: list[str], poll_s: float = 1.0) -> None:
     """Block until rank 0 finished ``stages`` in this run generation (with ``force=true``; else finished at all)."""
     generation = ctx.settings.run_generation if ctx.settings.force else None
-
-    def finished(name: str) -> bool:
-        return ctx.run.is_done(name) and (generation is None or ctx.run.done_generation(name) == generation)
-
-    while not all(finished(name) for name in stages):
+    while not all(ctx.run.is_done(name, generation=generation) for name in stages):
         time.sleep(poll_s)
 
 

@@ -267,7 +267,7 @@ class RunIdentity:
     the plain configuration the settings record (:meth:`ddcnn.settings.RunSettings.identity`)."""
 
     settings: dict
-    config_yaml: str | None = None
+    config_yaml: str
 
     @property
     def fingerprint(self) -> str:
@@ -390,8 +390,10 @@ class RunDir:
         path = self.root / "config.yaml"
         return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else {}
 
-    def is_done(self, stage: str, subdomain: int | None = None) -> bool:
-        return (self.stage_dir(stage, subdomain) / "done").is_file()
+    def is_done(self, stage: str, subdomain: int | None = None, generation: str | None = None) -> bool:
+        """Whether the stage's ``done`` marker exists (with ``generation``: and holds that run generation)."""
+        done = (self.stage_dir(stage, subdomain) / "done").is_file()
+        return done and (generation is None or self.done_generation(stage, subdomain) == generation)
 
     def missing_local(self, num_subdomains: int) -> list[int]:
         return [i for i in range(num_subdomains) if not self.is_done("local", i)]
@@ -531,6 +533,5 @@ class RunDir:
             return fp
         make_dir(self.root)
         atomic_write_json(path, {"fingerprint": fp, "settings": settings})
-        if identity.config_yaml is not None:
-            atomic_write_text(self.root / "config.yaml", identity.config_yaml)
+        atomic_write_text(self.root / "config.yaml", identity.config_yaml)
         return fp

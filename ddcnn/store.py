@@ -184,17 +184,14 @@ class Entry:
                 out.append(f"{name}: sha256 differs from the one recorded when it was written")
         return out
 
-    def copy_to(self, folder: str | os.PathLike[str], exclude: tuple[str, ...] = ()) -> list[str]:
+    def copy_to(self, folder: str | os.PathLike[str], exclude: tuple[str, ...] = ()) -> None:
         """Copy its files (but ``exclude``) into ``folder``, each checked against its recorded sha256 while it is
         copied and renamed into place whole (a reader sees the old file or the new one, never a part).
-
-        Returns:
-            The copied files, relative to ``folder``.
 
         Raises:
             StoreError: A file differs from the checksum recorded when it was written.
         """
-        folder, out = Path(folder), []
+        folder = Path(folder)
         for rel, meta in self.files.items():
             if rel in exclude:
                 continue
@@ -206,8 +203,6 @@ class Entry:
                 os.replace(tmp, dst)
             finally:
                 tmp.unlink(missing_ok=True)
-            out.append(rel)
-        return out
 
     def describe(self) -> str:
         created = self.record.get("created", "?")

@@ -34,7 +34,6 @@ class LogisticFit:
     Attributes:
         weight: ``(K, D)`` weights of the selected strength (as ``nn.Linear.weight``).
         bias: ``(K,)`` bias.
-        offset_scale: The fitted coefficient of the offset logits (1.0 when there is no offset).
         l2: The selected L2 strength.
         val_acc, val_loss: Its validation accuracy and mean cross-entropy.
         path: One entry per strength of the grid: ``l2``, ``val_acc``, ``val_loss``, ``train_loss`` (the penalised
@@ -44,7 +43,6 @@ class LogisticFit:
 
     weight: torch.Tensor
     bias: torch.Tensor
-    offset_scale: float
     l2: float
     val_acc: float
     val_loss: float
@@ -52,26 +50,19 @@ class LogisticFit:
     time_s: float = 0.0
 
 
-def _logits(x, weight, bias, offset, scale) -> torch.Tensor:
-    logits = torch.addmm(bias, x, weight.t())
-    return logits if offset is None else logits + scale * offset
-
-
 def _solve(
     x: torch.Tensor,
     y: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
-    scale: torch.Tensor,
     l2: float,
-    offset: torch.Tensor | None,
     max_iter: int,
     tolerance: float,
 ) -> tuple[float, int, bool, bool]:
-    """Minimise the penalised cross-entropy in place from ``weight, bias`` (and the offset's ``scale``);
+    """Minimise the penalised cross-entropy in place from ``weight, bias``;
     (objective, evaluations, converged, finite). Not ``finite``: the solver left float range and the parameters are
     back where it started."""
-    params = [weight, bias] if offset is None else [weight, bias, scale]
+    params = [weight, bias]
     opt = torch.optim.LBFGS(
         params,
         lr=1.0,
@@ -86,7 +77,7 @@ def _solve(
     def closure() -> torch.Tensor:
         evaluations[0] += 1
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(_logits(x, weight, bias, offset, scale), y) + 0.5 * l2 * weight.pow(2).sum()
+        loss = F.cross_entropy(torch.addmm(bias, x, weight.t()), y) + 0.5 * l2 * weight.pow(2).sum()
         loss.backward()
         return loss
 
@@ -105,14 +96,14 @@ def _solve(
     with torch.no_grad():
         grads = [p.grad.flatten() for p in params if p.grad is not None]
         converged = finite and bool(grads) and float(torch.cat(grads).abs().max()) <= tolerance * 10
-        logits = _logits(x, weight, bias, offset, scale)
+        logits = torch.addmm(bias, x, weight.t())
         objective = float(F.cross_entropy(logits, y) + 0.5 * l2 * weight.pow(2).sum())
     return objective, evaluations[0], converged, finite
 
 
 @torch.no_grad()
-def _score(x, y, weight, bias, offset, scale) -> tuple[float, float]:
-    logits = _logits(x, weight, bias, offset, scale)
+def _score(x, y, weight, bias) -> tuple[float, float]:
+    logits = torch.addmm(bias, x, weight.t())
     return float((logits.argmax(-1) == y).float().mean()), float(F.cross_entropy(logits, y))
 
 
@@ -124,22 +115,17 @@ def fit_logistic(
     num_classes: int,
     *,
     l2_grid: Sequence[float] = L2_GRID,
-    offset_train: torch.Tensor | None = None,
-    offset_val: torch.Tensor | None = None,
     max_iter: int = 200,
     tolerance: float = 1e-5,
     select: str = "val_acc",
 ) -> LogisticFit:
-    """Multinomial logistic regression ``x -> x W^T + b (+ c * offset)`` for every L2 strength of ``l2_grid``.
+    """Multinomial logistic regression ``x -> x W^T + b`` for every L2 strength of ``l2_grid``.
 
     Args:
         x_train, y_train: ``(n, D)`` features (already scaled) and labels of the fit.
         x_val, y_val: Those of the selection.
         num_classes: ``K``.
         l2_grid: The strengths tried (sorted strongest first internally).
-        offset_train, offset_val: Logits added to the linear map's with a fitted, unpenalised coefficient ``c``
-            (starting at 1; e.g. the averaging combiner's: the strongest penalty then gives that combiner, ``c = 0``
-            a plain logistic regression), or ``None``.
         max_iter: L-BFGS function evaluations per strength.
         tolerance: Stop when the largest gradient entry is below it.
         select: ``val_acc`` (validation accuracy, ties by cross-entropy) or ``val_loss`` (validation cross-entropy).
@@ -162,32 +148,28 @@ def fit_logistic(
     y_train, y_val = y_train.long(), y_val.long()
     weight = torch.zeros(num_classes, x_train.shape[1], requires_grad=True)
     bias = torch.zeros(num_classes, requires_grad=True)
-    scale = torch.ones((), requires_grad=True)
-    if offset_train is None:  # start from the class frequencies: the optimum of the strongest penalty is near it
-        counts = torch.bincount(y_train, minlength=num_classes).float() + 1.0
-        with torch.no_grad():
-            bias.copy_((counts / counts.sum()).log())
+    # start from the class frequencies: the optimum of the strongest penalty is near it
+    counts = torch.bincount(y_train, minlength=num_classes).float() + 1.0
+    with torch.no_grad():
+        bias.copy_((counts / counts.sum()).log())
     path, best = [], None
     for l2 in grid:
-        objective, evaluations, converged, finite = _solve(
-            x_train, y_train, weight, bias, scale, l2, offset_train, max_iter, tolerance
-        )
+        objective, evaluations, converged, finite = _solve(x_train, y_train, weight, bias, l2, max_iter, tolerance)
         if not math.isfinite(objective):
             raise ValueError(f"logistic regression diverged at L2 strength {l2:g}: are the features finite and scaled?")
-        val_acc, val_loss = _score(x_val, y_val, weight, bias, offset_val, scale)
+        val_acc, val_loss = _score(x_val, y_val, weight, bias)
         path.append(
             {
                 "l2": l2,
                 "val_acc": val_acc,
                 "val_loss": val_loss,
                 "train_loss": objective,
-                "offset_scale": float(scale.detach()) if offset_train is not None else None,
                 "iterations": evaluations,
                 "converged": converged,
             }
         )
         key = (val_acc, -val_loss) if select == "val_acc" else (-val_loss,)
         if best is None or key > best[0]:
-            best = (key, l2, weight.detach().clone(), bias.detach().clone(), float(scale.detach()), val_acc, val_loss)
-    _, l2, w, b, c, val_acc, val_loss = best
-    return LogisticFit(w, b, c, l2, val_acc, val_loss, path, time.perf_counter() - start)
+            best = (key, l2, weight.detach().clone(), bias.detach().clone(), val_acc, val_loss)
+    _, l2, w, b, val_acc, val_loss = best
+    return LogisticFit(w, b, l2, val_acc, val_loss, path, time.perf_counter() - start)

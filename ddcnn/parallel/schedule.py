@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ddcnn.settings.fit import num_batches
+
 __all__ = [
     "EVAL_WEIGHT",
     "Placement",
@@ -39,14 +41,9 @@ EVAL_WEIGHT = 1.0 / 3.0
 
 
 def train_samples_per_epoch(n_train: int, batch_size: int, limit_train_batches: int | float | None) -> int:
-    """Samples one training epoch visits, honouring Lightning's ``limit_train_batches`` (count or fraction)."""
-    batches = math.ceil(n_train / batch_size)
-    if limit_train_batches is None:
-        return n_train
-    if isinstance(limit_train_batches, float) and limit_train_batches <= 1.0:
-        batches = int(batches * limit_train_batches)
-    else:
-        batches = min(batches, int(limit_train_batches))
+    """Samples one training epoch visits under ``trainer.limit_train_batches`` (count or fraction), its batches
+    counted as the loop counts them (:func:`ddcnn.settings.fit.num_batches`)."""
+    batches = num_batches(math.ceil(n_train / batch_size), limit_train_batches, "trainer.limit_train_batches")
     return min(n_train, batches * batch_size)
 
 

@@ -69,12 +69,6 @@ class LocalStageFailed(RuntimeError):
         )
 
 
-def _check_indices(indices: list[int], num_subdomains: int, describe: str) -> None:
-    bad = [i for i in indices if not 0 <= i < num_subdomains]
-    if bad:
-        raise ValueError(f"subdomain {bad} does not exist: the {describe} has sub-domains 0..{num_subdomains - 1}.")
-
-
 def record_failure(run: RunDir, subdomain: int, text: str) -> Path:
     """Write the traceback of a failed local net to ``local/i/error.log`` (removed when it later succeeds)."""
     path = run.stage_dir("local", subdomain) / ERROR_LOG
@@ -98,14 +92,14 @@ def _train_one(ctx, subdomain: int, device: str, where: str) -> tuple[dict | Non
 def run_local_stage(ctx, indices: list[int], pool: _Pool | None = None) -> list[dict]:
     """Train local nets ``indices`` of ``ctx`` where the configuration and the environment say (see module doc).
 
-    ``pool``: workers :func:`start_workers_early` started before the data was loaded.
+    ``indices``: sub-domains of the decomposition (:func:`ddcnn.pipeline.train` refuses any other before it claims
+    the run directory). ``pool``: workers :func:`start_workers_early` started before the data was loaded.
 
     Returns:
         The metadata of the local nets this process trained or found finished (every one of ``indices``,
         except on ``srun`` ranks other than 0, which return their share).
     """
     settings = ctx.settings
-    _check_indices(indices, ctx.decomposition.num_subdomains, ctx.decomposition.describe())
     task = srun_task(settings.parallel.mode)
     if task is not None:
         # The tasks of this step on this node train side by side: their times say so (meta.json context).
@@ -160,11 +154,7 @@ def wait_for_local(
     """
     start = time.monotonic()
     while True:
-        missing = [
-            i
-            for i in indices
-            if not run.is_done("local", i) or (generation is not None and run.done_generation("local", i) != generation)
-        ]
+        missing = [i for i in indices if not run.is_done("local", i, generation)]
         if not missing:
             return
         failed = []
@@ -432,12 +422,8 @@ class _Pool:
 
 def _todo(settings: RunSettings, run: RunDir, indices: list[int]) -> list[int]:
     """The sub-domains of ``indices`` that must train (not done, or done in an earlier generation with force)."""
-    generation = run_generation(settings.run_generation)
-    return [
-        i
-        for i in dict.fromkeys(indices)
-        if not run.is_done("local", i) or (settings.force and run.done_generation("local", i) != generation)
-    ]
+    generation = run_generation(settings.run_generation) if settings.force else None
+    return [i for i in dict.fromkeys(indices) if not run.is_done("local", i, generation)]
 
 
 def _start_pool(settings: RunSettings, run_dir: Path, todo: list[int], data) -> _Pool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mean_probability", "majority_vote", "combine"]
+__all__ = ["mean_probability", "majority_vote"]
 
 
 def _check(probs: torch.Tensor) -> None:
@@ -39,12 +39,3 @@ def majority_vote(probs: torch.Tensor) -> torch.Tensor:
     tie_break = probs.double().sum(dim=1) / (probs.shape[1] + 1)
     score = torch.where(top, votes + tie_break, torch.full_like(votes, -1.0))
     return score.argmax(dim=-1)
-
-
-def combine(probs: torch.Tensor, method: str) -> torch.Tensor:
-    """Predicted classes of ``method`` in {"mean_prob", "majority_vote"}."""
-    if method == "mean_prob":
-        return mean_probability(probs)
-    if method == "majority_vote":
-        return majority_vote(probs)
-    raise ValueError(f"unknown combiner {method!r}; use 'mean_prob' or 'majority_vote'.")

@@ -226,11 +226,9 @@ def timing_contexts(contexts: dict[str, dict | None], reused: Mapping[str, dict]
         values = {}
         for stage, source in copied.items():
             values.setdefault(f"trained by {source.get('run_dir') or 'another run'}", []).append(stage)
-        values["trained in this run"] = [s for s in contexts if s not in copied]
+        if here := [s for s in contexts if s not in copied]:
+            values["trained in this run"] = here
         differences["reused"] = values
-    for field, values in differences.items():
-        known_values = {v: stages for v, stages in values.items() if stages}
-        differences[field] = known_values
     unknown = sorted(k for k, c in contexts.items() if not c)
     loads = {k: _excess_load(c) for k, c in contexts.items() if c}
     return {
@@ -858,14 +856,10 @@ def evaluate_run(run, decomposition, data, settings: RunSettings | None = None) 
     return results
 
 
-def _term(t: dict, term: str) -> float | None:
-    return t.get(term)
-
-
 def _sum(t: dict, terms: tuple[str, ...] | None) -> float | None:
     if terms is None:
         return None
-    values = [_term(t, term) for term in terms]
+    values = [t.get(term) for term in terms]
     return None if any(v is None for v in values) else float(sum(values))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddcnn.report.combiners import combine, majority_vote, mean_probability
+from ddcnn.report.combiners import majority_vote, mean_probability
 
 
 def test_mean_probability_can_disagree_with_the_vote():
@@ -26,10 +26,7 @@ def test_majority_vote_tie_goes_to_larger_summed_probability_then_smaller_index(
     assert majority_vote(probs).tolist() == [1, 0, 1]
 
 
-def test_combine_dispatch_and_errors():
+def test_a_combiner_refuses_probabilities_of_another_shape():
     probs = torch.softmax(torch.randn(5, 4, 3), -1)
-    assert torch.equal(combine(probs, "mean_prob"), mean_probability(probs))
-    with pytest.raises(ValueError, match="unknown combiner"):
-        combine(probs, "median")
     with pytest.raises(ValueError, match="samples, subdomains, classes"):
         majority_vote(probs[0])
