@@ -40,7 +40,7 @@ import numpy as np
 
 from ddcnn.io import atomic_write_text
 from ddcnn.report.results import METHODS, TIMING_RULE, method_rows
-from ddcnn.report.stats import PAIRS, paired_difference
+from ddcnn.report.stats import NO_VERDICT, PAIRS, paired_difference
 from ddcnn.rundir import NON_RESULT_KEYS, RunDir, flatten
 
 log = logging.getLogger(__name__)
@@ -485,7 +485,7 @@ def paired_markdown(rows: Sequence[Mapping]) -> str:
         spread = "" if r["std_points"] is None else f" ± {r['std_points']:.2f}"
         interval = "-" if r["ci_low_points"] is None else f"[{r['ci_low_points']:+.2f}, {r['ci_high_points']:+.2f}]"
         verdict = r["verdict"]
-        if r["baseline_converged"] == "unknown" and verdict != "n<2: no interval":
+        if r["baseline_converged"] == "unknown" and verdict not in NO_VERDICT:
             verdict += " (convergence unknown)"
         cells = [r["backbone"], r["grid"], r["overlap"], *([r["settings"]] if with_settings else [])]
         cells += [r["comparison"], str(r["n"]), f"{r['mean_points']:+.2f}{spread}", interval, verdict]
@@ -727,8 +727,8 @@ def write_report(
         "different contexts; `timing comparable` says in how many runs the load differed or a stage was reused from "
         "another run's training. Paired differences: test accuracy of the method minus the baseline's, paired by "
         "seed within a configuration, mean ± sample std, 95% t-interval and the verdict that follows it (better / "
-        "worse when the interval excludes 0, else within noise; n<2: no interval; baseline not converged: no verdict "
-        "against it).",
+        "worse when the interval excludes 0, else within noise; n<2: no interval; no spread: no interval where every "
+        "seed gave the same difference; baseline not converged: no verdict against it).",
         "",
     ]
     for dataset, rows in tables.items():

@@ -9,6 +9,9 @@ Over ``n`` seeds with differences ``d_1 .. d_n`` (mean ``m``, sample standard de
 - ``better`` / ``worse``: the interval lies above / below 0 (0 itself on the bound is ``within noise``);
 - ``within noise``: the interval holds 0;
 - ``n<2: no interval``: one seed says nothing about noise;
+- ``no spread: no interval``: every seed gave the same difference (``s = 0``, common with few seeds, since an
+  accuracy difference moves in steps of one test sample): the interval would have no width, and a zero spread
+  estimated from a few seeds is not the absence of noise;
 - ``baseline not converged``: the baseline of any seed did not converge; no verdict holds against it.
 """
 
@@ -23,6 +26,8 @@ __all__ = [
     "WORSE",
     "WITHIN_NOISE",
     "NO_INTERVAL",
+    "NO_SPREAD",
+    "NO_VERDICT",
     "BASELINE_NOT_CONVERGED",
     "t_quantile_975",
     "paired_difference",
@@ -39,6 +44,10 @@ PAIRS = (
 
 BETTER, WORSE, WITHIN_NOISE = "better", "worse", "within noise"
 NO_INTERVAL = "n<2: no interval"
+NO_SPREAD = "no spread: no interval"
+NO_VERDICT = (NO_INTERVAL, NO_SPREAD)
+# A sample std at or below this is 0: differences of accuracies (k / n each) that are equal but for float rounding.
+SPREAD_TOLERANCE = 1e-9  # the verdicts that say no interval could be computed
 BASELINE_NOT_CONVERGED = "baseline not converged"
 
 # Student's t quantile t(0.975, df) for df = 1..30 (any statistics table, e.g. NIST/SEMATECH e-Handbook 1.3.6.7.2).
@@ -115,7 +124,7 @@ def paired_difference(
 
     Returns:
         ``{"n", "mean", "std", "low", "high", "half_width", "verdict", "baseline_converged", "seeds"}``; ``std`` and the
-        interval are ``None`` for fewer than 2 differences.
+        interval are ``None`` for fewer than 2 differences, the interval also when they are all equal.
     """
     values = [float(d) for d in differences]
     n = len(values)
@@ -123,8 +132,11 @@ def paired_difference(
     std = low = high = half = None
     if n >= 2:
         std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-        half = t_quantile_975(n - 1) * std / math.sqrt(n)
-        low, high = mean - half, mean + half
+        if std <= SPREAD_TOLERANCE:  # equal differences, up to floating-point rounding
+            std = 0.0
+        else:
+            half = t_quantile_975(n - 1) * std / math.sqrt(n)
+            low, high = mean - half, mean + half
     return {
         "n": n,
         "mean": mean,
@@ -132,7 +144,9 @@ def paired_difference(
         "low": low,
         "high": high,
         "half_width": half,
-        "verdict": verdict(low, high, n, baseline_converged),
+        "verdict": NO_SPREAD
+        if std == 0 and baseline_converged is not False
+        else verdict(low, high, n, baseline_converged),
         "baseline_converged": baseline_converged,
         "seeds": list(seeds) if seeds is not None else None,
     }

@@ -11,6 +11,7 @@ from ddcnn.report.stats import (
     BASELINE_NOT_CONVERGED,
     BETTER,
     NO_INTERVAL,
+    NO_SPREAD,
     WITHIN_NOISE,
     WORSE,
     paired_difference,
@@ -59,3 +60,14 @@ def test_one_seed_has_no_interval_and_an_unconverged_baseline_no_verdict():
     # Convergence not recorded (runs of an older ddcnn): the interval's verdict, flagged as such by the reader.
     unknown = paired_difference([1.0, 1.2, 0.8, 1.1, 0.9], baseline_converged=None)
     assert unknown["verdict"] == BETTER and unknown["baseline_converged"] is None
+
+
+def test_equal_differences_give_no_interval_and_no_verdict():
+    """Two seeds that both gave +3.02 points (AdrenalMNIST3D, seeds 0 and 1 of the page) have a sample std of 0: a
+    t-interval of no width would call the difference better; there is no spread to judge noise from."""
+    same = paired_difference([3.02, 3.02])
+    assert same["verdict"] == NO_SPREAD and same["std"] == 0.0 and same["low"] is None and same["high"] is None
+    assert paired_difference([-0.5, -0.5, -0.5])["verdict"] == NO_SPREAD
+    rounded = [251 / 298 - 242 / 298, 249 / 298 - 240 / 298]  # 9 of 298 volumes twice, apart by float rounding
+    assert rounded[0] != rounded[1] and paired_difference(rounded)["verdict"] == NO_SPREAD
+    assert paired_difference([3.02, 3.02], baseline_converged=False)["verdict"] == BASELINE_NOT_CONVERGED
