@@ -82,7 +82,8 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
         "projected_time_s_by_devices" in json.loads((workdir / n / "results.json").read_text())
         for n in manifest["runs"]
     )
-    assert kinds == ["glance", "paired", "report", "auc"] + (["devices"] if projected else [])
+    # the paired differences over the two configurations (overlap 0 and 2) too
+    assert kinds == ["glance", "paired", "pooled", "report", "auc"] + (["devices"] if projected else [])
     # the runs' own clock: from the first run's start to the last one's end
     assert "| training dates | 2 runs trained from " in page
     # each run's snapshot carries where each of its trainings stopped, and its epochs
@@ -245,6 +246,56 @@ def test_the_glance_leads_carry_the_paired_interval_and_verdict_of_the_report_st
         assert cell.endswith(" (convergence unknown)")
     # one seed: no interval, no verdict
     assert results.lead_cell(results.paired_table(root, names[:1])[0]).endswith("(n<2: no interval)")
+
+
+def test_the_pooled_table_averages_each_seed_over_the_configurations_then_pairs_by_seed(results, tmp_path):
+    from ddcnn.report.stats import paired_difference
+
+    root, names = _committed_seeds(tmp_path, "mnist/2x2_o0")
+    other_root, other = _committed_seeds(tmp_path / "other", "mnist/4x4_o0")
+    for name in other:
+        shutil.copytree(other_root / name, root / name)
+    names += other
+    seeds = sorted(
+        {int(n.rsplit("_s", 1)[1]) for n in other} & {int(n.rsplit("_s", 1)[1]) for n in names[: -len(other)]}
+    )
+    if len(seeds) < 2:
+        pytest.skip("the committed page has fewer than 2 seeds holding both configurations")
+    for name in names:
+        _set_convergence(root, name, True)
+    # a seed holding only one configuration counts in the paired table but not here
+    lonely = [n for n in names if int(n.rsplit("_s", 1)[1]) not in seeds]
+
+    def accuracy(name: str) -> dict:
+        return json.loads((root / name / "results.json").read_text())["accuracy"]
+
+    lines = results.pooled_lines(root, names)
+    assert lines[0] == results.POOLED_HEAD
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:]}
+    assert "coarse DNN on logits − on probabilities" in rows  # the page's runs train both coarse inputs
+    for label, method, baseline in (
+        ("CNN-DNN − global CNN", "cnn_dnn", "global"),
+        ("coarse DNN on logits − on probabilities", "cnn_dnn_logits", "cnn_dnn_probs"),
+    ):
+        per_seed = [
+            sum(
+                100 * (accuracy(f"{c}_s{s}")[method] - accuracy(f"{c}_s{s}")[baseline])
+                for c in ("mnist/2x2_o0", "mnist/4x4_o0")
+            )
+            / 2
+            for s in seeds
+        ]
+        stats = paired_difference(per_seed, True)
+        assert rows[label].endswith(
+            f"| {len(seeds)} | 2 | {stats['mean']:+.2f} ± {stats['std']:.2f} "
+            f"| [{stats['low']:+.2f}, {stats['high']:+.2f}] | {stats['verdict']} |"
+        ), (rows[label], lonely)
+    # an unconverged global CNN in any seed: no verdict against it
+    _set_convergence(root, names[0], False)
+    (row,) = [line for line in results.pooled_lines(root, names) if "| CNN-DNN − global CNN |" in line]
+    assert row.endswith("| baseline not converged |")
+    # one configuration: the paired table is already the dataset's, no pooled table
+    assert results.pooled_lines(root, [n for n in names if n.startswith("mnist/2x2_o0")]) == []
 
 
 def test_check_fails_when_a_paired_line_of_the_committed_page_is_edited(results):

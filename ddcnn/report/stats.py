@@ -40,6 +40,8 @@ PAIRS = (
     ("CNN-DNN − global CNN", "cnn_dnn", "global", "global"),
     ("CNN-DNN − mean probability", "cnn_dnn", "mean_prob", "local"),
     ("global DDP − global CNN", "global_ddp", "global", "global"),
+    # where a run trained both coarse inputs (``coarse_alt``): the question of ``coarse.input``'s default
+    ("coarse DNN on logits − on probabilities", "cnn_dnn_logits", "cnn_dnn_probs", "local"),
 )
 
 BETTER, WORSE, WITHIN_NOISE = "better", "worse", "within noise"
