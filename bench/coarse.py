@@ -20,6 +20,7 @@ ResNet-50 3D 0.828).
     python bench/coarse.py --rows digits --seeds 5 --keep /tmp/coarse_runs
     python bench/coarse.py --rows mnist_2x2 --oof-folds 3   # with the cross-fitted coarse DNN (3 more nets/sub-domain)
     python bench/coarse.py --rows adrenal28 --seeds 5 --no-grid
+    python bench/coarse.py --rows mnist_fashion20 --no-grid  # 400 images, 20 classes (an image folder it builds)
 
 Accuracy does not depend on the machine's load; the times do (run quiet for them). Reuses finished run directories
 under ``--keep`` (a rerun only fills in what is missing).
@@ -51,7 +52,17 @@ ROWS = {
     **SHARED_ROWS,
     "fmnist_2x2": ["data=fashion_mnist", "data.train_subset=10000", "trainer.max_epochs=2"],
     "adrenal28": ["experiment=adrenal3d"],
+    # a few hundred images of tens of classes (the faces recipe, docs/protocol.md section 6): an image folder of 20
+    # classes, 20 images each, built from MNIST (d0..d9) and Fashion-MNIST (f0..f9) by _mnist_fashion20
+    "mnist_fashion20": [
+        "experiment=faces",
+        "methods=default",
+        "data.name=mnist_fashion20",
+        "data.num_classes=auto",
+        "data.image_size=[28,28]",
+    ],
 }
+FOLDER_ROWS = {"mnist_fashion20"}
 COMMON = ["trainer.enable_progress_bar=false", "report.plots=false", "report.export=false"]
 # Columns: results.json method key -> label.
 METHOD_LABELS = {
@@ -80,6 +91,33 @@ FORMER = [
 MEDMNIST_3D_AUC = {"ResNet-18 (3D)": 0.827, "ResNet-50 (3D)": 0.828}
 
 
+def _mnist_fashion20(root: Path, per_class: int = 20) -> Path:
+    """The image folder of row ``mnist_fashion20`` under ``root`` (built once): ``<class>/<n>.png``, 28x28 grey, the
+    first ``per_class`` training images of each class of MNIST (d0..d9) and Fashion-MNIST (f0..f9) in a permutation
+    drawn with seed 0."""
+    import numpy as np
+    from PIL import Image
+
+    folder, done = root / "mnist_fashion20_images", root / "mnist_fashion20_images.done"
+    if done.is_file():
+        return folder
+    for name, prefix in (("mnist.npz", "d"), ("fashion_mnist.npz", "f")):
+        with np.load(Path(os.environ["DDCNN_DATA"]) / name) as arrays:
+            x, y = arrays["x_train"], arrays["y_train"]
+        order = np.random.default_rng(0).permutation(len(y))
+        for c in range(10):
+            (folder / f"{prefix}{c}").mkdir(parents=True, exist_ok=True)
+            for n, i in enumerate(order[y[order] == c][:per_class]):
+                Image.fromarray(x[i], mode="L").save(folder / f"{prefix}{c}" / f"{n}.png")
+    done.touch()
+    return folder
+
+
+def _row(row: str, keep: Path) -> list[str]:
+    """The overrides of ``row``; an image-folder row's folder is built under ``keep`` and named by ``data.root``."""
+    return [*ROWS[row], f"data.root={_mnist_fashion20(keep)}"] if row in FOLDER_ROWS else ROWS[row]
+
+
 def run_row(row: str, seed: int, run_dir: Path, oof_folds: int, extra: list[str]) -> dict:
     """One ``ddcnn-train`` run (skipped when ``run_dir`` already holds its results); its ``results.json``."""
     results = run_dir / "results.json"
@@ -88,7 +126,7 @@ def run_row(row: str, seed: int, run_dir: Path, oof_folds: int, extra: list[str]
         methods += ["methods.enabled.coarse_oof=true", f"methods.local_oof.folds={oof_folds}"]
     if not results.is_file() or (oof_folds and not (run_dir / "coarse_oof" / "done").is_file()):
         stage = [] if not results.is_file() else ["stage=all"]
-        cmd = [*TRAIN, *ROWS[row], *COMMON, *methods, *extra, *stage]
+        cmd = [*TRAIN, *_row(row, run_dir.parent), *COMMON, *methods, *extra, *stage]
         cmd += [f"seed={seed}", f"hydra.run.dir={run_dir}"]
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True)
@@ -113,7 +151,7 @@ def _former_recipe(run_dir: Path, row: str, seed: int, extra: list[str]) -> tupl
     from ddcnn.context import build_coarse_net, build_context
     from ddcnn.stages.coarse import coarse_inputs, fit_coarse
 
-    cfg = config([*ROWS[row], *COMMON, *extra, *FORMER, f"seed={seed}"], run_dir)
+    cfg = config([*_row(row, run_dir.parent), *COMMON, *extra, *FORMER, f"seed={seed}"], run_dir)
     ctx = build_context(cfg, run_dir, claim=False)
     x, y = coarse_inputs(ctx, "probs")
     torch.manual_seed(seed)
@@ -139,7 +177,7 @@ def report_row(row: str, seeds: list[int], keep: Path, oof_folds: int, extra: li
     acc: dict[str, list[float]] = {k: [] for k in METHOD_LABELS}
     nll: dict[str, list[float]] = {k: [] for k in METHOD_LABELS}
     auc: dict[str, list[float]] = {k: [] for k in METHOD_LABELS}
-    equal, coarse_s, flags = [], [], []
+    equal, coarse_s, flags, local_unconverged = [], [], [], []
     stages = {"cnn_dnn_probs": "coarse", "cnn_dnn_logits": "coarse_alt", "cnn_dnn_val": "coarse_val"}
     stages |= {"cnn_dnn_oof": "coarse_oof", "stacker": "stacker", "global": "global"}
     for seed in seeds:
@@ -160,6 +198,8 @@ def report_row(row: str, seeds: list[int], keep: Path, oof_folds: int, extra: li
             equal.append(e)
         coarse_s.append(results["time_s"].get("coarse"))
         flags += [f"seed {seed}: {f['message']}" for f in results.get("flags") or []]
+        if any(net.get("converged") is False for net in (results.get("convergence") or {}).get("local") or []):
+            local_unconverged.append(seed)
     crossfit = f" with {oof_folds}-fold cross-fitting" if oof_folds else ""
     print(f"\n## {row} ({len(seeds)} seeds: {seeds}){crossfit}")
     print("| method | test accuracy | test NLL | AUC |")
@@ -176,6 +216,19 @@ def report_row(row: str, seeds: list[int], keep: Path, oof_folds: int, extra: li
     )
     if acc["global"]:
         print(f"- distance to the global CNN: {100 * (default - mean(acc['global'])):+.2f} points")
+    if len(acc["cnn_dnn_logits"]) == len(acc["cnn_dnn_probs"]) > 0:
+        from ddcnn.report.stats import paired_difference
+
+        diffs = [100 * (a - b) for a, b in zip(acc["cnn_dnn_logits"], acc["cnn_dnn_probs"], strict=True)]
+        # both inputs come from the same local nets: the verdict is withheld where any seed's did not converge
+        stats = paired_difference(diffs, not local_unconverged)
+        interval = "" if stats["low"] is None else f" [{stats['low']:+.2f}, {stats['high']:+.2f}]"
+        print(
+            f"- coarse DNN on logits − on probabilities, paired by seed: {stats['mean']:+.2f}{interval} points, "
+            f"{stats['verdict']} (per seed: {[round(d, 2) for d in diffs]}"
+            + (f"; local nets not converged in seeds {local_unconverged}" if local_unconverged else "")
+            + ")"
+        )
     if acc["cnn_dnn_oof"]:
         diff = [a - b for a, b in zip(acc["cnn_dnn_oof"], acc["cnn_dnn_probs"], strict=False)]
         per_seed = [round(100 * d, 2) for d in diff]
