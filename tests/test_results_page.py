@@ -358,6 +358,15 @@ def test_the_committed_results_page_is_what_its_runs_wrote(results):
     readme = (REPO / "README.md").read_text()
     _, block = readme.split(results._markers("summary")[0])
     assert block.split(results._markers("summary")[1])[0].strip()
+    # each summary row's seeds are those its differences pair (rows of an interim page hold different seeds)
+    rows = [line.split(" | ") for line in block.split(results._markers("summary")[1])[0].splitlines()]
+    paired = {}
+    for name, runs in results._by_dataset(manifest).items():
+        for row in results.paired_table(docs / "results" / "runs", runs):
+            if row["comparison"] == "CNN-DNN − global CNN":
+                paired[name, f"{row['grid']}, {row['overlap']}"] = str(row["n"])
+    summary = [r for r in rows if len(r) == 5 and r[1].isdigit()]
+    assert summary and all(r[1] == paired[r[0].lstrip("| "), r[2]] for r in summary)
 
 
 def test_tiny_mode_never_writes_into_docs(results, capsys):
