@@ -600,7 +600,7 @@ def pooled_lines(root: Path, names: list[str]) -> list[str]:
     dataset where the paired table has one per configuration (section 5 of the protocol). Only seeds that hold every
     configuration count; a seed's first run counts where it has several. Empty where the runs hold fewer than two
     configurations (the paired table is already the dataset's)."""
-    from ddcnn.report.stats import PAIRS, paired_difference
+    from ddcnn.report.stats import PAIRS, all_converged, paired_difference
 
     runs = sorted(_load_runs(root, names), key=lambda r: str(r.path))
     lines = []
@@ -618,8 +618,8 @@ def pooled_lines(root: Path, names: list[str]) -> list[str]:
         seeds = sorted(seed for seed, diffs in per_seed.items() if set(diffs) == configs)
         if len(configs) < 2 or not seeds:
             continue
-        converged = False if False in states else (None if None in states else True)
-        stats = paired_difference([sum(per_seed[s].values()) / len(configs) for s in seeds], converged, seeds)
+        means = [sum(per_seed[s].values()) / len(configs) for s in seeds]
+        stats = paired_difference(means, all_converged(states), seeds)
         spread = f"{stats['mean']:+.2f}" + ("" if stats["std"] is None else f" ± {stats['std']:.2f}")
         interval = "-" if stats["low"] is None else f"[{stats['low']:+.2f}, {stats['high']:+.2f}]"
         cells = [what, str(stats["n"]), str(len(configs)), spread, interval, stats["verdict"]]

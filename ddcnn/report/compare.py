@@ -40,7 +40,7 @@ import numpy as np
 
 from ddcnn.io import atomic_write_text
 from ddcnn.report.results import METHODS, TIMING_RULE, method_rows
-from ddcnn.report.stats import NO_VERDICT, PAIRS, paired_difference
+from ddcnn.report.stats import NO_VERDICT, PAIRS, all_converged, paired_difference
 from ddcnn.rundir import NON_RESULT_KEYS, RunDir, flatten
 
 log = logging.getLogger(__name__)
@@ -175,10 +175,7 @@ class Run:
         ``None`` when not recorded."""
         record = (self.results.get("convergence") or {}).get(training)
         records = record if isinstance(record, list) else [record] if record else []
-        values = [r.get("converged") for r in records]
-        if False in values:
-            return False
-        return None if not values or None in values else True
+        return all_converged([r.get("converged") for r in records]) if records else None
 
     @property
     def grid_label(self) -> str:
@@ -452,8 +449,7 @@ def paired_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, li
                 if not pairs:
                     continue
                 diffs = [100 * (r.results["accuracy"][method] - r.results["accuracy"][baseline]) for _, r in pairs]
-                states = [r.converged(training) for _, r in pairs]
-                converged = False if False in states else (None if None in states else True)
+                converged = all_converged([r.converged(training) for _, r in pairs])
                 stats = paired_difference(diffs, converged, [seed for seed, _ in pairs])
                 rows.append(
                     {

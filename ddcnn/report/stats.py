@@ -32,6 +32,7 @@ __all__ = [
     "t_quantile_975",
     "paired_difference",
     "verdict",
+    "all_converged",
 ]
 
 # The paired differences of the protocol: (label, method, baseline, the training whose convergence the baseline's is:
@@ -102,6 +103,12 @@ def t_quantile_975(df: int) -> float:
             return lo_t + x * (hi_t - lo_t)
         lo_df, lo_t = hi_df, hi_t
     return 1.960
+
+
+def all_converged(states: Sequence[bool | None]) -> bool | None:
+    """The convergence of a baseline over seeds: ``False`` if any seed's did not converge, else ``None`` if any seed's
+    is not recorded, else ``True`` (the ``baseline_converged`` that :func:`verdict` takes)."""
+    return False if False in states else (None if None in states else True)
 
 
 def verdict(low: float | None, high: float | None, n: int, baseline_converged: bool | None = True) -> str:

@@ -14,6 +14,7 @@ from ddcnn.report.stats import (
     NO_SPREAD,
     WITHIN_NOISE,
     WORSE,
+    all_converged,
     paired_difference,
     t_quantile_975,
     verdict,
@@ -60,6 +61,9 @@ def test_one_seed_has_no_interval_and_an_unconverged_baseline_no_verdict():
     # Convergence not recorded (runs of an older ddcnn): the interval's verdict, flagged as such by the reader.
     unknown = paired_difference([1.0, 1.2, 0.8, 1.1, 0.9], baseline_converged=None)
     assert unknown["verdict"] == BETTER and unknown["baseline_converged"] is None
+    # Over seeds: one unconverged seed withholds the verdict even where another's convergence is not recorded.
+    assert all_converged([True, None, False]) is False and all_converged([True, None]) is None
+    assert all_converged([True, True]) is True
 
 
 def test_equal_differences_give_no_interval_and_no_verdict():
