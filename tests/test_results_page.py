@@ -365,7 +365,7 @@ def test_the_committed_results_page_is_what_its_runs_wrote(results):
         for row in results.paired_table(docs / "results" / "runs", runs):
             if row["comparison"] == "CNN-DNN − global CNN":
                 paired[name, f"{row['grid']}, {row['overlap']}"] = str(row["n"])
-    summary = [r for r in rows if len(r) == 5 and r[1].isdigit()]
+    summary = [r for r in rows if len(r) == 6 and r[1].isdigit()]
     assert summary and all(r[1] == paired[r[0].lstrip("| "), r[2]] for r in summary)
 
 
