@@ -594,16 +594,17 @@ POOLED_HEAD = (
 )
 
 
-def pooled_lines(root: Path, names: list[str]) -> list[str]:
+def pooled_rows(root: Path, names: list[str]) -> list[dict]:
     """Per comparison of :data:`ddcnn.report.stats.PAIRS`, the dataset's difference averaged over its configurations
     (backbone, grid, overlap) within each seed, then paired by seed as the paired table is: one interval for the
     dataset where the paired table has one per configuration (section 5 of the protocol). Only seeds that hold every
     configuration count; a seed's first run counts where it has several. Empty where the runs hold fewer than two
-    configurations (the paired table is already the dataset's)."""
+    configurations (the paired table is already the dataset's). Rows keyed as :func:`paired_table`'s, with
+    ``configurations``."""
     from ddcnn.report.stats import PAIRS, all_converged, paired_difference
 
     runs = sorted(_load_runs(root, names), key=lambda r: str(r.path))
-    lines = []
+    rows = []
     for what, method, baseline, training in PAIRS:
         per_seed: dict[int, dict[tuple, float]] = {}
         states = []
@@ -618,11 +619,34 @@ def pooled_lines(root: Path, names: list[str]) -> list[str]:
         seeds = sorted(seed for seed, diffs in per_seed.items() if set(diffs) == configs)
         if len(configs) < 2 or not seeds:
             continue
-        means = [sum(per_seed[s].values()) / len(configs) for s in seeds]
-        stats = paired_difference(means, all_converged(states), seeds)
-        spread = f"{stats['mean']:+.2f}" + ("" if stats["std"] is None else f" ± {stats['std']:.2f}")
-        interval = "-" if stats["low"] is None else f"[{stats['low']:+.2f}, {stats['high']:+.2f}]"
-        cells = [what, str(stats["n"]), str(len(configs)), spread, interval, stats["verdict"]]
+        converged = all_converged(states)
+        stats = paired_difference([sum(per_seed[s].values()) / len(configs) for s in seeds], converged, seeds)
+        rows.append(
+            {
+                "comparison": what,
+                "method_key": method,
+                "baseline_key": baseline,
+                "configurations": len(configs),
+                "n": stats["n"],
+                "mean_points": stats["mean"],
+                "std_points": stats["std"],
+                "ci_low_points": stats["low"],
+                "ci_high_points": stats["high"],
+                "verdict": stats["verdict"],
+                "baseline_converged": {True: "yes", False: "no", None: "unknown"}[converged],
+            }
+        )
+    return rows
+
+
+def pooled_lines(root: Path, names: list[str]) -> list[str]:
+    """The page's table of :func:`pooled_rows` (empty without rows)."""
+    lines = []
+    for row in pooled_rows(root, names):
+        spread = f"{row['mean_points']:+.2f}" + ("" if row["std_points"] is None else f" ± {row['std_points']:.2f}")
+        low, high = row["ci_low_points"], row["ci_high_points"]
+        interval = "-" if low is None else f"[{low:+.2f}, {high:+.2f}]"
+        cells = [row["comparison"], str(row["n"]), str(row["configurations"]), spread, interval, row["verdict"]]
         lines.append("| " + " | ".join(cells) + " |")
     return [POOLED_HEAD, "|" + "---|" * (POOLED_HEAD.count("|") - 1), *lines] if lines else []
 
@@ -1125,7 +1149,12 @@ def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
 # --- generated blocks of the docs, and the cost estimate -----------------------------------------------------------
 # Markdown files (and this script's docstring) whose description of the page is generated from its runs: the text
 # between the markers is written by the page's invocation and by --write, and compared by --check.
-BLOCKS = (("README.md", "summary"), ("docs/methods.md", "recipe"), ("experiments/results.py", "estimate"))
+BLOCKS = (
+    ("README.md", "summary"),
+    ("docs/methods.md", "recipe"),
+    ("docs/coarse.md", "coarse_input"),
+    ("experiments/results.py", "estimate"),
+)
 CPU_BUDGET_S = 10 * 3600  # what the page may cost (issue 31)
 
 
@@ -1184,6 +1213,49 @@ def summary_block(manifest: dict, root: Path) -> list[str]:
                 f"| {_dataset_of(group[0])} | {seeds[grid, overlap]} | {grid}, {overlap} | {by.get('global', '-')} | "
                 f"{by.get('mean_prob', '-')} | {by.get('inputs', '-')} |"
             )
+    return lines
+
+
+INPUTS_PAIR = ("cnn_dnn_logits", "cnn_dnn_probs")  # the comparison that decides coarse.input (protocol section 6)
+
+
+def coarse_input_block(manifest: dict, root: Path) -> list[str]:
+    """docs/coarse.md's lines on the evidence of the committed page for ``coarse.input``: per dataset the coarse DNN on
+    logits minus on probabilities over its configurations (:func:`pooled_rows`; a dataset of one configuration: its
+    row) and the verdicts of its rows, and the first two criteria of section 6 of docs/protocol.md as they hold."""
+    lines = [
+        "The committed results page: the coarse DNN on the local logits minus on the local probabilities, in "
+        "test-accuracy points paired by seed (the mean, its 95% interval and verdict), over each dataset's "
+        "configurations and per configuration (its rows).",
+        "",
+        "| dataset | seeds | over its configurations | rows better / within noise / worse | lowest row |",
+        "|---|---|---|---|---|",
+    ]
+    two_d_better, worse = True, []
+    for name, group in _by_dataset(manifest).items():
+        rows = [r for r in paired_table(root, group) if (r["method_key"], r["baseline_key"]) == INPUTS_PAIR]
+        if not rows:
+            continue
+        pooled = [r for r in pooled_rows(root, group) if (r["method_key"], r["baseline_key"]) == INPUTS_PAIR]
+        overall = pooled[0] if pooled else (rows[0] if len(rows) == 1 else None)
+        if len(rows[0]["grid"].split("x")) == 2 and (overall is None or overall["verdict"] != "better"):
+            two_d_better = False
+        counts = [sum(r["verdict"] == v for r in rows) for v in ("better", "within noise", "worse")]
+        worse += [f"{name} {r['grid']}, {r['overlap']}" for r in rows if r["verdict"] == "worse"]
+        lowest = min(rows, key=lambda r: r["mean_points"])
+        lines.append(
+            f"| {name} | {max(r['n'] for r in rows)} | {lead_cell(overall)} | {' / '.join(map(str, counts))} | "
+            f"{lowest['grid']}, {lowest['overlap']}: {lead_cell(lowest)} |"
+        )
+    lines += [
+        "",
+        "Section 6 of docs/protocol.md on these runs: (1) better over the configurations of every 2D dataset: "
+        + ("met" if two_d_better else "not met")
+        + "; (2) no row worse: "
+        + ("met" if not worse else f"not met ({', '.join(worse)})")
+        + ". Criterion (3), a few hundred images with tens of classes, is the row `mnist_fashion20` of the table "
+        "below.",
+    ]
     return lines
 
 
@@ -1302,7 +1374,8 @@ def estimate_block(manifest: dict, root: Path) -> list[str]:
 def _generated(name: str, manifest: dict, root: Path) -> list[str]:
     """The lines of block ``name``, wrapped at the docs' 120 columns (a list item's continuation indented; table rows
     and blank lines as they are)."""
-    lines = {"summary": summary_block, "recipe": recipe_block, "estimate": estimate_block}[name](manifest, root)
+    blocks = {"summary": summary_block, "recipe": recipe_block, "coarse_input": coarse_input_block}
+    lines = {**blocks, "estimate": estimate_block}[name](manifest, root)
     wrapped = []
     for line in lines:
         if not line or line.startswith("|"):

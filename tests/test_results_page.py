@@ -248,6 +248,34 @@ def test_the_glance_leads_carry_the_paired_interval_and_verdict_of_the_report_st
     assert results.lead_cell(results.paired_table(root, names[:1])[0]).endswith("(n<2: no interval)")
 
 
+def test_the_coarse_input_block_states_protocol_section_6_as_the_runs_give_it(results, tmp_path):
+    """docs/coarse.md's block on coarse.input's default, from real runs of two configurations: it says whether the
+    criteria of section 6 hold, and says "not met" once a row is worse."""
+    root, names = _committed_seeds(tmp_path, "mnist/2x2_o0")
+    other_root, other = _committed_seeds(tmp_path / "other", "mnist/4x4_o0")
+    for name in other:
+        shutil.copytree(other_root / name, root / name)
+    manifest = {"runs": {name: {} for name in [*names, *other]}}
+
+    def block() -> str:
+        return "\n".join(results.coarse_input_block(manifest, root))
+
+    text = block()
+    row = next(line for line in text.splitlines() if line.startswith("| mnist |"))
+    pooled = next(r for r in results.pooled_rows(root, [*names, *other]) if r["method_key"] == "cnn_dnn_logits")
+    assert row.startswith(f"| mnist | {len(names)} | {results.lead_cell(pooled)} |")
+    better = pooled["verdict"] == "better"
+    assert ("(1) better over the configurations of every 2D dataset: " + ("met" if better else "not met")) in text
+    # logits 3 points below probabilities in every seed of 2x2/0: that row is worse, and criterion (2) fails
+    for name in names:
+        path = root / name / "results.json"
+        data = json.loads(path.read_text())
+        seed = int(name.rsplit("_s", 1)[1])
+        data["accuracy"]["cnn_dnn_logits"] = data["accuracy"]["cnn_dnn_probs"] - 0.03 - 0.002 * seed  # with a spread
+        path.write_text(json.dumps(data))
+    assert "(2) no row worse: not met (mnist 2x2, 0)" in block()
+
+
 def test_the_pooled_table_averages_each_seed_over_the_configurations_then_pairs_by_seed(results, tmp_path):
     from ddcnn.report.stats import paired_difference
 
