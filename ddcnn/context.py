@@ -495,7 +495,7 @@ def assemble_cnn_dnn(ctx: Context) -> CNNDNN:
         net = build_local_net(ctx.settings, ctx.data, weights=False)  # its trained weights follow
         net.load_state_dict(torch.load(ctx.run.stage_dir("local", i) / "net.pt", weights_only=True))
         nets.append(net)
-    kind = str(ctx.run.meta("coarse").get("input") or ctx.settings.coarse.input)
+    kind = str(ctx.run.meta("coarse").get("input", "probs"))  # recorded by every coarse stage since the setting existed
     coarse = build_coarse_net(ctx.settings.coarse, n, ctx.data.num_classes, spec=finished_coarse_spec(ctx))
     coarse.load_state_dict(torch.load(ctx.run.stage_dir("coarse") / "net.pt", weights_only=True))
     model = CNNDNN(ctx.decomposition, nets, coarse, kind)

@@ -221,7 +221,7 @@ def _metadata(ctx, model_results: dict | None = None) -> dict:
             "sub_shape": list(dec.sub_shape),
             "num_subdomains": dec.num_subdomains,
         },
-        "coarse_input": settings.coarse.input,
+        "coarse_input": str(ctx.run.meta("coarse").get("input", "probs")),  # what it was trained on (an older default)
         "model": _model_name(settings),
         "data": data.name,
         "run_dir": str(Path(ctx.run.root).resolve()),

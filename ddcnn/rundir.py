@@ -142,6 +142,9 @@ CHANGED_DEFAULTS: dict[str, tuple[Any, Any]] = {
     # The image-folder source reads data.in_channels channels (auto: those of the images); a run recorded with
     # grayscale=true recorded data.in_channels=1 too, which the resolved count must match.
     "data.source.grayscale": (True, None),
+    # Decided by the results page (docs/protocol.md section 6). A finished coarse stage keeps its input (its meta.json
+    # records it, and the evaluation reads it from there); coarse_alt then trains the other one.
+    "coarse.input": ("probs", "logits"),
 }
 
 

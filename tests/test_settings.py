@@ -229,16 +229,22 @@ def test_the_only_defaults_in_code_are_those_the_yaml_cannot_hold():
 @pytest.mark.parametrize("name", ["default", "mnist_4x4", "methods"])
 def test_a_run_directory_written_before_the_settings_existed_stays_valid(name, tmp_path):
     """``fingerprint.json`` as ddcnn wrote it at 8de1352 (before RunSettings; tests/fixtures/fingerprints_8de1352.json):
-    today's entry computes the same fingerprint from the same command line and claims the directory to resume it."""
+    today's entry computes the same fingerprint from the same command line with that time's ``coarse.input`` default
+    (probs), and claims the directory to resume it from the same command line under today's default (logits)."""
     import json
 
-    from ddcnn.rundir import RunDir
+    from ddcnn.rundir import CHANGED_DEFAULTS, RunDir
 
     recorded = json.loads((Path(__file__).parent / "fixtures" / "fingerprints_8de1352.json").read_text())[name]
     (tmp_path / "fingerprint.json").write_text(json.dumps({k: recorded[k] for k in ("fingerprint", "settings")}))
-    cfg = compose(recorded["overrides"], run_dir=str(tmp_path))
-    identity = RunSettings.from_config(cfg).identity()
+    then = compose([*recorded["overrides"], "coarse.input=probs"], run_dir=str(tmp_path))
+    identity = RunSettings.from_config(then).identity()
     assert identity.settings == recorded["settings"] and identity.fingerprint == recorded["fingerprint"]
-    assert identity.config_yaml == OmegaConf.to_yaml(cfg, resolve=True)  # config.yaml as it was written then
+    assert identity.config_yaml == OmegaConf.to_yaml(then, resolve=True)  # config.yaml as it was written then
     assert RunDir(tmp_path).claim(identity) == recorded["fingerprint"]
-    assert RunDir(tmp_path).claim(RunSettings.from_config(cfg).identity()) == recorded["fingerprint"]
+    cfg = compose(recorded["overrides"], run_dir=str(tmp_path))
+    today = RunSettings.from_config(cfg).identity()
+    assert today.settings["coarse"]["input"] == CHANGED_DEFAULTS["coarse.input"][1]
+    assert {**today.settings, "coarse": {**today.settings["coarse"], "input": "probs"}} == recorded["settings"]
+    assert RunDir(tmp_path).claim(today) == today.fingerprint != recorded["fingerprint"]
+    assert json.loads((tmp_path / "fingerprint.json").read_text())["fingerprint"] == recorded["fingerprint"]

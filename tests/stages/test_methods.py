@@ -131,13 +131,13 @@ def test_every_optional_stage_writes_its_artifacts_and_results_rows(finished):
         for name in names:
             assert (folder / name).is_file(), f"{folder / name} missing"
         assert run.meta(stage)["time_s"] > 0
-    assert run.meta("coarse_alt")["input"] == "logits"
+    assert run.meta("coarse_alt")["input"] == "probs"
     saved = json.loads((run.root / "results.json").read_text())
     assert saved["accuracy"] == results["accuracy"]
     for key in ("global", "cnn_dnn", "mean_prob", "majority_vote", *METHODS):
         assert 0.0 <= saved["accuracy"][key] <= 1.0, key
     assert [row["key"] for row in saved["methods"]] == list(METHODS)
-    assert saved["accuracy"]["cnn_dnn_probs"] == saved["accuracy"]["cnn_dnn"]  # coarse.input=probs: the main one
+    assert saved["accuracy"]["cnn_dnn_logits"] == saved["accuracy"]["cnn_dnn"]  # coarse.input=logits: the main one
     rows = {row["key"]: row for row in saved["methods"]}
     t = saved["time_s"]
     assert rows["transfer"]["sequential_time_s"] == pytest.approx(t["local_total"] + t["coarse"] + t["transfer"])
@@ -164,6 +164,22 @@ def test_finished_optional_stage_is_skipped(finished):
     meta = train(cfg)["transfer"]
     assert (run.stage_dir("transfer") / "done").stat().st_mtime_ns == stamp
     assert meta == run.meta("transfer")
+
+
+def test_a_run_of_the_old_coarse_input_default_resumes_with_its_coarse_dnn_on_probabilities(tmp_path):
+    """A run directory written when probabilities were the default (its coarse DNN finished on them) resumed with the
+    same command line under today's default: nothing finished is retrained, the CNN-DNN stays the coarse DNN on
+    probabilities, and coarse_alt trains the other input, logits (not probabilities a second time)."""
+    grid = ["decomposition.grid=[1,2]", "methods.enabled.coarse_alt=false", "methods.enabled.stacker=false"]
+    grid += ["methods.enabled.coarse_val=false", "++report.plots=false", "++report.export=false"]
+    train(compose_config([*grid, "coarse.input=probs"], tmp_path))
+    run = RunDir(tmp_path)
+    stamp = (run.stage_dir("coarse") / "done").stat().st_mtime_ns
+    results = train(compose_config(grid[:1], tmp_path))
+    assert (run.stage_dir("coarse") / "done").stat().st_mtime_ns == stamp
+    assert run.meta("coarse")["input"] == "probs" and run.meta("coarse_alt")["input"] == "logits"
+    assert results["coarse_input"] == {"coarse": "probs", "coarse_alt": "logits"}
+    assert results["accuracy"]["cnn_dnn"] == results["accuracy"]["cnn_dnn_probs"]
 
 
 def test_default_run_enables_only_the_cheap_combiners():
