@@ -213,7 +213,8 @@ def recipe(args: argparse.Namespace) -> list[str]:
 def plan(args: argparse.Namespace) -> list[Dataset]:
     """The datasets of the page (``--tiny``: one small dataset, one epoch, the default methods)."""
     if args.tiny:
-        tiny = ["data=digits", "model=vgg_tiny", *recipe(args), "methods=default", "report.plots=false"]
+        tiny = ["data=digits", "model=vgg_tiny", *recipe(args), "methods=default", "coarse.input=probs"]
+        tiny += ["report.plots=false"]
         tiny += ["methods.enabled.coarse_alt=false", "methods.enabled.coarse_val=false", "report.curves.enabled=false"]
         tiny += [f"data.val_target_fraction={args.val_target_fraction}"] if args.val_target_fraction else []
         if args.train_subset:
