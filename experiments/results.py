@@ -602,6 +602,7 @@ def pooled_rows(root: Path, names: list[str]) -> list[dict]:
     configuration count; a seed's first run counts where it has several. Empty where the runs hold fewer than two
     configurations (the paired table is already the dataset's). Rows keyed as :func:`paired_table`'s, with
     ``configurations``."""
+    from ddcnn.report.compare import paired_columns
     from ddcnn.report.stats import PAIRS, all_converged, paired_difference
 
     runs = sorted(_load_runs(root, names), key=lambda r: str(r.path))
@@ -620,23 +621,9 @@ def pooled_rows(root: Path, names: list[str]) -> list[dict]:
         seeds = sorted(seed for seed, diffs in per_seed.items() if set(diffs) == configs)
         if len(configs) < 2 or not seeds:
             continue
-        converged = all_converged(states)
-        stats = paired_difference([sum(per_seed[s].values()) / len(configs) for s in seeds], converged, seeds)
-        rows.append(
-            {
-                "comparison": what,
-                "method_key": method,
-                "baseline_key": baseline,
-                "configurations": len(configs),
-                "n": stats["n"],
-                "mean_points": stats["mean"],
-                "std_points": stats["std"],
-                "ci_low_points": stats["low"],
-                "ci_high_points": stats["high"],
-                "verdict": stats["verdict"],
-                "baseline_converged": {True: "yes", False: "no", None: "unknown"}[converged],
-            }
-        )
+        means = [sum(per_seed[s].values()) / len(configs) for s in seeds]
+        stats = paired_difference(means, all_converged(states), seeds)
+        rows.append({**paired_columns(what, method, baseline, stats), "configurations": len(configs)})
     return rows
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "load_baseline_rows",
     "comparison_rows",
     "paired_rows",
+    "paired_columns",
     "paired_markdown",
     "table_markdown",
     "write_report",
@@ -425,6 +426,25 @@ def _config_columns(dataset: str, key: tuple) -> dict[str, Any]:
     return dict(zip(_CONFIG_COLUMNS, (dataset, backbone, grid, n, overlap, label), strict=True))
 
 
+def paired_columns(what: str, method: str, baseline: str, stats: Mapping) -> dict[str, Any]:
+    """The columns of one paired difference (a comparison of :data:`ddcnn.report.stats.PAIRS` and its
+    :func:`ddcnn.report.stats.paired_difference`), in points, as :func:`paired_rows` and the results page write them."""
+    converged = stats["baseline_converged"]
+    return {
+        "comparison": what,
+        "method_key": method,
+        "baseline_key": baseline,
+        "n": stats["n"],
+        "seeds": " ".join(str(seed) for seed in stats["seeds"] or ()),
+        "mean_points": stats["mean"],
+        "std_points": stats["std"],
+        "ci_low_points": stats["low"],
+        "ci_high_points": stats["high"],
+        "verdict": stats["verdict"],
+        "baseline_converged": {True: "yes", False: "no", None: "unknown"}[converged],
+    }
+
+
 def paired_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, list[dict]]:
     """Per dataset, the paired differences of :data:`PAIRS` in each configuration (backbone, grid, overlap, the
     settings that split groups): test accuracy of the method minus the baseline's, in points, paired by seed, with
@@ -451,22 +471,7 @@ def paired_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, li
                 diffs = [100 * (r.results["accuracy"][method] - r.results["accuracy"][baseline]) for _, r in pairs]
                 converged = all_converged([r.converged(training) for _, r in pairs])
                 stats = paired_difference(diffs, converged, [seed for seed, _ in pairs])
-                rows.append(
-                    {
-                        **_config_columns(dataset, key),
-                        "comparison": what,
-                        "method_key": method,
-                        "baseline_key": baseline,
-                        "n": stats["n"],
-                        "seeds": " ".join(str(seed) for seed in stats["seeds"]),
-                        "mean_points": stats["mean"],
-                        "std_points": stats["std"],
-                        "ci_low_points": stats["low"],
-                        "ci_high_points": stats["high"],
-                        "verdict": stats["verdict"],
-                        "baseline_converged": {True: "yes", False: "no", None: "unknown"}[converged],
-                    }
-                )
+                rows.append({**_config_columns(dataset, key), **paired_columns(what, method, baseline, stats)})
         tables[dataset] = rows
     return tables
 
