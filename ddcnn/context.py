@@ -53,6 +53,7 @@ __all__ = [
     "weights_meta",
     "coarse_net_spec",
     "finished_coarse_spec",
+    "finished_coarse_input",
     "count_parameters",
     "assemble_cnn_dnn",
 ]
@@ -471,6 +472,13 @@ def finished_coarse_spec(ctx: Context, stage: str = "coarse") -> dict:
     return spec
 
 
+def finished_coarse_input(ctx: Context) -> str:
+    """The local output (``probs`` or ``logits``) the finished coarse DNN of the run was trained on, as its
+    ``meta.json`` records it (every coarse stage has since the setting existed, whose default was then ``probs``); it
+    may differ from ``coarse.input`` in a run directory of an older default."""
+    return str(ctx.run.meta("coarse").get("input", "probs"))
+
+
 def build_coarse_net(
     coarse: CoarseSettings, num_subdomains: int, num_classes: int, kind: str | None = None, spec: dict | None = None
 ) -> nn.Module:
@@ -495,8 +503,7 @@ def assemble_cnn_dnn(ctx: Context) -> CNNDNN:
         net = build_local_net(ctx.settings, ctx.data, weights=False)  # its trained weights follow
         net.load_state_dict(torch.load(ctx.run.stage_dir("local", i) / "net.pt", weights_only=True))
         nets.append(net)
-    kind = str(ctx.run.meta("coarse").get("input", "probs"))  # recorded by every coarse stage since the setting existed
     coarse = build_coarse_net(ctx.settings.coarse, n, ctx.data.num_classes, spec=finished_coarse_spec(ctx))
     coarse.load_state_dict(torch.load(ctx.run.stage_dir("coarse") / "net.pt", weights_only=True))
-    model = CNNDNN(ctx.decomposition, nets, coarse, kind)
+    model = CNNDNN(ctx.decomposition, nets, coarse, finished_coarse_input(ctx))
     return model.eval()

@@ -187,6 +187,7 @@ def _model_name(settings: RunSettings) -> str:
 
 def _metadata(ctx, model_results: dict | None = None) -> dict:
     import ddcnn
+    from ddcnn.context import finished_coarse_input
 
     settings, data, dec = ctx.settings, ctx.data, ctx.decomposition
     image_size = settings.data.image_size
@@ -221,7 +222,7 @@ def _metadata(ctx, model_results: dict | None = None) -> dict:
             "sub_shape": list(dec.sub_shape),
             "num_subdomains": dec.num_subdomains,
         },
-        "coarse_input": str(ctx.run.meta("coarse").get("input", "probs")),  # what it was trained on (an older default)
+        "coarse_input": finished_coarse_input(ctx),
         "model": _model_name(settings),
         "data": data.name,
         "run_dir": str(Path(ctx.run.root).resolve()),

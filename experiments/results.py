@@ -213,8 +213,8 @@ def recipe(args: argparse.Namespace) -> list[str]:
 def plan(args: argparse.Namespace) -> list[Dataset]:
     """The datasets of the page (``--tiny``: one small dataset, one epoch, the default methods)."""
     if args.tiny:
-        tiny = ["data=digits", "model=vgg_tiny", *recipe(args), "methods=default", "coarse.input=probs"]
-        tiny += ["report.plots=false"]
+        tiny = ["data=digits", "model=vgg_tiny", *recipe(args), "methods=default", "report.plots=false"]
+        tiny += ["coarse.input=probs"]  # as the page it stands in for
         tiny += ["methods.enabled.coarse_alt=false", "methods.enabled.coarse_val=false", "report.curves.enabled=false"]
         tiny += [f"data.val_target_fraction={args.val_target_fraction}"] if args.val_target_fraction else []
         if args.train_subset:
@@ -1163,6 +1163,9 @@ def _by_dataset(manifest: dict) -> dict[str, list[str]]:
     return datasets
 
 
+INPUTS_PAIR = ("cnn_dnn_logits", "cnn_dnn_probs")  # the comparison that decides coarse.input (protocol section 6)
+
+
 def summary_block(manifest: dict, root: Path) -> list[str]:
     """README's lines on the committed page: what it ran, what it cost, and a table of the CNN-DNN's paired
     differences, each with its 95% interval and verdict (:func:`lead_cell`, as the page's glance tables print them)."""
@@ -1194,7 +1197,7 @@ def summary_block(manifest: dict, root: Path) -> list[str]:
             if row["method_key"] == "cnn_dnn":
                 cells.setdefault(key, {})[row["baseline_key"]] = lead_cell(row)
                 seeds[key] = max(seeds.get(key, 0), row["n"])
-            elif (row["method_key"], row["baseline_key"]) == ("cnn_dnn_logits", "cnn_dnn_probs"):
+            elif (row["method_key"], row["baseline_key"]) == INPUTS_PAIR:
                 cells.setdefault(key, {})["inputs"] = lead_cell(row)
         for (grid, overlap), by in cells.items():
             lines.append(
@@ -1202,9 +1205,6 @@ def summary_block(manifest: dict, root: Path) -> list[str]:
                 f"{by.get('mean_prob', '-')} | {by.get('inputs', '-')} |"
             )
     return lines
-
-
-INPUTS_PAIR = ("cnn_dnn_logits", "cnn_dnn_probs")  # the comparison that decides coarse.input (protocol section 6)
 
 
 def coarse_input_block(manifest: dict, root: Path) -> list[str]:
@@ -1362,8 +1362,13 @@ def estimate_block(manifest: dict, root: Path) -> list[str]:
 def _generated(name: str, manifest: dict, root: Path) -> list[str]:
     """The lines of block ``name``, wrapped at the docs' 120 columns (a list item's continuation indented; table rows
     and blank lines as they are)."""
-    blocks = {"summary": summary_block, "recipe": recipe_block, "coarse_input": coarse_input_block}
-    lines = {**blocks, "estimate": estimate_block}[name](manifest, root)
+    blocks = {
+        "summary": summary_block,
+        "recipe": recipe_block,
+        "coarse_input": coarse_input_block,
+        "estimate": estimate_block,
+    }
+    lines = blocks[name](manifest, root)
     wrapped = []
     for line in lines:
         if not line or line.startswith("|"):

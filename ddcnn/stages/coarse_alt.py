@@ -7,14 +7,12 @@ of an older default (``probs``) keeps. The evaluate stage reports both as ``cnn_
 
 from __future__ import annotations
 
-from ddcnn.context import Context
+from ddcnn.context import Context, finished_coarse_input
 from ddcnn.stages import coarse
 
 __all__ = ["run"]
 
 
 def run(ctx: Context, device=None) -> dict:
-    main = ctx.settings.coarse.input
-    if ctx.run.is_done("coarse"):  # the input its coarse DNN was trained on (under an older default: probs)
-        main = ctx.run.meta("coarse").get("input", "probs")
+    main = finished_coarse_input(ctx) if ctx.run.is_done("coarse") else ctx.settings.coarse.input
     return coarse.run(ctx, device, stage="coarse_alt", kind="logits" if main == "probs" else "probs")
