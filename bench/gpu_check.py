@@ -709,7 +709,9 @@ def run_loop(args, device: torch.device, bare: dict | None = None) -> dict:
 
     from ddcnn.data.augment import Augment
     from ddcnn.data.datamodule import PreparedBatches
-    from ddcnn.engine.loop import SYNC_DEBUG_ENV, fit_batches
+    from ddcnn.engine.gpu import SYNC_DEBUG_ENV
+    from ddcnn.engine.loop import fit_batches
+    from ddcnn.settings import LoopSettings
 
     class TimedBatches(PreparedBatches):
         """Records when each training batch is fetched: the loop's step boundaries (as bench/overhead.py times
@@ -754,17 +756,15 @@ def run_loop(args, device: torch.device, bare: dict | None = None) -> dict:
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    result = fit_batches(
-                        net,
-                        data,
-                        Path(tmp) / name,
+                    settings = LoopSettings(
                         optimizer=optimizer,
                         max_epochs=args.loop_epochs,
                         device=device,
                         precision=precision,
-                        gpu=gpu,
                         write_best=False,
+                        **gpu,
                     )
+                    result = fit_batches(net, data, Path(tmp) / name, settings)
             finally:
                 if previous is None:
                     os.environ.pop(SYNC_DEBUG_ENV, None)
@@ -1288,7 +1288,7 @@ def stage_rows(run_dir: Path, cfg, results: dict) -> list[dict]:
             epochs = int(
                 meta.get("max_epochs") or planned or (cfg.coarse.max_epochs if coarse else cfg.trainer.max_epochs)
             )
-            from ddcnn.settings.fit import num_batches
+            from ddcnn.settings.loop import num_batches
 
             limit = None if coarse else cfg.trainer.get("limit_train_batches")
             steps = epochs * num_batches(-(-n_train // min(batch, n_train)), limit, "limit_train_batches")

@@ -89,12 +89,12 @@ def loop_epochs(build_net, optimizer_node, data, epochs: int, seed: int, folder:
     import torch
 
     from ddcnn.engine.loop import fit_batches
+    from ddcnn.settings import LoopSettings
 
     torch.manual_seed(seed)
     timed = TimedBatches(data)
-    fit_batches(
-        build_net(), timed, folder, optimizer=optimizer_node, max_epochs=epochs, seed=seed, checkpoint_every=epochs
-    )
+    settings = LoopSettings(optimizer=optimizer_node, max_epochs=epochs, seed=seed, checkpoint_every=epochs)
+    fit_batches(build_net(), timed, folder, settings)
     return step_times(timed.stamps)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
+    "disk_errors",
     "ArtifactWriteError",
     "SPACE_OR_PERMISSION",
     "is_space_or_permission",
@@ -61,6 +62,22 @@ def write_error(path: Path, err: OSError) -> OSError:
         f"cannot write {path}: {err.strerror or err}. Nothing half-written was left behind; free disk space or "
         f"choose a writable run directory (hydra.run.dir=...), then run the same command again to continue.",
     )
+
+
+@contextlib.contextmanager
+def disk_errors(what: str) -> Iterator[None]:
+    """A full or unwritable disk met by ``what`` (``training in RUN_DIR/local/03``) as an :class:`ArtifactWriteError`
+    that says what to do."""
+    try:
+        yield
+    except OSError as err:
+        if isinstance(err, ArtifactWriteError) or not is_space_or_permission(err):
+            raise
+        raise ArtifactWriteError(
+            err.errno,
+            f"{what} stopped: {err}. Free disk space or choose a writable run directory, then run the same command "
+            f"again: it resumes from the last checkpoint.",
+        ) from err
 
 
 def _tmp_name(path: Path) -> Path:

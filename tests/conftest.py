@@ -173,3 +173,16 @@ def mark_converged(root: Path) -> None:
             meta["converged"] = True
             meta["convergence"] = {**(meta.get("convergence") or {}), "converged": True, "reasons": []}
             meta_path.write_text(json.dumps(meta))
+
+
+def hooks_as_callbacks(keywords: dict) -> list:
+    """The loop callbacks of the hook functions a test gives as keywords (removed from ``keywords``):
+    ``on_epoch_end(epoch, row)`` and ``after_epoch(epoch, row, net)``."""
+    from ddcnn.engine.callbacks import AfterValidation, OnEpochEnd
+
+    out = []
+    if (hook := keywords.pop("after_epoch", None)) is not None:
+        out.append(AfterValidation(hook))
+    if (hook := keywords.pop("on_epoch_end", None)) is not None:
+        out.append(OnEpochEnd(hook))
+    return out

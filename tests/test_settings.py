@@ -45,7 +45,7 @@ def _walk(value, path: str = "settings"):
 
 def test_the_default_configuration_builds():
     settings = _settings()
-    assert settings.stage == "all" and settings.data.name == "digits" and settings.fit.trainer.max_epochs >= 1
+    assert settings.stage == "all" and settings.data.name == "digits" and settings.loop.max_epochs >= 1
     assert settings.methods.global_ddp.num_devices == yaml_default("methods.global_ddp.num_devices") == 2
     assert settings.coarse.monitor == yaml_default("coarse.monitor")
 
@@ -216,14 +216,14 @@ def test_the_only_defaults_in_code_are_those_the_yaml_cannot_hold():
     """``+trainer.accumulate_grad_batches`` / ``+trainer.gradient_clip_algorithm`` are added with ``+`` (Hydra refuses
     ``+`` for a key the YAML has), so their defaults live in code: the YAML must not hold them, and says how to add
     them."""
-    from ddcnn.settings.fit import ADDED_TRAINER_DEFAULTS
+    from ddcnn.settings.loop import ADDED_TRAINER_DEFAULTS
 
     text = (CONF / "trainer" / "default.yaml").read_text()
     for key, value in ADDED_TRAINER_DEFAULTS.items():
         with pytest.raises(KeyError):
             yaml_default(f"trainer.{key}")
         assert f"+trainer.{key}=" in text
-        assert getattr(_settings().fit.trainer, key) == value
+        assert getattr(_settings().loop, key) == value
 
 
 @pytest.mark.parametrize("name", ["default", "mnist_4x4", "methods"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,12 @@ __all__ = [
     "prefetched",
     "amp_optimizer",
     "profiled",
+    "SYNC_DEBUG_ENV",
+    "sync_debug_mode",
+    "on_training_stream",
+    "under_sync_debug",
+    "compiled_frames",
+    "batches_ahead",
 ]
 
 # Where a training's batches come from: stored splits on the device, pinned host memory (CUDA), plain host memory.
@@ -376,3 +383,78 @@ class profiled:
         prof.export_chrome_trace(str(tmp))
         json.loads(tmp.read_text())  # a trace Chrome cannot read is an error here, not in the user's browser
         tmp.replace(self.path)
+
+
+# --- debugging and compile counters of a CUDA training ------------------------------------------------------
+SYNC_DEBUG_ENV = "DDCNN_SYNC_DEBUG"
+
+
+def sync_debug_mode(device: torch.device) -> str | None:
+    """``warn`` or ``error`` from ``$DDCNN_SYNC_DEBUG`` for a CUDA training (``None``: unset, or not CUDA)."""
+    mode = os.environ.get(SYNC_DEBUG_ENV, "").strip().lower()
+    if mode in ("", "0", "off", "default"):
+        return None
+    if mode not in ("warn", "error"):
+        raise ValueError(f"{SYNC_DEBUG_ENV}={mode!r}: use warn or error (or leave it unset).")
+    return mode if torch.device(device).type == "cuda" else None
+
+
+def on_training_stream(items: Iterator, device: torch.device) -> Iterator:
+    """``(idx, batch)`` of batches made on a side stream (``(idx, (batch, ready event))``), usable on the current
+    stream: it waits for the event, and each tensor is recorded as used there."""
+    current = torch.cuda.current_stream(device)
+    for idx, (batch, ready) in items:
+        current.wait_event(ready)
+        for tensor in batch:
+            tensor.record_stream(current)
+        yield idx, batch
+
+
+def under_sync_debug(items: Iterator, mode: str) -> Iterator:
+    """``items``, with torch's CUDA sync debug mode ``mode`` while the caller works on each one."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield from items
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def compiled_frames() -> int:
+    """Frames ``torch.compile`` (dynamo) has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
+def batches_ahead(
+    fetch: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    batches: list[torch.Tensor],
+    prefetch: bool,
+    device: torch.device,
+) -> Iterator[tuple[torch.Tensor, tuple]]:
+    """``(idx, fetch(idx))`` of an epoch's training batches, the next one read by a background thread while this
+    one trains when the batches stream from pinned host memory to a GPU (``prefetch``). On CUDA with
+    ``DDCNN_SYNC_DEBUG`` set (``warn`` or ``error``), torch's sync debug mode is on while they are read and trained on
+    (every step of the epoch, nothing after it): a host synchronisation there warns or fails.
+
+    Streamed to a GPU, each batch is copied (and decoded) on a side stream, so that its copy overlaps the current
+    batch's computation; the training stream waits for it (an event, no host synchronisation) and the batch's memory
+    is marked as used there, so the allocator does not hand it out early."""
+    side = torch.cuda.Stream(device) if prefetch and device.type == "cuda" else None
+
+    def fetch_on_stream(idx: torch.Tensor) -> tuple:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            if side is None:
+                return fetch(idx)
+            with torch.cuda.stream(side):
+                batch = fetch(idx)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            return batch, ready
+
+    items = prefetched(fetch_on_stream, batches, prefetch)
+    if side is not None:
+        items = on_training_stream(items, device)
+    mode = sync_debug_mode(device)
+    return items if mode is None else under_sync_debug(items, mode)

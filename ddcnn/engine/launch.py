@@ -21,6 +21,7 @@ gone, stops within seconds with that rank's message and traceback, instead of wa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -29,9 +30,11 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 # lightning_utilities' compare_version imports a package to read its version, and lightning_fabric asks for
 # torchmetrics' at import: torchmetrics imports torchvision's models and SciPy, about 2.5 s of CPU per process on the
@@ -53,6 +56,9 @@ from lightning_fabric.plugins.precision import DoublePrecision, MixedPrecision  
 from lightning_fabric.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
 from lightning_fabric.utilities.seed import seed_everything as _fabric_seed_everything  # noqa: E402
 
+from ddcnn.engine.state import FitResult, cpu_state  # noqa: E402
+from ddcnn.io import atomic_torch_save  # noqa: E402
+
 __all__ = [
     "LAUNCHERS",
     "RankFailed",
@@ -62,10 +68,17 @@ __all__ = [
     "precision_plugin",
     "rendezvous_port",
     "isolated_launch",
+    "fit_spawned",
+    "fit_here",
     "seed_everything",
 ]
 
 log = logging.getLogger(__name__)
+
+# What a spawned DDP rank 0 hands back to the parent, in the training's folder (removed once read).
+_SPAWN_RESULT = ".spawned_result.pt"
+# What a failing spawned DDP rank hands to the parent, in the training's folder (removed once read).
+_SPAWN_ERROR = ".spawned_error.{}.pt"
 
 # How a training's processes start: this process on one device, DDP ranks spawned by this process, or the tasks of
 # the srun step this process is one of.
@@ -436,3 +449,128 @@ def failures_stop_every_rank(fabric, poll_s: float = 0.5, grace_s: float = 5.0) 
         failures.done.set()
         # No store call of the watcher may outlive the block: the process group (and its store) may go next.
         failures.thread.join(timeout=poll_s + 5.0)
+
+
+# --- a training in DDP ranks: spawned by this process, or this srun task's rank --------------------------------
+def run_spawned(fabric, training, prefit_s: float) -> str | None:
+    """Body of a spawned DDP rank: rank 0 hands its result back to the parent (the weights as a CPU state dict).
+
+    Through a file whose path is returned: Fabric's launcher reads rank 0's return value only after every rank
+    exited, so a large one would block rank 0 on the full pipe forever, and a tensor sent through multiprocessing
+    would be a handle to the memory of a process that is gone.
+
+    A rank that fails writes its error to ``.spawned_error.<rank>.pt`` (unless another rank failed first: then its
+    own error is that one's consequence) before the failure is recorded for the other ranks, and raises: its process
+    ends with status 1, the launcher ends the others, and the parent raises the error of the rank that failed first
+    (:func:`_spawned_failure`). The others stop within seconds anyway (:func:`failures_stop_every_rank`)."""
+    with torch.no_grad():
+        # The network arrived through multiprocessing, its tensors in memory shared with the other ranks (torch shares
+        # what it sends): each rank must train its own copy, or every rank's step lands on the same weights.
+        for tensor in itertools.chain(training.net.parameters(), training.net.buffers()):
+            tensor.data = tensor.data.clone()
+    path = Path(training.folder) / _SPAWN_RESULT
+    with failures_stop_every_rank(fabric) as failures:
+        try:
+            result = training.run(fabric, prefit_s=prefit_s)
+        except Exception as err:
+            if failures is None or not failures.other_failed_first():
+                _save_error(err, Path(training.folder) / _SPAWN_ERROR.format(fabric.global_rank), fabric.global_rank)
+            raise
+    # Every rank leaves the process group while its interpreter is whole: left to the interpreter's end, gloo's
+    # worker threads may still hold tensors whose release then aborts the process (SIGABRT, "terminate called
+    # without an active exception"), and the parent would take a finished training for a failed one.
+    _leave_process_group(fabric)
+    if fabric.global_rank != 0:
+        return None
+    # Plain values and tensors only, read back with weights_only=True.
+    plain = dataclasses.asdict(dataclasses.replace(result, net=None))
+    atomic_torch_save({"state": cpu_state(result.net), "result": plain}, path)
+    return str(path)
+
+
+def _save_error(err: Exception, path: Path, rank: int) -> None:
+    """A rank's error for the parent: the exception itself (a ``RuntimeError`` with its message when it does not
+    pickle) and its traceback."""
+    trace = "".join(traceback.format_exception(err))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        atomic_torch_save({"error": err, "rank": rank, "traceback": trace}, path)
+    except Exception:
+        atomic_torch_save(
+            {"error": RuntimeError(f"{type(err).__name__}: {err}"), "rank": rank, "traceback": trace}, path
+        )
+
+
+def _spawned_failure(folder: Path, launch_error: Exception) -> Exception:
+    """What the parent raises when spawned ranks failed: the error of the rank that failed first (its traceback
+    logged), as it was raised there; the error files are removed."""
+    found = []
+    for path in sorted(folder.glob(_SPAWN_ERROR.format("*"))):
+        # The exceptions themselves (pickled): written by this training's own ranks after the stale files of earlier
+        # trainings were removed (fit_spawned), so never a file a received run directory brought.
+        with contextlib.suppress(Exception):
+            found.append(torch.load(path, map_location="cpu", weights_only=False))
+        path.unlink(missing_ok=True)
+    # The rank that failed first left its own error; a rank that met the same refusal did too (the lowest wins).
+    found.sort(key=lambda out: (isinstance(out["error"], RankFailed), int(out["rank"])))
+    if not found:
+        return RuntimeError(
+            f"a spawned DDP rank of the training in {folder} ended without reporting an error ({launch_error}); it "
+            f"was likely killed (out of memory?). Run it again on fewer devices, or see the system log."
+        )
+    first = found[0]
+    log.error("DDP rank %d of the training in %s failed:\n%s", first["rank"], folder, first["traceback"].rstrip())
+    return first["error"]
+
+
+def fit_spawned(fabric, training, net: nn.Module, start: float) -> FitResult:
+    """:func:`fit_batches` in DDP ranks spawned by this process: rank 0's result, its weights loaded into ``net``."""
+    folder = Path(training.folder)
+    prefit = time.perf_counter() - start
+    for stale in folder.glob(_SPAWN_ERROR.format("*")):
+        stale.unlink(missing_ok=True)
+    try:
+        with isolated_launch():
+            path = Path(fabric.launch(run_spawned, training, prefit))
+    except Exception as err:  # raised in a rank: here as there, its message intact
+        raise _spawned_failure(folder, err) from None
+    out = torch.load(path, map_location="cpu", weights_only=True)
+    path.unlink(missing_ok=True)
+    result = FitResult(**out["result"])
+    net.load_state_dict(out["state"])
+    # Spawning the ranks (interpreters, imports, the data), their rendezvous and tear-down: start-up, apart.
+    wall = time.perf_counter() - start
+    own = result.fit_time_s - result.previous_time_s
+    result.startup_s = max(0.0, wall - own - result.warmup_s - result.hook_time_s - result.report_time_s)
+    return dataclasses.replace(result, net=net)
+
+
+def fit_here(fabric, training, launcher: str, began: float) -> FitResult:
+    """:func:`fit_batches` in this process: on one device, or as this task's rank of DDP across ``srun`` tasks."""
+    with isolated_launch():
+        fabric.launch()  # DDP across srun tasks: the ranks meet here
+    # Fabric's set-up and (srun) the rendezvous of the ranks: start-up, left out of the clock.
+    training.startup_s = time.perf_counter() - began
+    finished = False
+    try:
+        with failures_stop_every_rank(fabric):
+            result = training.run(fabric)
+        finished = True
+        return result
+    finally:
+        if launcher == "srun":
+            _leave_process_group(fabric, wait=finished)
+
+
+def _leave_process_group(fabric, wait: bool = True) -> None:
+    """End this rank's part in the DDP training (an srun task's or a spawned rank's): the ranks wait for each other
+    (``wait``: not after a failure, the others may never come), then the group is destroyed (a rank that goes on
+    alone, rank 0 predicting, must not meet the others' collectives)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if wait:
+            with contextlib.suppress(Exception):
+                fabric.barrier()
+        with contextlib.suppress(Exception) if not wait else contextlib.nullcontext():
+            dist.destroy_process_group()

@@ -15,12 +15,9 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import hydra
-
-if TYPE_CHECKING:
-    from ddcnn.settings.fit import FitSettings
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +170,8 @@ class EpochReporter:
     with ``trainer.log_every_n_steps``, the training loss every n steps) to the loggers of ``logger``.
 
     Args:
-        settings: The run's :class:`~ddcnn.settings.FitSettings` (``logger``, ``trainer.enable_progress_bar``).
+        logger: The run's ``logger`` group (name -> ``_target_`` spec).
+        show_bar: ``trainer.enable_progress_bar``: bars (true), epoch lines (false), bars on a terminal (null).
         folder: The stage folder (where the loggers write).
         max_epochs: Epochs of the training.
         every: Log a line every this many epochs (and after the last one), for trainings of many short epochs.
@@ -182,13 +180,16 @@ class EpochReporter:
     the first epoch reported (a resumed training's).
     """
 
-    def __init__(self, settings: FitSettings, folder: Path, max_epochs: int, every: int = 1) -> None:
-        self.specs, self.folder = dict(settings.logger), Path(folder)
+    def __init__(
+        self, logger: Mapping[str, Any], show_bar: bool | None, folder: Path, max_epochs: int, every: int = 1
+    ) -> None:
+        self.specs, self.folder = dict(logger), Path(folder)
         self.name, self.max_epochs, self.every = stage_name(folder), int(max_epochs), max(1, int(every))
-        self.show_bar = settings.trainer.enable_progress_bar
+        self.show_bar = show_bar
         self.loggers: list | None = None
         self.bar = None
-        self.wants_steps = settings.wants_step_losses
+        # Step losses are worth collecting only for a logger besides the CSV log (one row per epoch).
+        self.wants_steps = any(spec and "_target_" in spec for spec in self.specs.values())
 
     def __getstate__(self) -> dict[str, Any]:  # sent to spawned DDP ranks before anything was reported
         return {**self.__dict__, "loggers": None, "bar": None}
@@ -197,6 +198,14 @@ class EpochReporter:
         if self.loggers is None:
             self.loggers = build_loggers(self.specs, self.folder)
         return self.loggers
+
+    def on_log(self, epoch: int, row: Mapping[str, Any], points: list[tuple[int, float]]) -> None:
+        """The loop's callback hook (rank 0, outside the clock): the step losses, then the epoch."""
+        self.steps(points)
+        self.epoch(epoch, row)
+
+    def on_fit_end(self, status: str) -> None:
+        self.close(status)
 
     def steps(self, points: list[tuple[int, float]]) -> None:
         for step, loss in points:

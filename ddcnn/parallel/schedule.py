@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ddcnn.settings.fit import num_batches
+from ddcnn.settings.loop import num_batches
 
 __all__ = [
     "EVAL_WEIGHT",
@@ -42,7 +42,7 @@ EVAL_WEIGHT = 1.0 / 3.0
 
 def train_samples_per_epoch(n_train: int, batch_size: int, limit_train_batches: int | float | None) -> int:
     """Samples one training epoch visits under ``trainer.limit_train_batches`` (count or fraction), its batches
-    counted as the loop counts them (:func:`ddcnn.settings.fit.num_batches`)."""
+    counted as the loop counts them (:func:`ddcnn.settings.loop.num_batches`)."""
     batches = num_batches(math.ceil(n_train / batch_size), limit_train_batches, "trainer.limit_train_batches")
     return min(n_train, batches * batch_size)
 

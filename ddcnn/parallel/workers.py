@@ -183,7 +183,7 @@ def _worker_costs(ctx) -> dict[int, float]:
     """Cost of every sub-domain of ``ctx`` in pixel-samples (:func:`ddcnn.parallel.schedule.local_costs`)."""
     from ddcnn.parallel.schedule import local_costs, train_samples_per_epoch
 
-    dec, data, trainer = ctx.decomposition, ctx.data, ctx.settings.fit.trainer
+    dec, data, trainer = ctx.decomposition, ctx.data, ctx.settings.loop
     pixels = {i: math.prod(s.stop - s.start for s in dec.box(i)) for i in range(dec.num_subdomains)}
     n = {s: len(data.y[s]) for s in ("train", "val", "test")}
     per_epoch = train_samples_per_epoch(n["train"], ctx.settings.data.batch_size, trainer.limit_train_batches)
@@ -431,8 +431,7 @@ def _start_pool(settings: RunSettings, run_dir: Path, todo: list[int], data) -> 
     devices = plan_workers(min(parallel.workers, len(todo)), parallel.accelerator, parallel.threads_per_worker)
     calibration = {"steps": parallel.calibration_steps, "batch_size": settings.data.batch_size}
     # No progress bars in workers: P bars on one terminal garble.
-    trainer = dataclasses.replace(settings.fit.trainer, enable_progress_bar=False)
-    settings = dataclasses.replace(settings, fit=dataclasses.replace(settings.fit, trainer=trainer))
+    settings = dataclasses.replace(settings, loop=dataclasses.replace(settings.loop, enable_progress_bar=False))
     pool = _Pool(
         devices,
         settings,

@@ -700,6 +700,30 @@ def evaluate_run(run, decomposition, data, settings: RunSettings | None = None) 
     run's model and seed.
     """
     n, k = decomposition.num_subdomains, data.num_classes
+    c, local_meta, labels = _local_figures(run, n, k, data)
+    _stage_figures(run, c, labels, k)
+    results = _assembled(c, decomposition, data, n, k)
+    if settings is not None:
+        results["model"] = str(settings.model.get("_target_", ""))
+        results["model_name"] = str(settings.model.get("name", results["model"]))
+        results["seed"] = settings.seed
+    if not results["timing"]["comparable"]:
+        log.warning("evaluate: %s", _context_note(results["timing"]).lstrip("- ").replace("**", ""))
+    _derived_figures(run, results, c, local_meta, n)
+    rate = majority_rate(data.y["train"], labels)
+    results["majority_rate"] = rate
+    results["test_class_counts"] = torch.bincount(labels.long(), minlength=k).tolist()
+    results["flags"] = flag_rows(results, rate, results["test_class_counts"])
+    for flag in results["flags"]:
+        log.warning("evaluate: %s %s", flag["message"], flag["try"])
+    atomic_write_json(run.root / "results.json", results)
+    atomic_write_text(run.root / "results.md", results_markdown(results))
+    return results
+
+
+def _local_figures(run, n: int, k: int, data) -> tuple[dict[str, dict], list[dict], torch.Tensor]:
+    """The local nets' (and the combiners') figures, times, parameters and timing contexts, in the tables
+    :func:`_stage_figures` adds the other stages to; the local nets' meta files; the test labels."""
     probs, labels = run.local_outputs(n, "test", "probs")
     if not torch.equal(labels, data.y["test"]):
         raise ValueError(
@@ -727,16 +751,22 @@ def evaluate_run(run, decomposition, data, settings: RunSettings | None = None) 
             times["local_oof_max"] = max(a + b for a, b in zip(times["local"], per, strict=True))
     params: dict[str, Any] = {"local": local_meta[0]["params"], "local_total": sum(m["params"] for m in local_meta)}
     contexts: dict[str, dict | None] = {f"local {i}": m.get("context") for i, m in enumerate(local_meta)}
-    inputs: dict[str, str] = {}  # stages whose row key depends on their input (the coarse DNNs)
-    devices: dict[str, int] = {}  # stages that trained on several devices at once (global_ddp)
-    startup: dict[str, float] = {}
-    reused: dict[str, dict] = {}  # stages copied from a training of an earlier run with the same settings
-    held_out: dict[str, float] = {}  # accuracy on the val_target split (data.val_target_fraction), by row key
+    tables = {"metrics": metrics, "val": val, "convergence": convergence, "fit_times": fit_times, "time_s": time_s}
+    tables |= {"params": params, "contexts": contexts}
+    # stages whose row key depends on their input (the coarse DNNs), stages that trained on several devices at once
+    # (global_ddp), start-up, stages copied from a training of an earlier run with the same settings, and the
+    # accuracy on the val_target split (data.val_target_fraction) by row key
+    tables |= {"inputs": {}, "devices": {}, "startup": {}, "reused": {}, "held_out": {}}
+    return tables, local_meta, labels
+
+
+def _stage_figures(run, c: dict[str, dict], labels: torch.Tensor, k: int) -> None:
+    """Every finished stage of the registry that has a results row, into the tables ``c``."""
     for stage in registry.STAGES:
         if stage.row is None:
             continue
         if not run.is_done(stage.name):
-            time_s.setdefault(stage.name, None)
+            c["time_s"].setdefault(stage.name, None)
             continue
         meta = run.meta(stage.name)
         saved = run.load_probs(stage.name, "test")
@@ -747,26 +777,33 @@ def evaluate_run(run, decomposition, data, settings: RunSettings | None = None) 
             )
         key = stage.row.key
         if "{input}" in key:
-            inputs[stage.name] = meta.get("input", "probs")
-            key = key.format(input=inputs[stage.name])
-        metrics[key] = _metrics_of(saved["probs"], saved["labels"], k)
+            c["inputs"][stage.name] = meta.get("input", "probs")
+            key = key.format(input=c["inputs"][stage.name])
+        c["metrics"][key] = _metrics_of(saved["probs"], saved["labels"], k)
         saved_val = run.load_probs(stage.name, "val")
-        val[key] = _metrics_of(saved_val["probs"], saved_val["labels"], k)
+        c["val"][key] = _metrics_of(saved_val["probs"], saved_val["labels"], k)
         target_file = run.stage_dir(stage.name) / f"probs_{TARGET_SPLIT}.pt"
         if target_file.is_file():
             saved_target = torch.load(target_file, weights_only=True)
-            held_out[key] = float((saved_target["probs"].argmax(-1) == saved_target["labels"]).float().mean())
-        time_s[stage.name] = meta["time_s"]
-        fit_times[stage.name] = meta.get("fit_time_s", meta["time_s"])
-        convergence[stage.name] = convergence_of(meta)
-        params[stage.name] = meta["params"]
-        contexts[stage.name] = meta.get("context")
+            c["held_out"][key] = float((saved_target["probs"].argmax(-1) == saved_target["labels"]).float().mean())
+        c["time_s"][stage.name] = meta["time_s"]
+        c["fit_times"][stage.name] = meta.get("fit_time_s", meta["time_s"])
+        c["convergence"][stage.name] = convergence_of(meta)
+        c["params"][stage.name] = meta["params"]
+        c["contexts"][stage.name] = meta.get("context")
         if meta.get("startup_s"):
-            startup[stage.name] = meta["startup_s"]
+            c["startup"][stage.name] = meta["startup_s"]
         if "num_devices" in meta:
-            devices[stage.name] = int(meta["num_devices"])
+            c["devices"][stage.name] = int(meta["num_devices"])
         if meta.get("reused_from"):
-            reused[stage.name] = meta["reused_from"]
+            c["reused"][stage.name] = meta["reused_from"]
+
+
+def _assembled(c: dict[str, dict], decomposition, data, n: int, k: int) -> dict:
+    """``results.json``'s figures from the tables ``c``: the CNN-DNN's row, accuracies, times and the projection."""
+    metrics, val, time_s, params, inputs, held_out = (
+        c[key] for key in ("metrics", "val", "time_s", "params", "inputs", "held_out")
+    )
     main = f"cnn_dnn_{inputs['coarse']}" if "coarse" in inputs else None
     metrics["cnn_dnn"], val["cnn_dnn"] = (metrics.get(main), val.get(main)) if main else (None, None)
     if main in held_out:
@@ -789,25 +826,26 @@ def evaluate_run(run, decomposition, data, settings: RunSettings | None = None) 
     for figure in ("accuracy", "balanced_accuracy", "auc"):
         val_figures[figure] = {key: (v[figure] if v else None) for key, v in val.items() if key != "local"}
         val_figures[figure]["local"] = [v[figure] for v in val["local"]]
-    compared = {s: c for s, c in contexts.items() if s.startswith("local ") or s in ("coarse", "global", "global_ddp")}
-    device_kinds = {s: str(_context_value(c, "device_kind")) for s, c in contexts.items() if c}
-    results = {
+    contexts, reused = c["contexts"], c["reused"]
+    compared = {s: x for s, x in contexts.items() if s.startswith("local ") or s in ("coarse", "global", "global_ddp")}
+    device_kinds = {s: str(_context_value(x, "device_kind")) for s, x in contexts.items() if x}
+    return {
         "accuracy": accuracy,
         "coarse_input": inputs,
         "metrics": metrics,
         "val": val_figures,
         **({"val_target": {"accuracy": held_out}} if held_out else {}),
         "time_s": time_s,
-        "startup_s": startup,
+        "startup_s": c["startup"],
         "projected_time_s": projected,
         "projected_speedup": speedup,
         "params": params,
-        "devices": devices,
+        "devices": c["devices"],
         "device_kinds": device_kinds,
         "reused": reused,
         "timing": timing_contexts(compared, reused),
         "timing_all_stages": timing_contexts(contexts, reused),
-        "convergence": convergence,
+        "convergence": c["convergence"],
         "decomposition": {
             "grid": list(decomposition.grid),
             "overlap": list(decomposition.overlap),
@@ -818,12 +856,12 @@ def evaluate_run(run, decomposition, data, settings: RunSettings | None = None) 
         },
         "data": {"name": data.name, "image_shape": list(data.image_shape), "num_classes": k, **data.info},
     }
-    if settings is not None:
-        results["model"] = str(settings.model.get("_target_", ""))
-        results["model_name"] = str(settings.model.get("name", results["model"]))
-        results["seed"] = settings.seed
-    if not results["timing"]["comparable"]:
-        log.warning("evaluate: %s", _context_note(results["timing"]).lstrip("- ").replace("**", ""))
+
+
+def _derived_figures(run, results: dict, c: dict[str, dict], local_meta: list[dict], n: int) -> None:
+    """What ``results`` derives from its figures: method rows, prediction times, the projection by devices, speedups
+    at equal devices, curves and the times to the fixed targets."""
+    time_s, fit_times = c["time_s"], c["fit_times"]
     results["methods"] = method_rows(results)
     results["fit_time_s"] = fit_times
     # The inference of each training's outputs after its training clock stopped (saved predictions and net): for a
@@ -845,15 +883,6 @@ def evaluate_run(run, decomposition, data, settings: RunSettings | None = None) 
     results["speedup_at_equal_accuracy"] = speedup_at_equal_accuracy(
         results["curves"], cnn_dnn_time, results["time_to_target"]
     )
-    rate = majority_rate(data.y["train"], labels)
-    results["majority_rate"] = rate
-    results["test_class_counts"] = torch.bincount(labels.long(), minlength=k).tolist()
-    results["flags"] = flag_rows(results, rate, results["test_class_counts"])
-    for flag in results["flags"]:
-        log.warning("evaluate: %s %s", flag["message"], flag["try"])
-    atomic_write_json(run.root / "results.json", results)
-    atomic_write_text(run.root / "results.md", results_markdown(results))
-    return results
 
 
 def _sum(t: dict, terms: tuple[str, ...] | None) -> float | None:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AUTO", "Section", "yaml_default"]
+__all__ = ["AUTO", "Section", "yaml_default", "positive_int"]
 
 AUTO = "auto"
 # The YAML file of each section's default (the group's default option; the top level is config.yaml).
@@ -22,6 +22,22 @@ _DEFAULT_FILES = {
     "parallel": "parallel/default.yaml",
     "methods": "methods/default.yaml",
 }
+
+
+def positive_int(value: Any, key: str, *, auto: bool = False, none: bool = False) -> Any:
+    """``value`` as a whole number >= 1, the one check of such a setting (``auto`` or ``None`` pass where allowed).
+
+    Raises:
+        ValueError: Naming ``key``, the value and what to set.
+    """
+    if (auto and value == AUTO) or (none and value is None):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        also = " or auto (taken from the data)" if auto else ""
+        raise ValueError(
+            f"{key} must be a positive whole number{also}, got {value!r}; set {key}=<n> with n >= 1{also}."
+        )
+    return int(value)
 
 
 @functools.cache

@@ -9,8 +9,9 @@ specs, as plain dicts.
 
 Defaults live in YAML only: a key missing from the configuration (a ``config.yaml`` written by an older ddcnn into a
 run directory) takes the value of the YAML file that holds its default (:func:`yaml_default`), never a value written
-here. The setting names are those of the YAML (``settings.store.reuse`` is ``store.reuse``); ``trainer`` and
-``engine`` are :class:`~ddcnn.settings.fit.FitSettings` (``settings.fit.trainer.max_epochs``).
+here. The setting names are those of the YAML (``settings.store.reuse`` is ``store.reuse``); ``trainer``,
+``engine``, ``optimizer`` and ``scheduler`` are the loop's :class:`~ddcnn.settings.loop.LoopSettings`
+(``settings.loop.max_epochs`` is ``trainer.max_epochs``).
 
 The settings keep the configuration they were read from as plain data (:attr:`RunSettings.recorded`): the run
 directory's fingerprint and ``config.yaml`` are computed from it (:meth:`RunSettings.identity`), as they were from the
@@ -25,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from ddcnn import registry
 from ddcnn.rundir import RunIdentity
-from ddcnn.settings.fit import FitSettings, check_srun_ddp
-from ddcnn.settings.read import AUTO, Section, yaml_default
+from ddcnn.settings.loop import LoopSettings, check_srun_ddp
+from ddcnn.settings.read import AUTO, Section, positive_int, yaml_default
 
 if TYPE_CHECKING:
     from ddcnn.data.prepare import PrepareSettings
@@ -54,17 +55,6 @@ __all__ = [
 
 # What ``stage`` may say besides ``all``: every stage of the registry, in run order, then the evaluation.
 STAGES = (*registry.STAGE_NAMES, "evaluate")
-
-
-def _positive_int(value: Any, key: str, auto: bool = False, none: bool = False) -> Any:
-    if (auto and value == AUTO) or (none and value is None):
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        also = " or auto (taken from the data)" if auto else ""
-        raise ValueError(
-            f"{key} must be a positive whole number{also}, got {value!r}; set {key}=<n> with n >= 1{also}."
-        )
-    return int(value)
 
 
 def _bool(value: Any, key: str, what: str) -> bool:
@@ -141,7 +131,7 @@ class DataSettings:
 
     @classmethod
     def read(cls, d: Section) -> DataSettings:
-        batch = _positive_int(d("batch_size"), "data.batch_size")
+        batch = positive_int(d("batch_size"), "data.batch_size")
         frac = d("val_fraction")
         if not isinstance(frac, int | float) or not 0 < frac < 1:
             raise ValueError(f"data.val_fraction must lie strictly between 0 and 1, got {frac!r}.")
@@ -153,8 +143,8 @@ class DataSettings:
                 f"data.val_target_fraction must lie in [0, 1) (the share of the validation split kept for the fixed "
                 f"targets of docs/protocol.md; 0 = none), got {target!r}."
             )
-        num_classes = _positive_int(d("num_classes"), "data.num_classes", auto=True)
-        in_channels = _positive_int(d("in_channels"), "data.in_channels", auto=True)
+        num_classes = positive_int(d("num_classes"), "data.num_classes", auto=True)
+        in_channels = positive_int(d("in_channels"), "data.in_channels", auto=True)
         dims = d("spatial_dims")
         if dims not in (2, 3):
             raise ValueError(f"data.spatial_dims must be 2 (images) or 3 (volumes), got {dims!r}.")
@@ -257,8 +247,8 @@ class CoarseSettings:
     def read(cls, c: Section) -> CoarseSettings:
         for key in ("batch_size", "max_epochs"):
             if c.default(key) != AUTO:
-                _positive_int(c.default(key), f"coarse.{key}")
-        steps = _positive_int(c.default("steps"), "coarse.steps")
+                positive_int(c.default(key), f"coarse.{key}")
+        steps = positive_int(c.default("steps"), "coarse.steps")
         kind = c("input")
         if kind not in ("probs", "logits"):
             raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
@@ -300,7 +290,7 @@ class CoarseSettings:
 
 # --- the optional methods (one class per method with settings) -----------------------------------
 def _method_epochs(m: Section, stage: str) -> int | None:
-    return _positive_int(m("max_epochs"), f"methods.{stage}.max_epochs", none=True)
+    return positive_int(m("max_epochs"), f"methods.{stage}.max_epochs", none=True)
 
 
 def _lr_scale(m: Section, stage: str) -> float:
@@ -444,9 +434,9 @@ class ParallelSettings:
                 f"got {mode!r}."
             )
         out = cls(
-            workers=_positive_int(p("workers"), "parallel.workers"),
+            workers=positive_int(p("workers"), "parallel.workers"),
             accelerator=str(p("accelerator")),
-            threads_per_worker=_positive_int(p("threads_per_worker"), "parallel.threads_per_worker", none=True),
+            threads_per_worker=positive_int(p("threads_per_worker"), "parallel.threads_per_worker", none=True),
             calibration_steps=int(_number(p("calibration_steps"), "parallel.calibration_steps", none=True) or 0),
             mode=str(mode),
             heartbeat_timeout_s=_seconds(p("heartbeat_timeout_s"), "parallel.heartbeat_timeout_s"),
@@ -539,7 +529,8 @@ class RunSettings:
     run_dir: str | None
     data: DataSettings
     decomposition: DecompositionSettings
-    fit: FitSettings
+    loop: LoopSettings
+    logger: dict
     coarse: CoarseSettings
     methods: MethodsSettings
     parallel: ParallelSettings
@@ -579,8 +570,8 @@ class RunSettings:
         if stage not in ("all", *STAGES):
             raise ValueError(f"unknown stage {stage!r}; choose one of: all, {', '.join(STAGES)}.")
         top = Section("", plain)
-        fit = FitSettings.read(plain)
-        top.read += ["trainer", "engine", "optimizer", "scheduler", "logger"]
+        loop = LoopSettings.read(plain)
+        top.read += ["trainer", "engine", "optimizer", "scheduler"]
         data = DataSettings.read(top.sub("data"))
         methods = MethodsSettings.read(top.sub("methods"))
         if stage == "global_ddp" or methods.enabled["global_ddp"]:
@@ -604,7 +595,8 @@ class RunSettings:
             run_dir=None if run_dir is None else str(run_dir),
             data=data,
             decomposition=DecompositionSettings.read(top.sub("decomposition")),
-            fit=fit,
+            loop=loop,
+            logger=dict(top("logger") or {}),
             coarse=CoarseSettings.read(top.sub("coarse")),
             methods=methods,
             parallel=ParallelSettings.read(top.sub("parallel")),

@@ -39,11 +39,12 @@ like the other stages, and its ``meta.json`` times include the training time of 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,14 @@ from torch import nn
 from ddcnn.context import Context, build_coarse_net, coarse_net_spec
 from ddcnn.data.datamodule import TensorDataModule
 from ddcnn.engine.convex import fit_logistic
+from ddcnn.engine.gpu import POLICY_OFF
 from ddcnn.engine.loggers import EpochReporter
-from ddcnn.engine.loop import EVAL_CHUNK, FitResult, fit_tensors, torch_threads
+from ddcnn.engine.loop import EVAL_CHUNK, FitResult, fit_tensors
+from ddcnn.engine.optim import torch_threads
 from ddcnn.io import atomic_write_json
 from ddcnn.metrics import chance_margin, majority_rate, near_chance
 from ddcnn.rundir import CURVE_FILE, SPLITS, TARGET_SPLIT
-from ddcnn.settings import CoarseLinearSettings, CoarseSettings
+from ddcnn.settings import CoarseLinearSettings, CoarseSettings, LoopSettings
 from ddcnn.stages.common import (
     SNAPSHOT_DIR,
     finish_stage,
@@ -165,6 +168,38 @@ def _optimizer_with_lr_scale(node: Mapping, scale: float) -> dict:
     return spec
 
 
+def coarse_loop(
+    loop: LoopSettings | None, coarse: CoarseSettings, plan: Mapping, seed: int, device, lr_scale: float = 1.0
+) -> LoopSettings:
+    """The coarse DNN's loop settings: the run's ``loop`` (``None``: the loop's Python defaults) with the
+    ``coarse.*`` fields replaced: optimizer (its rate times ``lr_scale``), schedule, epochs (``plan``), monitor,
+    patience (no minimum of epochs, no ``min_delta``), checkpoints every ``coarse.checkpoint_every`` epochs,
+    divergence restarts; one device in this process, the GPU policy off (a small MLP on tensors)."""
+    optimizer = _optimizer_with_lr_scale(coarse.optimizer, lr_scale)
+    base = loop if loop is not None else LoopSettings(optimizer=optimizer, max_epochs=int(plan["max_epochs"]))
+    every = plan["max_epochs"] if coarse.checkpoint_every is None else coarse.checkpoint_every
+    return dataclasses.replace(
+        base,
+        optimizer=optimizer,
+        scheduler=coarse.scheduler,
+        max_epochs=int(plan["max_epochs"]),
+        monitor=coarse.monitor,
+        monitor_mode="max" if coarse.monitor == "val_acc" else "min",
+        patience=coarse.patience,
+        min_epochs=0,
+        min_delta=0.0,
+        checkpoint_every=int(every),
+        checkpoint_every_s=None,
+        divergence_restarts=coarse.divergence_restarts,
+        seed=int(seed),
+        device=device,
+        num_devices=1,
+        launcher=None,
+        write_best=True,
+        **POLICY_OFF,
+    )
+
+
 def fit_coarse(
     net: nn.Module,
     x: Mapping[str, torch.Tensor],
@@ -173,10 +208,10 @@ def fit_coarse(
     coarse: CoarseSettings,
     *,
     seed: int,
+    loop: LoopSettings | None = None,
     device=None,
-    on_epoch_end=None,
+    callbacks: Sequence[Any] = (),
     start: float | None = None,
-    loop: Mapping | None = None,
 ) -> CoarseFit:
     """Fit the coarse DNN ``net`` on ``x["train"]`` and select on ``x["val"]`` (the module doc's procedure).
 
@@ -188,11 +223,11 @@ def fit_coarse(
             ``batch_size``, ``max_epochs``, ``steps``, ``monitor``, ``patience``, ``divergence_restarts``,
             ``linear``, ``checkpoint_every``).
         seed: Seeds the fit's shuffling and dropout.
+        loop: The run's loop settings (precision, clipping, batch limits, ...: :func:`coarse_loop`), so that they
+            reach the coarse DNN as every other training; ``None``: the loop's Python defaults.
         device: Where it trains.
-        on_epoch_end: The progress reporter (:class:`~ddcnn.engine.loggers.EpochReporter`), outside the clock.
+        callbacks: The progress reporter (:class:`~ddcnn.engine.loggers.EpochReporter`), outside the clock.
         start: ``time.perf_counter()`` at the start of the stage.
-        loop: The run's settings of the training loop (:meth:`ddcnn.settings.FitSettings.loop_arguments`:
-            precision, clipping, batch limits, ...), so that they reach the coarse DNN as every other training.
     """
     start = time.perf_counter() if start is None else float(start)
     folder = Path(folder)
@@ -228,25 +263,16 @@ def fit_coarse(
     if train:
         attempts, lr_scale = 0, 1.0
         while True:
+            settings = coarse_loop(loop, coarse, plan, seed, device, lr_scale)
             fitted = fit_tensors(
                 net,
                 {"train": x_train, "val": x_val},
                 {"train": y_train, "val": y_val},
                 folder,
-                optimizer=_optimizer_with_lr_scale(coarse.optimizer, lr_scale),
-                scheduler=coarse.scheduler,
-                max_epochs=plan["max_epochs"],
+                settings,
                 batch_size=plan["batch_size"],
-                seed=seed,
-                monitor=monitor,
-                monitor_mode="max" if monitor == "val_acc" else "min",
-                checkpoint_every=plan["max_epochs"] if coarse.checkpoint_every is None else coarse.checkpoint_every,
-                device=device,
-                reporter=on_epoch_end,
-                divergence_restarts=restarts,
-                patience=coarse.patience,
+                callbacks=callbacks,
                 start=start,
-                **(loop or {}),
             )
             report["restarts"] = fitted.restarts
             trained = _scores(fitted.net, x_val, y_val, device)
@@ -407,7 +433,10 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
     spec = coarse_net_spec(coarse, kind)
     net = build_coarse_net(coarse, n, ctx.data.num_classes, spec=spec)
     plan = coarse_plan(len(fit_y["train"]), coarse)
-    reporter = EpochReporter(ctx.settings.fit, folder, plan["max_epochs"], every=max(1, plan["max_epochs"] // 10))
+    every = max(1, plan["max_epochs"] // 10)
+    reporter = EpochReporter(
+        ctx.settings.logger, ctx.settings.loop.enable_progress_bar, folder, plan["max_epochs"], every
+    )
     with torch_threads(coarse.num_threads), contextlib.ExitStack() as stack:
         stack.callback(reporter.close)
         fitted = fit_coarse(
@@ -417,10 +446,10 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
             folder,
             coarse,
             seed=seed,
+            loop=ctx.settings.loop,
             device=device,
-            on_epoch_end=reporter,
+            callbacks=[reporter],
             start=start,
-            loop=ctx.settings.fit.loop_arguments(),
         )
         dm = TensorDataModule(x, y, eval_batch_size=EVAL_CHUNK, seed=seed)  # predictions only
         if stage == "coarse" and ctx.settings.report.curves.enabled:
@@ -491,7 +520,7 @@ def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
         net = build_coarse_net(coarse, n, k, kind=kind)
         fit_start = time.perf_counter()
         with tempfile.TemporaryDirectory() as folder:
-            fitted = fit_coarse(net, x, y, folder, coarse, seed=seed, loop=ctx.settings.fit.loop_arguments())
+            fitted = fit_coarse(net, x, y, folder, coarse, seed=seed, loop=ctx.settings.loop)
         coarse_s = time.perf_counter() - fit_start
         val, test = _scores(fitted.net, x["val"], y["val"], "cpu"), _scores(fitted.net, x["test"], y["test"], "cpu")
         base = {"epoch": epoch, "local_max_s": max(times), "local_total_s": sum(times), "train_rows": len(rows)}

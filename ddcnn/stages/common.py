@@ -20,7 +20,7 @@ from ddcnn import registry
 from ddcnn.context import Context, build_augment, count_parameters, subdomain_seed, weights_meta
 from ddcnn.data.datamodule import Batches, PreparedBatches
 from ddcnn.engine.common import data_splits, predict_logits, save_net, save_predictions
-from ddcnn.engine.loop import convergence_advice
+from ddcnn.engine.convergence import convergence_advice
 from ddcnn.engine.train import FitResult, fit
 from ddcnn.io import atomic_torch_save
 from ddcnn.rundir import PROB_FILES, TARGET_SPLIT
@@ -103,9 +103,9 @@ def finish_stage(
     stage's CPU threads as part of the method, e.g. ``coarse.num_threads``); ``extra`` adds stage-specific keys.
 
     ``converged`` and ``convergence`` (docs/protocol.md, "Convergence") come from the loop's record of the training
-    (:func:`ddcnn.engine.loop.convergence`), or from ``extra["convergence"]`` for a fit the loop did not run (the
+    (:func:`ddcnn.engine.convergence.convergence`), or from ``extra["convergence"]`` for a fit the loop did not run (the
     stacker's L-BFGS); an unconverged training is logged with what to try (``extra["advice_names"]``: the settings to
-    name, :func:`ddcnn.engine.loop.convergence_advice`).
+    name, :func:`ddcnn.engine.convergence.convergence_advice`).
     """
     record = extra.pop("convergence", None) or result.convergence
     names = extra.pop("advice_names", None)
@@ -160,7 +160,7 @@ def finish_stage(
 
 
 def logistic_convergence(path: list[dict], l2: float, max_iter: int) -> dict:
-    """The convergence record (:func:`ddcnn.engine.loop.convergence`'s keys) of a convex fit
+    """The convergence record (:func:`ddcnn.engine.convergence.convergence`'s keys) of a convex fit
     (:func:`ddcnn.engine.convex.fit_logistic`): that of the selected L2 strength's L-BFGS solve. Converged when the
     solver stopped by its own criteria: its gradient tolerance (``stopped_by`` ``tolerance``) or no further change of
     the objective or the weights before ``max_iter`` function evaluations (``no_change``); not converged when its
@@ -185,13 +185,13 @@ def logistic_convergence(path: list[dict], l2: float, max_iter: int) -> dict:
 def method_epochs(ctx: Context, stage: str) -> int:
     """``methods.<stage>.max_epochs`` of a method that trains on full images, or ``trainer.max_epochs`` when null."""
     value = ctx.settings.methods.settings_of(stage).max_epochs
-    return ctx.settings.fit.trainer.max_epochs if value is None else value
+    return ctx.settings.loop.max_epochs if value is None else value
 
 
 def method_optimizer(ctx: Context, stage: str) -> dict:
     """The run's ``optimizer`` with its learning rate scaled by ``methods.<stage>.lr_scale`` (fine-tuning wants
     less)."""
-    opt = dict(ctx.settings.fit.optimizer)
+    opt = dict(ctx.settings.loop.optimizer)
     if "lr" in opt:
         opt["lr"] = float(opt["lr"]) * ctx.settings.methods.settings_of(stage).lr_scale
     return opt
@@ -252,7 +252,7 @@ class TestCurve:
         }
         return logits, metrics
 
-    def __call__(self, epoch: int, row: dict, net: nn.Module) -> dict | None:
+    def on_validation_end(self, epoch: int, row: dict, net: nn.Module) -> dict | None:
         if epoch + 1 not in self.epochs:
             return None
         return self._test(net)[1]
@@ -267,7 +267,7 @@ class LocalSnapshots(TestCurve):
         super().__init__(dm, device, epochs)
         self.folder, self.train_rows = Path(folder) / SNAPSHOT_DIR, train_rows
 
-    def __call__(self, epoch: int, row: dict, net: nn.Module) -> dict | None:
+    def on_validation_end(self, epoch: int, row: dict, net: nn.Module) -> dict | None:
         if epoch + 1 not in self.epochs:
             return None
         test, metrics = self._test(net)
@@ -310,8 +310,21 @@ def train_full_images(
     before = val_accuracy(net, dm, device) if measure_start else None
     net.train()
     epochs = method_epochs(ctx, stage)
-    hook = curve_hook(ctx, dm, device, epochs)
-    result = fit(ctx.settings.fit, net, dm, folder, device, seed, start, epochs, method_optimizer(ctx, stage), hook)
+    curve = curve_hook(ctx, dm, device, epochs)
+    callbacks = [curve] if curve is not None else []
+    optimizer = method_optimizer(ctx, stage)
+    result = fit(
+        ctx.settings,
+        net,
+        dm,
+        folder,
+        start,
+        callbacks,
+        seed=seed,
+        device=device,
+        max_epochs=epochs,
+        optimizer=optimizer,
+    )
     extra = {"max_epochs": epochs, **extra}
     if before is not None:
         extra["start_accuracy"] = {"val": before}

@@ -8,7 +8,7 @@ import time
 from ddcnn import registry
 from ddcnn.context import Context, build_global_net
 from ddcnn.engine.train import fit, seed_everything
-from ddcnn.settings.fit import check_srun_ddp
+from ddcnn.settings.loop import check_srun_ddp
 from ddcnn.stages import reuse
 from ddcnn.stages.common import curve_hook, finish_stage, full_image_data, skip, stage_seed
 
@@ -48,17 +48,19 @@ def train_stage(ctx: Context, device, stage: str, num_devices: int, extra: dict)
     start = time.perf_counter()
     seed_everything(seed)
     net = build_global_net(ctx.settings, ctx.data)
-    hook = curve_hook(ctx, dm, device, ctx.settings.fit.trainer.max_epochs) if num_devices == 1 else None
+    curve = curve_hook(ctx, dm, device, ctx.settings.loop.max_epochs) if num_devices == 1 else None
+    callbacks = [curve] if curve is not None else []
+    devices = num_devices if num_devices > 1 else None
     result = fit(
-        ctx.settings.fit,
+        ctx.settings,
         net,
         dm,
         folder,
-        device,
-        seed,
         start,
-        after_epoch=hook,
-        num_devices=num_devices if num_devices > 1 else None,
+        callbacks,
+        seed=seed,
+        device=device,
+        num_devices=devices,
         launcher=launcher,
     )
     if result.global_rank != 0:  # a peer of rank 0 in DDP across srun tasks: rank 0 alone writes the artifacts

@@ -18,7 +18,7 @@ across the tasks of an ``srun`` step every task must join the same training, so 
 from __future__ import annotations
 
 from ddcnn.context import Context
-from ddcnn.settings.fit import check_srun_ddp
+from ddcnn.settings.loop import check_srun_ddp
 from ddcnn.stages import global_cnn, reuse
 from ddcnn.stages.common import skip
 

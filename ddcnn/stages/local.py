@@ -42,12 +42,12 @@ def run(ctx: Context, device=None, subdomain: int = 0) -> dict:
     seed_everything(seed)
     net = build_local_net(ctx.settings, ctx.data)
     curves = ctx.settings.report.curves
-    hook = None
+    callbacks = []
     if curves.enabled:  # the local outputs at a few epochs: the CNN-DNN's accuracy-versus-time curve
-        epochs = snapshot_epochs(ctx.settings.fit.trainer.max_epochs, curves.points)
+        epochs = snapshot_epochs(ctx.settings.loop.max_epochs, curves.points)
         rows = snapshot_train_rows(len(ctx.data.y["train"]), curves.max_train_rows, ctx.settings.data.split_seed)
-        hook = LocalSnapshots(dm, device, epochs, folder, rows)
-    result = fit(ctx.settings.fit, net, dm, folder, device, seed, start, after_epoch=hook)
+        callbacks.append(LocalSnapshots(dm, device, epochs, folder, rows))
+    result = fit(ctx.settings, net, dm, folder, start, callbacks, seed=seed, device=device)
     meta = finish_stage(
         ctx,
         "local",

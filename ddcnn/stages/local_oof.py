@@ -80,7 +80,7 @@ def _train_fold(ctx: Context, subdomain: int, fold: int, held: torch.Tensor, dev
     start = time.perf_counter()
     seed_everything(seed)
     net = build_local_net(ctx.settings, ctx.data)
-    result = fit(ctx.settings.fit, net, dm, folder, device, seed, start)
+    result = fit(ctx.settings, net, dm, folder, start, seed=seed, device=device)
     predict_start = time.perf_counter()
     # The held-out rows, as the local net sees them (its view of sub-domain `subdomain`, no augmentation).
     full = _fold_data(ctx, subdomain, held, seed)

@@ -114,6 +114,7 @@ def test_a_refusal_in_the_spawned_ranks_reaches_the_caller_as_itself(tmp_path):
     (not a multiprocessing error with a traceback in it), as on one device."""
     from ddcnn.data.datamodule import TensorDataModule
     from ddcnn.engine.loop import fit_batches
+    from ddcnn.settings import LoopSettings
 
     x = {s: torch.randn(24, 1, 6, 6) for s in ("train", "val", "test")}
     y = {s: torch.randint(3, (24,)) for s in x}
@@ -122,7 +123,7 @@ def test_a_refusal_in_the_spawned_ranks_reaches_the_caller_as_itself(tmp_path):
     torch.save({"epoch": 1, "state_dict": {}, "pytorch-lightning_version": "2.5.1"}, tmp_path / "last.ckpt")
     sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
     with pytest.raises(ValueError, match=r"Lightning's Trainer .* Delete"):
-        fit_batches(net, TensorDataModule(x, y, 8), tmp_path, optimizer=sgd, max_epochs=1, num_devices=2)
+        fit_batches(net, TensorDataModule(x, y, 8), tmp_path, LoopSettings(optimizer=sgd, max_epochs=1, num_devices=2))
     assert not (tmp_path / ".spawned_result.pt").exists()
 
 
@@ -162,11 +163,12 @@ def test_two_ddp_ranks_train_as_one_device_in_float64(tmp_path):
     operation, far below the 1e-9 asked here, where float32 (1e-7 per operation, amplified by Adam's normalisation of
     near-zero gradients) could not promise it."""
     from ddcnn.engine.loop import fit_batches
+    from ddcnn.settings import LoopSettings
 
     adamw = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.05, "weight_decay": 0.01}
     common = {"optimizer": adamw, "max_epochs": 3, "precision": "64-true", "monitor": "val_loss", "monitor_mode": "min"}
-    one = fit_batches(_ddp_net(), _ddp_data(16), tmp_path / "one", **common)
-    two = fit_batches(_ddp_net(), _ddp_data(8), tmp_path / "two", num_devices=2, **common)
+    one = fit_batches(_ddp_net(), _ddp_data(16), tmp_path / "one", LoopSettings(**common))
+    two = fit_batches(_ddp_net(), _ddp_data(8), tmp_path / "two", LoopSettings(num_devices=2, **common))
     assert two.world_size == 2 and one.world_size == 1 and two.precision == one.precision == "64-true"
     assert [row["step"] for row in one.history] == [row["step"] for row in two.history] == [3, 6, 9]
     for key in ("train_loss", "train_acc", "val_loss", "val_acc", "lr"):
@@ -215,13 +217,15 @@ def test_a_failure_in_one_spawned_rank_stops_every_rank_with_its_message(tmp_pat
 
     from ddcnn.data.datamodule import TensorDataModule
     from ddcnn.engine.loop import fit_batches
+    from ddcnn.settings import LoopSettings
 
     x = {s: torch.randn(24, 1, 6, 6) for s in ("train", "val", "test")}
     y = {s: torch.randint(3, (24,)) for s in x}
     sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
     began = time.perf_counter()
     with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match=r"^rank 1 ran out of memory \(test\)$"):
-        fit_batches(_FailsOnRank1(), TensorDataModule(x, y, 4), tmp_path, optimizer=sgd, max_epochs=3, num_devices=2)
+        settings = LoopSettings(optimizer=sgd, max_epochs=3, num_devices=2)
+        fit_batches(_FailsOnRank1(), TensorDataModule(x, y, 4), tmp_path, settings)
     assert time.perf_counter() - began < 60  # spawning two interpreters included
     assert "DDP rank 1 of the training" in caplog.text and "in forward" in caplog.text  # rank 1's traceback
     assert not list(tmp_path.glob(".spawned_*"))
@@ -231,14 +235,15 @@ _SRUN_TASK = """
 import sys, torch
 from ddcnn.data.datamodule import TensorDataModule
 from ddcnn.engine.loop import fit_batches
+from ddcnn.settings import LoopSettings
 from tests.engine.test_ddp import _FailsOnRank1
 
 torch.manual_seed(0)
 x = {s: torch.randn(24, 1, 6, 6) for s in ("train", "val", "test")}
 y = {s: torch.randint(3, (24,)) for s in x}
 sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
-fit_batches(_FailsOnRank1(), TensorDataModule(x, y, 4), sys.argv[1], optimizer=sgd, max_epochs=3, num_devices=2,
-            launcher="srun")
+settings = LoopSettings(optimizer=sgd, max_epochs=3, num_devices=2, launcher="srun")
+fit_batches(_FailsOnRank1(), TensorDataModule(x, y, 4), sys.argv[1], settings)
 """
 
 

@@ -71,8 +71,9 @@ def _fit(make_cfg, folder: Path, *overrides: str, net=None, data=None):
     data = (
         data if data is not None else PreparedBatches(_prepared(), 8, seed=0, augment=Augment(flip_axes=(1,), seed=2))
     )
-    settings = RunSettings.from_config(cfg).fit
-    return fit(settings, net or _Recording(), data, folder, "cpu", 0, time.perf_counter(), optimizer=SGD)
+    run = RunSettings.from_config(cfg)
+    start = time.perf_counter()
+    return fit(run, net or _Recording(), data, folder, start, seed=0, device="cpu", optimizer=SGD)
 
 
 # --- device=auto ---------------------------------------------------------------------------------------------------
@@ -382,6 +383,7 @@ def test_compile_is_warmed_up_on_every_batch_shape_and_counts_recompiles_in_the_
 
     from ddcnn.data.datamodule import TensorDataModule
     from ddcnn.engine.loop import fit_batches
+    from ddcnn.settings import LoopSettings
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     torch._dynamo.reset()
@@ -390,13 +392,12 @@ def test_compile_is_warmed_up_on_every_batch_shape_and_counts_recompiles_in_the_
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(32, 3))
     sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
     before = counters["frames"]["ok"]
-    result = fit_batches(
-        net, TensorDataModule(x, y, 8, eval_batch_size=16), tmp_path, optimizer=sgd, max_epochs=2, gpu={"compile": True}
-    )
+    data = TensorDataModule(x, y, 8, eval_batch_size=16)
+    result = fit_batches(net, data, tmp_path, LoopSettings(optimizer=sgd, max_epochs=2, compile=True))
     assert result.engine["compile"] is True and result.compile_time_s > 0
     assert counters["frames"]["ok"] - before >= 2  # the full batch and the tail were compiled ...
     assert result.engine["compile_recompiles"] == 0  # ... in the warm-up, none in the training's clock
-    plain = fit_batches(net, TensorDataModule(x, y, 8), tmp_path / "plain", optimizer=sgd, max_epochs=1)
+    plain = fit_batches(net, TensorDataModule(x, y, 8), tmp_path / "plain", LoopSettings(optimizer=sgd, max_epochs=1))
     assert "compile_recompiles" not in plain.engine
 
 
@@ -429,7 +430,7 @@ def test_the_local_nets_of_a_process_share_one_device_copy_of_the_splits():
 def test_sync_debug_mode_is_asked_for_cuda_trainings_only_and_bad_values_are_refused(monkeypatch):
     """DDCNN_SYNC_DEBUG turns torch's CUDA sync debug mode on around a CUDA training's steps (bench/gpu_check.py runs
     its loop section under it); torch cannot set the mode without a GPU, so here only the decision is checked."""
-    from ddcnn.engine.loop import sync_debug_mode
+    from ddcnn.engine.gpu import sync_debug_mode
 
     monkeypatch.delenv("DDCNN_SYNC_DEBUG", raising=False)
     assert sync_debug_mode(torch.device("cuda", 0)) is None

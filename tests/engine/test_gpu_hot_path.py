@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from ddcnn.engine import gpu
-from ddcnn.engine.loop import build_optimizer, fit_batches
+from ddcnn.engine.loop import fit_batches
+from ddcnn.engine.optim import build_optimizer
+from ddcnn.settings import LoopSettings
 from tests.engine.test_train import _data, _net
 
 SGD = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "momentum": 0.9}
@@ -76,12 +78,12 @@ def test_on_cpu_a_16_mixed_training_is_bitwise_the_one_of_the_nodes_optimizer(tm
     """The loop asks the GPU policy for its optimizer: on CPU it is exactly the node's (a fused step would round
     differently), so the weights equal those of a training handed that optimizer as a callable."""
     settings = {"max_epochs": 2, "precision": "16-mixed", "device": "cpu", "write_best": False}
-    by_node = fit_batches(_net(), _data(), tmp_path / "node", optimizer=SGD, **settings)
+    by_node = fit_batches(_net(), _data(), tmp_path / "node", LoopSettings(optimizer=SGD, **settings))
 
     def sgd(params):
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
-    by_callable = fit_batches(_net(), _data(), tmp_path / "callable", optimizer=sgd, **settings)
+    by_callable = fit_batches(_net(), _data(), tmp_path / "callable", LoopSettings(optimizer=sgd, **settings))
     for a, b in zip(by_node.net.state_dict().values(), by_callable.net.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
@@ -96,11 +98,13 @@ def test_a_fused_optimizer_with_clipping_under_16_mixed_is_refused_with_the_fix(
             _net(),
             _data(),
             tmp_path / "clip",
-            optimizer={**ADAMW, "fused": True},
-            max_epochs=1,
-            precision="16-mixed",
-            device="cpu",
-            gradient_clip_val=1.0,
+            LoopSettings(
+                optimizer={**ADAMW, "fused": True},
+                max_epochs=1,
+                precision="16-mixed",
+                device="cpu",
+                gradient_clip_val=1.0,
+            ),
         )
     assert gpu.amp_optimizer({**ADAMW, "fused": True}, "cpu", "bf16-mixed", 1.0)["fused"] is True
 

@@ -17,11 +17,14 @@ import pytest
 import torch
 from torch import nn
 
-from ddcnn.engine.loop import CHECKPOINT_FORMAT, CHECKPOINT_KEYS, FitResult, fit_tensors
+from ddcnn.engine.loop import fit_tensors
+from ddcnn.engine.state import CHECKPOINT_FORMAT, CHECKPOINT_KEYS, FitResult
 from ddcnn.models.coarse import CoarseMLP
 from ddcnn.pipeline import train
 from ddcnn.report.plots import read_metrics_csv
 from ddcnn.rundir import RunDir
+from ddcnn.settings import LoopSettings
+from tests.conftest import hooks_as_callbacks
 
 N, K = 3, 5  # sub-domains and an odd class count, so that a hard-coded 10 cannot pass
 ADAMW = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 3e-2, "weight_decay": 1e-4}
@@ -51,8 +54,10 @@ def _net(seed: int = 0) -> CoarseMLP:
 
 def _fit(folder: Path, **kwargs) -> FitResult:
     x, y = kwargs.pop("data", None) or _data()
-    settings = {"optimizer": ADAMW, "max_epochs": 8, "batch_size": 32, "seed": 7, "scheduler": COSINE}
-    return fit_tensors(kwargs.pop("net", None) or _net(), x, y, folder, **(settings | kwargs))
+    net, callbacks = kwargs.pop("net", None) or _net(), hooks_as_callbacks(kwargs)
+    batch, start = kwargs.pop("batch_size", 32), kwargs.pop("start", None)
+    settings = LoopSettings(**{"optimizer": ADAMW, "max_epochs": 8, "seed": 7, "scheduler": COSINE} | kwargs)
+    return fit_tensors(net, x, y, folder, settings, batch_size=batch, callbacks=callbacks, start=start)
 
 
 def _untimed(history: list[dict]) -> list[dict]:
@@ -257,7 +262,7 @@ SGD_TOO_FAST = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 500.0}
 
 
 def test_a_diverging_training_raises_or_restarts_with_a_lower_learning_rate(tmp_path):
-    from ddcnn.engine.loop import Diverged
+    from ddcnn.engine.state import Diverged
 
     data = _data()
     data[0]["train"] = data[0]["train"] * 50  # badly scaled inputs: SGD at this rate blows up
@@ -300,7 +305,7 @@ class GlitchOnceSGD(torch.optim.SGD):
 def test_weights_left_not_finite_by_an_epochs_last_step_restart_the_training(tmp_path):
     """The epoch's training loss (taken before each step) is finite, its validation is not: a divergence, restarted
     from the initial weights, never a finished training with weights that are not finite."""
-    from ddcnn.engine.loop import Diverged
+    from ddcnn.engine.state import Diverged
 
     glitchy = {"_target_": "tests.engine.test_loop.GlitchOnceSGD", "_partial_": True, "lr": 0.1}
     GlitchOnceSGD.instances = 0
@@ -353,7 +358,7 @@ def test_early_stopping_ends_after_patience_epochs_without_improvement_and_stays
 
 
 def test_one_improvement_rule_beats_the_kept_epoch_by_more_than_min_delta():
-    from ddcnn.engine.loop import early_stop_due, improves
+    from ddcnn.engine.convergence import early_stop_due, improves
 
     assert improves(0.743, 0.74, "max", 0.002) and not improves(0.7412, 0.74, "max", 0.002)
     assert not improves(0.742, 0.74, "max", 0.002)  # by exactly min_delta: not more than it
@@ -370,7 +375,8 @@ def test_one_improvement_rule_beats_the_kept_epoch_by_more_than_min_delta():
 def test_the_plateau_scheduler_counts_an_improvement_as_selection_does():
     """The loop builds ReduceLROnPlateau with its own rule: the scheduler's best and bad-epoch count follow
     ``improves`` exactly, where torch's default (a relative threshold of 1e-4) does not."""
-    from ddcnn.engine.loop import build_scheduler, improves
+    from ddcnn.engine.convergence import improves
+    from ddcnn.engine.optim import build_scheduler
 
     values = [1.0, 0.9, 0.8995, 0.8992, 0.85, 0.8499, math.nan, 0.84, 0.7, 0.7]
     for mode, sign in (("min", 1.0), ("max", -1.0)):
@@ -399,7 +405,7 @@ def test_the_plateau_scheduler_counts_an_improvement_as_selection_does():
 
 def _replay(history: list[dict], monitor: str, mode: str, min_delta: float, patience: int, factor: float, waits: int):
     """The improvement rule replayed over a fit's history: the kept epoch, the stop and the learning rates it gives."""
-    from ddcnn.engine.loop import improves
+    from ddcnn.engine.convergence import improves
 
     best, kept, bad, lr, rates, stop = None, -1, 0, history[0]["lr"], [], None
     for epoch, row in enumerate(history):
@@ -505,7 +511,7 @@ def test_convergence_flags_a_training_stopped_on_a_noisy_split_and_not_one_run_t
     assert cosine.convergence["lr_ratio"] > 0.9
     # The loss trend reads 3-epoch means (one epoch's loss is noisy at a constant rate) and stops mattering once the
     # training data are fit almost exactly (mean loss below 1% of ln K).
-    from ddcnn.engine.loop import convergence
+    from ddcnn.engine.convergence import convergence
 
     def rows(losses):
         return [{"train_loss": v, "lr": 0.01} for v in losses]
@@ -542,7 +548,7 @@ def test_bad_settings_name_the_argument(tmp_path):
         _fit(tmp_path, monitor_mode="up")
     with pytest.raises(ValueError, match="monitor must be one of"):
         _fit(tmp_path, monitor="acc")
-    with pytest.raises(ValueError, match="checkpoint_every must be >= 1"):
+    with pytest.raises(ValueError, match="checkpoint_every must be a positive whole number, got 0"):
         _fit(tmp_path, checkpoint_every=0)
 
 
@@ -671,7 +677,7 @@ def test_finished_coarse_stage_is_skipped_and_force_retrains_from_scratch(local_
 def test_the_advice_for_an_unconverged_training_names_each_fix_once():
     """A training too short to judge that ran its whole budget (1 epoch of 1) is told to train longer once, and how
     to let the budget adapt; one stopped by early stopping is told to wait longer."""
-    from ddcnn.engine.loop import convergence_advice
+    from ddcnn.engine.convergence import convergence_advice
 
     advice = convergence_advice({"stopped_by": "budget", "epochs": 1, "converged": False})
     assert advice.count("more epochs (trainer.max_epochs)") == 1 and "ReduceLROnPlateau" in advice

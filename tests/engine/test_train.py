@@ -8,6 +8,7 @@ training's recorded time follows one rule whether it ran on one device or as a o
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
 import os
@@ -22,13 +23,14 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from ddcnn.data.datamodule import PreparedBatches, TensorDataModule
+from ddcnn.engine.callbacks import OnEpochEnd
 from ddcnn.engine.loop import fit_batches
 from ddcnn.engine.train import fit
 from ddcnn.pipeline import train
 from ddcnn.rundir import CURVE_FILE, RunDir
 from ddcnn.settings import RunSettings
-from ddcnn.settings.fit import ENGINE_KEYS, TRAINER_KEYS
-from tests.conftest import CONFIG_DIR, sigkill_after_first_checkpoint
+from ddcnn.settings.loop import LoopSettings
+from tests.conftest import CONFIG_DIR, hooks_as_callbacks, sigkill_after_first_checkpoint
 
 K = 5  # an odd class count, so that a hard-coded 10 cannot pass
 COSINE_NODE = "scheduler={_target_:torch.optim.lr_scheduler.CosineAnnealingLR,_partial_:true,T_max:null}"
@@ -60,11 +62,11 @@ def _net(seed: int = 0) -> nn.Module:
 
 def _fit(make_cfg, folder: Path, *overrides: str, net: nn.Module | None = None, data=None, **loop):
     cfg = make_cfg("trainer.max_epochs=2", "trainer.limit_train_batches=null", *overrides)
-    optimizer = loop.pop("optimizer", SGD)
-    settings = RunSettings.from_config(cfg).fit
-    return fit(
-        settings, net or _net(), data or _data(), folder, "cpu", 0, time.perf_counter(), optimizer=optimizer, **loop
-    )
+    optimizer, callbacks = loop.pop("optimizer", SGD), hooks_as_callbacks(loop)
+    run = RunSettings.from_config(cfg)
+    start = time.perf_counter()
+    net, data = net or _net(), data or _data()
+    return fit(run, net, data, folder, start, callbacks, seed=0, device="cpu", optimizer=optimizer, **loop)
 
 
 def _grad_norm(opt: torch.optim.Optimizer) -> float:
@@ -85,9 +87,10 @@ def _recording_sgd(seen: list, what=_grad_norm):
 
 # --- every key of conf/trainer and conf/engine ---------------------------------------------------------------------
 def test_every_key_of_the_trainer_and_engine_configs_is_one_the_loop_implements():
-    for group, known in (("trainer", TRAINER_KEYS), ("engine", ENGINE_KEYS)):
-        keys = set(OmegaConf.load(Path(CONFIG_DIR) / group / "default.yaml"))
-        assert keys <= set(known), (group, keys - set(known))
+    declared = {f.metadata["key"] for f in dataclasses.fields(LoopSettings)}
+    for group in ("trainer", "engine"):
+        keys = {f"{group}.{key}" for key in OmegaConf.load(Path(CONFIG_DIR) / group / "default.yaml")}
+        assert keys - {"engine.loop"} <= declared, (group, keys - declared)
 
 
 @pytest.mark.parametrize(
@@ -115,7 +118,7 @@ def test_every_key_of_the_trainer_and_engine_configs_is_one_the_loop_implements(
         ("engine.patience=0", r"engine.patience must be a whole number of epochs >= 1 .* or null"),
         ("engine.patience=true", "engine.patience must be a whole number"),
         ("engine.min_delta=-0.01", r"engine.min_delta must be >= 0 .* in engine.monitor.s units"),
-        ("engine.min_epochs=0", r"engine.min_epochs must be a whole number of epochs >= 1 .* or null \(half"),
+        ("engine.min_epochs=-1", r"engine.min_epochs must be a whole number of epochs >= 0 .* or null \(half"),
         ("engine.patience=2 engine.min_epochs=3", r"engine.min_epochs=3 is more than trainer.max_epochs=1"),
         # a fixed-length schedule is never cut short
         (f"engine.patience=2 {COSINE_NODE}", r"cut a fixed-length .* Drop engine.patience .* scheduler=\{_target_:"),
@@ -396,18 +399,18 @@ class Interrupt(Exception):
 def test_the_16_mixed_loss_scale_survives_a_resume(tmp_path):
     """The scaler skipped steps and lowered its scale before the interruption: the resumed training restores it (in
     last.ckpt) and ends with exactly the weights and scaler state of an uninterrupted one."""
-    settings = {"optimizer": SGD, "max_epochs": 5, "precision": "16-mixed", "checkpoint_every": 1, "device": "cpu"}
-    reference = fit_batches(_net(), _data(), tmp_path / "reference", **settings)
+    settings = LoopSettings(optimizer=SGD, max_epochs=5, precision="16-mixed", checkpoint_every=1, device="cpu")
+    reference = fit_batches(_net(), _data(), tmp_path / "reference", settings)
 
     def stop_at_2(epoch, row):
         if epoch == 2:
             raise Interrupt
 
     with pytest.raises(Interrupt):
-        fit_batches(_net(), _data(), tmp_path / "resumed", on_epoch_end=stop_at_2, **settings)
+        fit_batches(_net(), _data(), tmp_path / "resumed", settings, [OnEpochEnd(stop_at_2)])
     saved = torch.load(tmp_path / "resumed" / "last.ckpt", weights_only=False)
     assert saved["epoch"] == 2 and saved["precision_state"]["scale"] < 65536.0, "the scale never moved"
-    resumed = fit_batches(_net(seed=9), _data(), tmp_path / "resumed", **settings)
+    resumed = fit_batches(_net(seed=9), _data(), tmp_path / "resumed", settings)
     assert resumed.resumed_from_epoch == 2
     for a, b in zip(resumed.net.state_dict().values(), reference.net.state_dict().values(), strict=True):
         assert torch.equal(a, b)
@@ -459,7 +462,8 @@ def test_a_local_net_and_a_one_rank_ddp_training_of_it_record_the_same_time(make
     def timed(folder: Path, **how) -> tuple:
         start = time.perf_counter()
         seed_everything(seed)
-        result = fit(ctx.settings.fit, build_local_net(ctx.settings, ctx.data), data, folder, "cpu", seed, start, **how)
+        net = build_local_net(ctx.settings, ctx.data)
+        result = fit(ctx.settings, net, data, folder, start, seed=seed, device="cpu", **how)
         return result, time.perf_counter() - start
 
     ddp, wall = timed(tmp_path / "ddp", num_devices=1, launcher="spawn")

@@ -222,7 +222,7 @@ def test_methods_switched_on_later_train_only_the_new_stages(make_cfg):
 
 
 def test_cosine_schedule_anneals_over_each_stages_own_epochs():
-    from ddcnn.engine.loop import scheduler_factory
+    from ddcnn.engine.optim import scheduler_factory
 
     cfg = compose_config(["experiment=cifar10", "trainer.max_epochs=5"])
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)

@@ -1,0 +1,150 @@
+"""The loop's callbacks: what a training does besides its steps, as small objects the loop calls by hook name (as
+Lightning Fabric's ``fabric.call(hook, ...)`` does), so that a stage adds to a training by handing a callback to
+:func:`ddcnn.engine.loop.fit_batches`, never by a new keyword.
+
+Every hook is optional; a callback defines the ones it needs. In the order of an epoch:
+
+- ``on_validation_end(epoch, row, net) -> metrics | None`` (rank 0; outside the training clock): after the epoch's
+  validation, with ``net`` in eval mode holding that epoch's weights; the metrics it returns join the epoch's row
+  (and ``logs/metrics.csv``). E.g. :class:`ddcnn.stages.common` curve points, the test accuracy of every epoch.
+- ``on_log(epoch, row, points)`` (rank 0; outside the clock): the epoch's row and, where the callback's
+  ``wants_steps`` is true and ``log_every_n_steps`` is set, ``(optimizer step, mean loss of the last n)`` points: the
+  progress bar and the loggers (:class:`ddcnn.engine.loggers.EpochReporter`).
+- ``on_epoch_end(epoch, row)`` (every rank; training time): once the epoch's checkpoint, if any, is written; an
+  exception it raises stops the training as a kill at that moment would.
+- ``on_fit_end(status)`` (rank 0): ``success`` or ``failed``.
+
+Callbacks travel to spawned DDP ranks by pickling: module-level classes or functions, no lambdas or closures.
+
+The rules every training has are callbacks of the loop's own, built from its :class:`~ddcnn.settings.LoopSettings`:
+:class:`EarlyStopping`, :class:`CheckpointCadence` and :class:`DivergenceRestart`; their state is part of
+``last.ckpt`` (:class:`ddcnn.engine.state.TrainState`, one key list), so a resumed training continues each.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ddcnn.engine.convergence import NOT_FINITE_RETRIES, divergence_reason, early_stop_due
+from ddcnn.engine.state import Diverged
+from ddcnn.settings.loop import LoopSettings
+
+__all__ = [
+    "EarlyStopping",
+    "CheckpointCadence",
+    "DivergenceRestart",
+    "AfterValidation",
+    "OnEpochEnd",
+    "call",
+    "HOOKS",
+]
+
+HOOKS = ("on_validation_end", "on_log", "on_epoch_end", "on_fit_end")
+
+
+def call(callbacks, hook: str, *args: Any) -> list[Any]:
+    """``hook(*args)`` of every callback that has it, in order; what each returned."""
+    out = []
+    for callback in callbacks:
+        method = getattr(callback, hook, None)
+        if method is not None:
+            out.append(method(*args))
+    return out
+
+
+class EarlyStopping:
+    """Ends a training once ``patience`` epochs have passed since the kept epoch, not before ``least_epochs``
+    (:func:`~ddcnn.engine.convergence.early_stop_due`); the same on every rank (the monitored metric is the
+    all-reduced one). Its state, the epoch it stopped after, is ``TrainState.stopped_epoch``."""
+
+    def __init__(self, settings: LoopSettings) -> None:
+        self.patience, self.least, self.max_epochs = settings.patience, settings.least_epochs, settings.max_epochs
+
+    def due(self, epoch: int, best_epoch: int) -> bool:
+        return early_stop_due(epoch, best_epoch, self.patience, self.least, self.max_epochs)
+
+
+class CheckpointCadence:
+    """Whether ``last.ckpt`` is written after an epoch: every ``checkpoint_every_s`` seconds of wall time since the
+    last write, else every ``checkpoint_every`` epochs (and always after the last one: the loop's rule)."""
+
+    def __init__(self, settings: LoopSettings) -> None:
+        self.every_s, self.every = settings.checkpoint_every_s, settings.checkpoint_every
+        self.last_write = time.perf_counter()
+
+    def written(self) -> None:
+        self.last_write = time.perf_counter()
+
+    def due(self, epoch: int) -> bool:
+        if self.every_s is not None:
+            return time.perf_counter() - self.last_write >= self.every_s
+        return (epoch + 1) % self.every == 0
+
+
+class DivergenceRestart:
+    """The divergence rule of an epoch and how many restarts are left, at which learning-rate factor.
+
+    Where ``divergence_restarts`` is set, an epoch has diverged when its mean training loss is not finite or exceeds
+    ``divergence_factor`` times the larger of the initial loss (the loss of the first training batch before the first
+    step; under DDP the global batch's) and ``ln K`` (the loss of a uniform guess over the ``K`` classes: a network
+    that starts better than chance may wander above its initial loss without diverging)
+    (:func:`~ddcnn.engine.convergence.divergence_reason`), or when its validation loss is not finite (the epoch's last
+    steps left weights that are not: a training loss is taken before its step, so only the validation after the epoch
+    sees them; torch 2.14's oneDNN 3D convolution on the CPU returns a non-finite weight gradient now and then for
+    kernels as large as the input). With ``divergence_restarts=0`` the fit raises :class:`Diverged`; with ``R > 0`` it
+    starts again from the initial weights with every learning rate multiplied by ``divergence_lr_factor``, at most
+    ``R`` times. Non-finite weights restart even where divergence is not checked, at most :data:`NOT_FINITE_RETRIES`
+    times at the same rates. Its state (the restarts, the learning-rate scale, the initial loss and weights) is part of
+    ``TrainState``, so a resumed fit continues the same attempt."""
+
+    def __init__(self, settings: LoopSettings) -> None:
+        self.checked = settings.divergence_restarts is not None
+        self.allowed = int(settings.divergence_restarts) if self.checked else NOT_FINITE_RETRIES
+        self.factor, self.lr_factor = settings.divergence_factor, settings.divergence_lr_factor
+
+    def reason(self, train_loss: float, initial_loss: float | None, num_classes: int) -> str | None:
+        """Why an epoch of mean training loss ``train_loss`` diverged, ``None`` if it did not (or unchecked)."""
+        if not self.checked:
+            return None
+        return divergence_reason(train_loss, initial_loss, num_classes, self.factor)
+
+    def failure(self, where: str, restarts: int, epoch: int, reason: str) -> Diverged:
+        """The error of a training that diverged with no restart left, with what to do."""
+        advice = "Lower the learning rate (or scale the inputs), then run again with force=true."
+        if not self.checked:  # the same attempt failed alike every time
+            advice = (
+                "The same training, at the same learning rates, left weights that are not finite every time: a "
+                "learning rate too high (lower it) or a numerical fault of a kernel (torch 2.14's oneDNN 3D "
+                "convolution on the CPU, for kernels as large as the sub-domain: larger sub-domains, more overlap "
+                "or a smaller stem). Then run again with force=true."
+            )
+        lower = " with lower learning rates" if self.checked else ""
+        return Diverged(f"{where}, after {restarts} restart(s){lower}. {advice}", epoch, reason)
+
+    def next_scale(self, restarts_so_far: int) -> float | None:
+        """The learning-rate factor of the next attempt, ``None`` when no restart is left."""
+        if restarts_so_far >= self.allowed:
+            return None
+        return self.lr_factor if self.checked else 1.0
+
+
+class AfterValidation:
+    """``on_validation_end`` from a function ``(epoch, row, net) -> metrics | None`` (module-level, so it pickles)."""
+
+    def __init__(self, function: Callable[[int, Mapping[str, float], Any], Mapping[str, float] | None]) -> None:
+        self.function = function
+
+    def on_validation_end(self, epoch: int, row: Mapping[str, float], net) -> Mapping[str, float] | None:
+        return self.function(epoch, row, net)
+
+
+class OnEpochEnd:
+    """``on_epoch_end`` from a function ``(epoch, row) -> None`` (module-level, so it pickles)."""
+
+    def __init__(self, function: Callable[[int, Mapping[str, float]], None]) -> None:
+        self.function = function
+
+    def on_epoch_end(self, epoch: int, row: Mapping[str, float]) -> None:
+        self.function(epoch, row)
