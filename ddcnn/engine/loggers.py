@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import hydra
+
+from ddcnn.data.progress import open_bar
 
 if TYPE_CHECKING:
     from ddcnn.settings.fit import FitSettings
@@ -169,8 +170,9 @@ def build_loggers(specs: Mapping[str, Any], folder: Path) -> list:
 
 class EpochReporter:
     """What a training shows and logs (rank 0; the loop keeps its time out of the training clock): a progress bar on a
-    terminal or one log line per epoch (SLURM's ``slurm-*.out``, CI logs, ``> log``), and every epoch's metrics (and,
-    with ``trainer.log_every_n_steps``, the training loss every n steps) to the loggers of ``logger``.
+    terminal (:func:`~ddcnn.data.progress.open_bar`) or one log line per epoch (SLURM's ``slurm-*.out``, CI logs,
+    ``> log``), and every epoch's metrics (and, with ``trainer.log_every_n_steps``, the training loss every n steps)
+    to the loggers of ``logger``.
 
     Args:
         settings: The run's :class:`~ddcnn.settings.FitSettings` (``logger``, ``trainer.enable_progress_bar``).
@@ -188,10 +190,11 @@ class EpochReporter:
         self.show_bar = settings.trainer.enable_progress_bar
         self.loggers: list | None = None
         self.bar = None
+        self.bar_opened = False  # open_bar was asked (it may have said no: lines instead)
         self.wants_steps = settings.wants_step_losses
 
     def __getstate__(self) -> dict[str, Any]:  # sent to spawned DDP ranks before anything was reported
-        return {**self.__dict__, "loggers": None, "bar": None}
+        return {**self.__dict__, "loggers": None, "bar": None, "bar_opened": False}
 
     def _loggers(self) -> list:
         if self.loggers is None:
@@ -210,12 +213,10 @@ class EpochReporter:
             if callable(getattr(logger, "save", None)):
                 logger.save()
         shown = {k: v for k, v in sorted(metrics.items()) if k.startswith(("train_", "val_"))}
-        use_bar = self.show_bar if self.show_bar is not None else sys.stderr.isatty()
-        if use_bar:
-            if self.bar is None:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(total=self.max_epochs, initial=epoch, desc=self.name, unit="epoch", leave=False)
+        if not self.bar_opened:
+            self.bar = open_bar(self.max_epochs, self.name, "epoch", initial=epoch, enabled=self.show_bar)
+            self.bar_opened = True
+        if self.bar is not None:
             self.bar.set_postfix({k: f"{v:.4f}" for k, v in shown.items()}, refresh=False)
             self.bar.update(1)
         elif (epoch + 1) % self.every == 0 or epoch + 1 == self.max_epochs:
@@ -226,6 +227,7 @@ class EpochReporter:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self.bar_opened = False
         for logger in self.loggers or []:
             if callable(getattr(logger, "finalize", None)):
                 logger.finalize(status)
