@@ -100,11 +100,10 @@ def load_data(settings: RunSettings) -> Prepared:
     extra = {"lazy": True} if _accepts(target, "lazy") else {}
     if _accepts(target, "in_channels"):  # a source that can read 1 or 3 channels (image files) reads data.in_channels
         extra["in_channels"] = d.in_channels
-    prepare = d.prepare_settings()
     data = load_prepared(
         lambda: instantiate(d.source, **extra),
         {k: v for k, v in d.source.items() if k not in NOT_IDENTITY},
-        prepare,
+        d,  # the data settings are the preparation's (PrepareSettings)
         mode=d.memory.mode,
         auto_max_mb=d.memory.auto_max_mb,
         limit_gb=d.memory.limit_gb,
@@ -112,7 +111,7 @@ def load_data(settings: RunSettings) -> Prepared:
         stage_to=settings.store.stage_to,
     )
     fraction = d.val_target_fraction
-    return data.carve_val_target(fraction, prepare.split_seed) if fraction > 0 else data
+    return data.carve_val_target(fraction, d.split_seed) if fraction > 0 else data
 
 
 def open_context(
