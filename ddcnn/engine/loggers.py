@@ -3,8 +3,10 @@
 ``logs/metrics.csv`` is written by the loop itself (with its checkpoints, so it holds every epoch once across a
 resume). The ``logger`` group adds, per stage: :class:`TensorBoardLogger` (torch's ``SummaryWriter``, ``<stage>/tb/``)
 and :class:`MLflowLogger` (mlflow's own client: one MLflow run per stage). Any object with
-``log_metrics(metrics, step)`` (and optionally ``save()`` and ``finalize(status)``), e.g. a Lightning Fabric logger,
-can be configured the same way (``_target_`` + ``_partial_: true``).
+``log_metrics(metrics, step)`` (and optionally ``save()`` and ``finalize(status)``) can be configured the same way
+(``_target_`` + ``_partial_: true``). Lightning Fabric's loggers would log only where its ``rank_zero_only`` says rank
+0, a rank it reads from ``SLURM_PROCID`` at import: the tasks of an srun step that train their own local nets (task 1,
+2, ...) would write nothing, which is why the TensorBoard logger here is ddcnn's own (tests/engine/test_loggers.py).
 """
 
 from __future__ import annotations
