@@ -26,6 +26,7 @@ from ddcnn.data.augment import Augment
 from ddcnn.data.prepare import Prepared, load_prepared
 from ddcnn.data.sources import NOT_IDENTITY
 from ddcnn.decomposition import Decomposition
+from ddcnn.io import load_run_file
 from ddcnn.models import external, pretrained
 from ddcnn.models.cnn_dnn import CNNDNN
 from ddcnn.rundir import RunDir, RunIdentity, file_sha256
@@ -500,9 +501,9 @@ def assemble_cnn_dnn(ctx: Context) -> CNNDNN:
     nets = []
     for i in range(n):
         net = build_local_net(ctx.settings, ctx.data, weights=False)  # its trained weights follow
-        net.load_state_dict(torch.load(ctx.run.stage_dir("local", i) / "net.pt", weights_only=True))
+        net.load_state_dict(load_run_file(ctx.run.stage_dir("local", i) / "net.pt"))
         nets.append(net)
     coarse = build_coarse_net(ctx.settings.coarse, n, ctx.data.num_classes, spec=finished_coarse_spec(ctx))
-    coarse.load_state_dict(torch.load(ctx.run.stage_dir("coarse") / "net.pt", weights_only=True))
+    coarse.load_state_dict(load_run_file(ctx.run.stage_dir("coarse") / "net.pt"))
     model = CNNDNN(ctx.decomposition, nets, coarse, finished_coarse_input(ctx))
     return model.eval()
