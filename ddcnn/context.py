@@ -26,6 +26,7 @@ from ddcnn.data.augment import Augment
 from ddcnn.data.prepare import Prepared, load_prepared
 from ddcnn.data.sources import NOT_IDENTITY
 from ddcnn.decomposition import Decomposition
+from ddcnn.io import load_run_file
 from ddcnn.models import external, pretrained
 from ddcnn.models.cnn_dnn import CNNDNN
 from ddcnn.rundir import RunDir, RunIdentity, file_sha256
@@ -100,11 +101,10 @@ def load_data(settings: RunSettings) -> Prepared:
     extra = {"lazy": True} if _accepts(target, "lazy") else {}
     if _accepts(target, "in_channels"):  # a source that can read 1 or 3 channels (image files) reads data.in_channels
         extra["in_channels"] = d.in_channels
-    prepare = d.prepare_settings()
     data = load_prepared(
         lambda: instantiate(d.source, **extra),
         {k: v for k, v in d.source.items() if k not in NOT_IDENTITY},
-        prepare,
+        d,  # the data settings are the preparation's (PrepareSettings)
         mode=d.memory.mode,
         auto_max_mb=d.memory.auto_max_mb,
         limit_gb=d.memory.limit_gb,
@@ -112,7 +112,7 @@ def load_data(settings: RunSettings) -> Prepared:
         stage_to=settings.store.stage_to,
     )
     fraction = d.val_target_fraction
-    return data.carve_val_target(fraction, prepare.split_seed) if fraction > 0 else data
+    return data.carve_val_target(fraction, d.split_seed) if fraction > 0 else data
 
 
 def open_context(
@@ -501,9 +501,9 @@ def assemble_cnn_dnn(ctx: Context) -> CNNDNN:
     nets = []
     for i in range(n):
         net = build_local_net(ctx.settings, ctx.data, weights=False)  # its trained weights follow
-        net.load_state_dict(torch.load(ctx.run.stage_dir("local", i) / "net.pt", weights_only=True))
+        net.load_state_dict(load_run_file(ctx.run.stage_dir("local", i) / "net.pt"))
         nets.append(net)
     coarse = build_coarse_net(ctx.settings.coarse, n, ctx.data.num_classes, spec=finished_coarse_spec(ctx))
-    coarse.load_state_dict(torch.load(ctx.run.stage_dir("coarse") / "net.pt", weights_only=True))
+    coarse.load_state_dict(load_run_file(ctx.run.stage_dir("coarse") / "net.pt"))
     model = CNNDNN(ctx.decomposition, nets, coarse, finished_coarse_input(ctx))
     return model.eval()

@@ -9,6 +9,9 @@ cluster).
 Only errors that the user can fix by freeing space or choosing another location (``ENOSPC``, ``EDQUOT``,
 ``EROFS``, ``EACCES``) become :class:`ArtifactWriteError` with that advice; any other ``OSError`` is
 raised as it is.
+
+The one reader of the run directory's torch files is :func:`load_run_file`: ``torch.load(weights_only=True)``, so a run
+directory received from someone else runs none of the code a pickle can hold; ddcnn writes tensors and plain types only.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import errno
 import io
 import json
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,12 +40,19 @@ __all__ = [
     "atomic_write_json",
     "atomic_torch_save",
     "make_dir",
+    "TRUST_RUN_FILES",
+    "UntrustedRunFile",
+    "load_run_file",
 ]
 
 # The errors a user fixes by freeing space or writing elsewhere; only these get that advice.
 SPACE_OR_PERMISSION = frozenset(
     code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS, errno.EACCES) if code
 )
+
+
+# Set to 1, :func:`load_run_file` reads any pickle (``weights_only=False``): the opt-in for a file one trusts.
+TRUST_RUN_FILES = "DDCNN_TRUST_RUN_FILES"
 
 
 class ArtifactWriteError(OSError):
@@ -160,3 +171,40 @@ def make_dir(path: str | os.PathLike[str]) -> Path:
             raise
         raise raised from err
     return path
+
+
+class UntrustedRunFile(ValueError):
+    """A run-directory file holds Python objects besides tensors and plain types: ``torch.load(weights_only=True)``
+    refused it. The message names the file, what it holds and the fix."""
+
+
+def load_run_file(path: str | os.PathLike[str], map_location: Any = None) -> Any:
+    """A torch file of a run directory (a checkpoint, ``net.pt``, a fold's ``done.pt``) read with
+    ``torch.load(weights_only=True)``: tensors, containers and plain Python types, never code.
+
+    Args:
+        path: The file.
+        map_location: Where its tensors go, as ``torch.load`` takes it (``"cpu"``; ``None``: where they were saved).
+
+    Raises:
+        UntrustedRunFile: The file holds other Python objects (a file of another tool, an older ddcnn's, or one made
+            to run code when read); read only with :data:`TRUST_RUN_FILES` ``=1``, which trusts whoever wrote it.
+    """
+    import pickle
+
+    import torch
+
+    trusted = os.environ.get(TRUST_RUN_FILES) == "1"
+    try:
+        return torch.load(path, map_location=map_location, weights_only=not trusted)
+    except pickle.UnpicklingError as err:
+        if trusted:
+            raise
+        named = re.search(r"GLOBAL ([\w.]+)", str(err))  # torch names the first object it refused
+        found = f" (such as {named.group(1)})" if named else ""
+        raise UntrustedRunFile(
+            f"{path} holds Python objects besides tensors and plain types{found}; torch.load(weights_only=True) "
+            f"refused it, since reading it could run code. If an older ddcnn wrote it, delete it and run the same "
+            f"command again (what it held is trained again); if you trust whoever made it, run with "
+            f"{TRUST_RUN_FILES}=1 to read it as a plain pickle."
+        ) from err

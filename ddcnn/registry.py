@@ -12,8 +12,9 @@ local net: the local nets in parallel), ``local_oof_max`` (the slowest sub-domai
 trainings, one device per sub-domain) or a stage name (that stage's recorded ``time_s``). A ``key`` or ``name``
 may contain ``{input}``, filled from the stage's ``meta.json`` (the coarse DNN's input: ``probs`` or ``logits``).
 
-Adding a method: its module in ``ddcnn/stages/`` with ``run(ctx, device) -> meta``, one :class:`Stage` entry below,
-its config keys in ``conf/methods/default.yaml`` (``enabled.<name>`` and its settings), and its test.
+Adding a method (README, "Add a method"): its module in ``ddcnn/stages/`` with ``run(ctx, device) -> meta``, one
+:class:`Stage` entry below, its switch and defaults in ``conf/methods/``, its settings class in
+``ddcnn/settings/run.py`` (without it its keys are refused), its keys in ``ddcnn.rundir.NEUTRAL_SETTINGS``, its test.
 """
 
 from __future__ import annotations

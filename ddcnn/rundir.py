@@ -27,7 +27,14 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from ddcnn.io import ArtifactWriteError, atomic_torch_save, atomic_write_json, atomic_write_text, make_dir
+from ddcnn.io import (
+    ArtifactWriteError,
+    atomic_torch_save,
+    atomic_write_json,
+    atomic_write_text,
+    load_run_file,
+    make_dir,
+)
 
 __all__ = [
     "RunDir",
@@ -456,7 +463,7 @@ class RunDir:
                 + ("" if subdomain is None else f" subdomain={subdomain}")
                 + " first."
             )
-        return torch.load(self.stage_dir(stage, subdomain) / f"probs_{split}.pt", weights_only=True)
+        return load_run_file(self.stage_dir(stage, subdomain) / f"probs_{split}.pt")
 
     def local_outputs(self, num_subdomains: int, split: str, kind: str = "probs") -> tuple[torch.Tensor, torch.Tensor]:
         """Concatenated local outputs ``(n, N, K)`` of one split and their labels, checked for consistency.

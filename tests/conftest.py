@@ -34,6 +34,7 @@ __all__ = [
     "compose_config",
     "load_script",
     "mark_converged",
+    "prepare_settings",
     "shared_data",
 ]
 
@@ -82,6 +83,20 @@ def make_cfg(tmp_path: Path) -> Callable[..., DictConfig]:
         return compose_config(list(overrides), run_dir or tmp_path / "run", tiny)
 
     return make
+
+
+def prepare_settings(**given):
+    """A :class:`~ddcnn.data.prepare.PrepareSettings` with the data group's defaults (``conf/data/_base.yaml``, their
+    one home) and the ``given`` fields (``num_classes`` at least: the YAML leaves it to each dataset)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from ddcnn.data.prepare import PrepareSettings
+
+    base = OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / "data" / "_base.yaml"))
+    names = [f.name for f in dataclasses.fields(PrepareSettings)]
+    return PrepareSettings(**{name: given[name] if name in given else base[name] for name in names})
 
 
 def load_script(relative: str, name: str):

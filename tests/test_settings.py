@@ -164,10 +164,41 @@ def test_the_prepared_data_follow_the_data_settings(make_cfg):
     from ddcnn.context import load_data
 
     settings = RunSettings.from_config(make_cfg("data.train_subset=200", "data.test_subset=50"))
-    prepare = settings.data.prepare_settings()
-    assert (prepare.train_subset, prepare.test_subset, prepare.spatial_dims) == (200, 50, 2)
     data = load_data(settings)
     assert (len(data.y["train"]), len(data.y["test"])) == (200, 50)
+
+
+def test_the_data_settings_are_the_preparations_with_no_field_or_default_copied(make_cfg):
+    """PrepareSettings declares the preparation's fields once, with no default (the YAML holds them); DataSettings is
+    one and adds only its own; the store key of a preparation is what it was when the fields were copied."""
+    import dataclasses
+
+    from ddcnn.data.prepare import PrepareSettings
+    from ddcnn.settings import DataSettings
+    from ddcnn.store import Store
+
+    prepare = {f.name for f in dataclasses.fields(PrepareSettings)}
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(PrepareSettings))
+    assert issubclass(DataSettings, PrepareSettings) and not prepare & set(vars(DataSettings)["__annotations__"])
+    overrides = ("data.window=[-1000,400]", "data.float_storage=float32", "data.image_size=12", "data.train_subset=200")
+    settings = RunSettings.from_config(make_cfg(*overrides))
+    depends = settings.data.depends()
+    assert depends == {
+        "num_classes": 10,
+        "in_channels": 1,
+        "spatial_dims": 2,
+        "image_size": (12, 12),
+        "val_fraction": 0.15,
+        "split_seed": 0,
+        "train_subset": 200,
+        "test_subset": 100,
+        "float_storage": None,  # float32 is the exact default, spelled null
+        "window": (-1000.0, 400.0),
+    }
+    # the key the copied PrepareSettings of c7e6436 gave these settings (prepared copies in stores stay found)
+    assert Store.key("prepared", {"format": 1, "settings": depends}) == "166454f8d5a2ce4bb07f60a5"
+    with pytest.raises(ValueError, match=r"data\.window must be \[low, high\] with low < high"):
+        RunSettings.from_config(make_cfg("data.window=[400,-1000]"))  # checked where the settings are read
 
 
 def test_global_ddp_devices_are_checked_whenever_the_method_is_enabled():

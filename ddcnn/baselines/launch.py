@@ -31,6 +31,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from ddcnn.io import load_run_file
+
 __all__ = [
     "THREAD_POLICY",
     "RankInfo",
@@ -194,7 +196,7 @@ def launch(fn: Callable[..., None], world_size: int, args: tuple = (), timeout_s
         for rank in range(world_size):
             path = Path(workdir) / f"result_{rank}.pt"
             if path.is_file():
-                results[rank] = torch.load(path, map_location="cpu", weights_only=False)
+                results[rank] = load_run_file(path, map_location="cpu")
         return results
 
 

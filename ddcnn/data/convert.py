@@ -22,7 +22,7 @@ import nibabel as nib
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ddcnn.data.nifti import progress_bar
+from ddcnn.data.progress import track
 from ddcnn.io import atomic_open
 from ddcnn.rundir import SPLITS
 
@@ -203,7 +203,7 @@ def _write_volumes(
     width = max(5, len(str(len(x) - 1)))
     suffix = ".nii.gz" if gzip else ".nii"
     rows = []
-    for i in progress_bar(range(len(x)), f"writing {split_name or 'volumes'}", progress):
+    for i in track(range(len(x)), f"writing {split_name or 'volumes'}", "volumes", progress):
         name = class_names[int(y[i])]
         relative = f"{name}/{split_name or 'volume'}_{i:0{width}d}{suffix}"
         volume = x[i] if x.ndim == 4 else np.moveaxis(x[i], 0, -1)  # NIfTI keeps channels on axis 3

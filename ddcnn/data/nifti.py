@@ -26,13 +26,11 @@ import json
 import logging
 import os
 import re
-import sys
-import time
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple, TypeVar
+from typing import Literal, NamedTuple
 
 import nibabel as nib
 import numpy as np
@@ -41,6 +39,7 @@ import torch.nn.functional as F
 from nibabel.filebasedimages import ImageFileError
 from torch.utils.data import Dataset
 
+from ddcnn.data.progress import track
 from ddcnn.io import atomic_open
 from ddcnn.rundir import SPLITS
 
@@ -53,7 +52,6 @@ __all__ = [
     "NiftiPreprocess",
     "load_arrays",
     "load_volume",
-    "progress_bar",
     "scan_nifti",
 ]
 
@@ -68,10 +66,6 @@ _NORMALIZE_MODES = ("window", "zscore", "minmax", "none")
 _READ_ERRORS = (ImageFileError, OSError, EOFError, zlib.error, ValueError)
 
 log = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
-_PROGRESS_MIN_ITEMS = 10  # fewer volumes load in a blink; a bar would only clutter the log
-_PROGRESS_LINES = 20  # at most this many lines (one per 5%) where the output is not a terminal
 
 
 class NiftiError(ValueError):
@@ -564,13 +558,13 @@ class NiftiCache:
         return volume
 
     def warm(self, paths: Iterable[str | os.PathLike[str]], progress: bool = True) -> int:
-        """Preprocesses every volume not cached yet, showing progress (:func:`progress_bar`).
+        """Preprocesses every volume not cached yet, showing progress (:func:`~ddcnn.data.progress.track`).
 
         Returns:
             The number of volumes preprocessed.
         """
         todo = [(p, entry) for p in paths if not (entry := self.entry_path(p)).is_file()]
-        for source, entry in progress_bar(todo, "preprocessing NIfTI", progress):
+        for source, entry in track(todo, "preprocessing NIfTI", "volumes", progress):
             self._store(entry, load_volume(source, self.prep))
         return len(todo)
 
@@ -582,37 +576,6 @@ class NiftiCache:
                 f.write(text.encode())
         with atomic_open(entry, fsync=False) as f:
             np.save(f, volume)
-
-
-def progress_bar(items: Sequence[_T], desc: str, enabled: bool = True) -> Iterator[_T]:
-    """Iterates ``items`` showing progress when there are many of them.
-
-    On a terminal a tqdm bar; where stderr is not a terminal (SLURM's ``slurm-*.out``, CI, ``2> log``) one line per
-    step of 5% instead, as the training loop's epoch reporter does: a bar's carriage-return redraws would pile up in
-    the file. The lines go to this module's logger where logging is configured (``ddcnn-train``: the console and the
-    job's log file), else to stderr.
-    """
-    if not enabled or len(items) < _PROGRESS_MIN_ITEMS:
-        yield from items
-        return
-    if sys.stderr.isatty():
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            pass
-        else:
-            yield from tqdm(items, desc=desc, unit="vol")
-            return
-    total, start = len(items), time.perf_counter()
-    step = -(-total // _PROGRESS_LINES)
-    for i, item in enumerate(items, 1):
-        yield item
-        if i % step == 0 or i == total:
-            text = f"{desc}: {i}/{total} ({time.perf_counter() - start:.1f} s)"
-            if log.hasHandlers():
-                log.info("%s", text)
-            else:
-                print(text, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -678,7 +641,8 @@ def load_arrays(
         prep: Preprocessing settings; default: reorient only.
         cache_dir: Cache root (see :class:`NiftiCache`); ``None`` preprocesses every volume.
         split: Keep only this split; ``None`` loads all volumes.
-        progress: Show progress: a bar on a terminal, one line per 5% in a log file (:func:`progress_bar`).
+        progress: Show progress: a bar on a terminal, one line per tenth in a log file
+            (:func:`~ddcnn.data.progress.track`).
 
     Returns:
         ``x`` of shape ``(N, C, D, H, W)`` and ``y`` (int64 class indices), in index order.
@@ -694,7 +658,7 @@ def load_arrays(
     cache = NiftiCache(cache_dir, prep) if cache_dir is not None else None
     x: np.ndarray | None = None
     first = index.paths[0]
-    for i, path in enumerate(progress_bar(index.paths, "loading NIfTI", progress)):
+    for i, path in enumerate(track(index.paths, "loading NIfTI", "volumes", progress)):
         volume = cache.load(path) if cache is not None else load_volume(path, prep)
         if x is None:
             x = np.empty((len(index), *volume.shape), dtype=volume.dtype)

@@ -30,7 +30,7 @@ import logging
 import mmap
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,9 @@ class DataDoesNotFit(ValueError):
 
 @dataclass(frozen=True)
 class PrepareSettings:
-    """The settings of a preparation (``data.*``); all but ``normalize`` name the prepared copy in the store.
+    """The settings of a preparation (``data.*``, checked here); all but ``normalize`` name the prepared copy in the
+    store. The run's :class:`~ddcnn.settings.DataSettings` is one (these fields, read from the YAML that holds their
+    defaults, and the source, the batch size, ...); a script builds one with every field given.
 
     ``num_classes`` and ``in_channels`` may be ``"auto"``: the source's class list and channels decide.
     """
@@ -90,14 +92,14 @@ class PrepareSettings:
     num_classes: int | str
     in_channels: int | str
     spatial_dims: int
-    image_size: tuple[int, ...] | None = None
-    val_fraction: float = 0.1
-    split_seed: int = 0
-    train_subset: int | None = None
-    test_subset: int | None = None
-    normalize: bool = True
-    float_storage: str | None = None
-    window: tuple[float, float] | None = None
+    image_size: tuple[int, ...] | None
+    val_fraction: float
+    split_seed: int
+    train_subset: int | None
+    test_subset: int | None
+    normalize: bool
+    float_storage: str | None
+    window: tuple[float, float] | None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -107,10 +109,9 @@ class PrepareSettings:
             put(self, "image_size", tuple(int(v) for v in self.image_size))
 
     def depends(self) -> dict:
-        """What the prepared copy depends on (``normalize`` is applied when reading)."""
-        out = asdict(self)
-        out.pop("normalize")
-        return out
+        """What the prepared copy depends on: the fields of this class, not those a subclass adds (``DataSettings``'
+        source, batch size, ...), and not ``normalize`` (applied when reading)."""
+        return {f.name: getattr(self, f.name) for f in fields(PrepareSettings) if f.name != "normalize"}
 
 
 # --------------------------------------------------------------------------------------------------------------

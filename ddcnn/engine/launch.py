@@ -57,7 +57,7 @@ from lightning_fabric.strategies import DDPStrategy, SingleDeviceStrategy  # noq
 from lightning_fabric.utilities.seed import seed_everything as _fabric_seed_everything  # noqa: E402
 
 from ddcnn.engine.state import FitResult, cpu_state  # noqa: E402
-from ddcnn.io import atomic_torch_save  # noqa: E402
+from ddcnn.io import atomic_torch_save, load_run_file  # noqa: E402
 
 __all__ = [
     "LAUNCHERS",
@@ -534,7 +534,7 @@ def fit_spawned(fabric, training, net: nn.Module, start: float) -> FitResult:
             path = Path(fabric.launch(run_spawned, training, prefit))
     except Exception as err:  # raised in a rank: here as there, its message intact
         raise _spawned_failure(folder, err) from None
-    out = torch.load(path, map_location="cpu", weights_only=True)
+    out = load_run_file(path, map_location="cpu")
     path.unlink(missing_ok=True)
     result = FitResult(**out["result"])
     net.load_state_dict(out["state"])

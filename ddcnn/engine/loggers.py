@@ -3,21 +3,24 @@
 ``logs/metrics.csv`` is written by the loop itself (with its checkpoints, so it holds every epoch once across a
 resume). The ``logger`` group adds, per stage: :class:`TensorBoardLogger` (torch's ``SummaryWriter``, ``<stage>/tb/``)
 and :class:`MLflowLogger` (mlflow's own client: one MLflow run per stage). Any object with
-``log_metrics(metrics, step)`` (and optionally ``save()`` and ``finalize(status)``), e.g. a Lightning Fabric logger,
-can be configured the same way (``_target_`` + ``_partial_: true``).
+``log_metrics(metrics, step)`` (and optionally ``save()`` and ``finalize(status)``) can be configured the same way
+(``_target_`` + ``_partial_: true``). Lightning Fabric's loggers would log only where its ``rank_zero_only`` says rank
+0, a rank it reads from ``SLURM_PROCID`` at import: the tasks of an srun step that train their own local nets (task 1,
+2, ...) would write nothing, which is why the TensorBoard logger here is ddcnn's own (tests/engine/test_loggers.py).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import hydra
+
+from ddcnn.data.progress import open_bar
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +169,9 @@ def build_loggers(specs: Mapping[str, Any], folder: Path) -> list:
 
 class EpochReporter:
     """What a training shows and logs (rank 0; the loop keeps its time out of the training clock): a progress bar on a
-    terminal or one log line per epoch (SLURM's ``slurm-*.out``, CI logs, ``> log``), and every epoch's metrics (and,
-    with ``trainer.log_every_n_steps``, the training loss every n steps) to the loggers of ``logger``.
+    terminal (:func:`~ddcnn.data.progress.open_bar`) or one log line per epoch (SLURM's ``slurm-*.out``, CI logs,
+    ``> log``), and every epoch's metrics (and, with ``trainer.log_every_n_steps``, the training loss every n steps)
+    to the loggers of ``logger``.
 
     Args:
         logger: The run's ``logger`` group (name -> ``_target_`` spec).
@@ -188,11 +192,12 @@ class EpochReporter:
         self.show_bar = show_bar
         self.loggers: list | None = None
         self.bar = None
+        self.bar_opened = False  # open_bar was asked (it may have said no: lines instead)
         # Step losses are worth collecting only for a logger besides the CSV log (one row per epoch).
         self.wants_steps = any(spec and "_target_" in spec for spec in self.specs.values())
 
     def __getstate__(self) -> dict[str, Any]:  # sent to spawned DDP ranks before anything was reported
-        return {**self.__dict__, "loggers": None, "bar": None}
+        return {**self.__dict__, "loggers": None, "bar": None, "bar_opened": False}
 
     def _loggers(self) -> list:
         if self.loggers is None:
@@ -219,12 +224,10 @@ class EpochReporter:
             if callable(getattr(logger, "save", None)):
                 logger.save()
         shown = {k: v for k, v in sorted(metrics.items()) if k.startswith(("train_", "val_"))}
-        use_bar = self.show_bar if self.show_bar is not None else sys.stderr.isatty()
-        if use_bar:
-            if self.bar is None:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(total=self.max_epochs, initial=epoch, desc=self.name, unit="epoch", leave=False)
+        if not self.bar_opened:
+            self.bar = open_bar(self.max_epochs, self.name, "epoch", initial=epoch, enabled=self.show_bar)
+            self.bar_opened = True
+        if self.bar is not None:
             self.bar.set_postfix({k: f"{v:.4f}" for k, v in shown.items()}, refresh=False)
             self.bar.update(1)
         elif (epoch + 1) % self.every == 0 or epoch + 1 == self.max_epochs:
@@ -235,6 +238,7 @@ class EpochReporter:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self.bar_opened = False
         for logger in self.loggers or []:
             if callable(getattr(logger, "finalize", None)):
                 logger.finalize(status)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import pickle
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddcnn.io import load_run_file
 from ddcnn.settings.loop import LoopSettings
 
 __all__ = [
@@ -256,14 +256,7 @@ def load_checkpoint(path: Path, settings: Mapping[str, Any]) -> dict | None:
     """
     if not path.is_file():
         return None
-    try:  # tensors and plain values only: a run directory received from someone else runs no code of theirs here
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise ValueError(
-            f"{path} holds Python objects beyond tensors and plain values ({str(err).splitlines()[0]}); ddcnn reads "
-            f"checkpoints with torch.load(weights_only=True) and runs no code a file brings. Delete {path} and run "
-            f"the same command again: this training starts over, finished stages stay finished."
-        ) from err
+    state = load_run_file(path, map_location="cpu")  # tensors and plain values only: no code a file brings runs
     if not isinstance(state, dict) or state.get("format") not in _RESUMABLE_FORMATS:
         lightning = isinstance(state, dict) and ("pytorch-lightning_version" in state or "state_dict" in state)
         who = "Lightning's Trainer (ddcnn before its one Fabric loop)" if lightning else "another program"

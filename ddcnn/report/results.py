@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ddcnn import registry
-from ddcnn.io import atomic_write_json, atomic_write_text
+from ddcnn.io import atomic_write_json, atomic_write_text, load_run_file
 from ddcnn.metrics import at_chance, majority_rate
 from ddcnn.registry import ResultRow
 from ddcnn.report.combiners import majority_vote, mean_probability
@@ -784,7 +784,7 @@ def _stage_figures(run, c: dict[str, dict], labels: torch.Tensor, k: int) -> Non
         c["val"][key] = _metrics_of(saved_val["probs"], saved_val["labels"], k)
         target_file = run.stage_dir(stage.name) / f"probs_{TARGET_SPLIT}.pt"
         if target_file.is_file():
-            saved_target = torch.load(target_file, weights_only=True)
+            saved_target = load_run_file(target_file)
             c["held_out"][key] = float((saved_target["probs"].argmax(-1) == saved_target["labels"]).float().mean())
         c["time_s"][stage.name] = meta["time_s"]
         c["fit_times"][stage.name] = meta.get("fit_time_s", meta["time_s"])

@@ -4,7 +4,7 @@ its 95% t-interval and the verdict that follows the interval.
 Two methods of one configuration (dataset, backbone, grid, overlap, settings) trained with the same seed share their
 data split, their local nets or their initial draw; their difference per seed cancels what the seed changes for both.
 Over ``n`` seeds with differences ``d_1 .. d_n`` (mean ``m``, sample standard deviation ``s``) the 95% interval is
-``m ± t(0.975, n-1) s / sqrt(n)`` (Student's t; the quantile from :func:`t_quantile_975`, no SciPy). The verdict:
+``m ± t(0.975, n-1) s / sqrt(n)`` (Student's t; the quantile from :func:`t_quantile_975`, SciPy's). The verdict:
 
 - ``better`` / ``worse``: the interval lies above / below 0 (0 itself on the bound is ``within noise``);
 - ``within noise``: the interval holds 0;
@@ -53,56 +53,15 @@ NO_VERDICT = (NO_INTERVAL, NO_SPREAD)
 SPREAD_TOLERANCE = 1e-9  # the verdicts that say no interval could be computed
 BASELINE_NOT_CONVERGED = "baseline not converged"
 
-# Student's t quantile t(0.975, df) for df = 1..30 (any statistics table, e.g. NIST/SEMATECH e-Handbook 1.3.6.7.2).
-_T975 = (
-    12.706,
-    4.303,
-    3.182,
-    2.776,
-    2.571,
-    2.447,
-    2.365,
-    2.306,
-    2.262,
-    2.228,
-    2.201,
-    2.179,
-    2.160,
-    2.145,
-    2.131,
-    2.120,
-    2.110,
-    2.101,
-    2.093,
-    2.086,
-    2.080,
-    2.074,
-    2.069,
-    2.064,
-    2.060,
-    2.056,
-    2.052,
-    2.048,
-    2.045,
-    2.042,
-)
-# Beyond 30: the table's rows at 40, 60, 120 and infinity, interpolated linearly in 1/df (the table's own rule).
-_T975_TAIL = ((40, 2.021), (60, 2.000), (120, 1.980), (math.inf, 1.960))
-
 
 def t_quantile_975(df: int) -> float:
-    """Student's t quantile at 0.975 (a two-sided 95% interval) for ``df`` >= 1 degrees of freedom."""
+    """Student's t quantile at 0.975 (a two-sided 95% interval) for ``df`` >= 1 degrees of freedom (SciPy's)."""
     if df < 1:
         raise ValueError(f"a t quantile needs at least 1 degree of freedom, got {df}.")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    lo_df, lo_t = len(_T975), _T975[-1]
-    for hi_df, hi_t in _T975_TAIL:
-        if df <= hi_df:
-            x = (1 / lo_df - 1 / df) / (1 / lo_df - (0 if math.isinf(hi_df) else 1 / hi_df))
-            return lo_t + x * (hi_t - lo_t)
-        lo_df, lo_t = hi_df, hi_t
-    return 1.960
+    # Imported here: scipy.stats takes about 0.7 s to import, paid only by the pages that draw an interval.
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, df))
 
 
 def all_converged(states: Sequence[bool | None]) -> bool | None:

@@ -437,7 +437,7 @@ class LoopSettings:
         :meth:`read` builds, the field's name otherwise), hold the normalised values, then the checks of several
         fields together."""
         yaml = _FROM_YAML.get()
-        names = _names(yaml)
+        names = _names(type(self), yaml)
         for f in dataclasses.fields(self):
             value = f.metadata["check"](getattr(self, f.name), names[f.name], names)
             object.__setattr__(self, f.name, value)
@@ -494,8 +494,9 @@ class LoopSettings:
             group, _, name = key.rpartition(".")
             section = groups[group]
             values[f.name] = section.default(name) if f.metadata["null_is_default"] else section(name)
+        keys = _keys(cls)
         for group in ("trainer", "engine"):
-            _refuse_unknown(group, groups[group].given, tuple(_KEYS[group]) + (("loop",) if group == "engine" else ()))
+            _refuse_unknown(group, groups[group].given, tuple(keys[group]) + (("loop",) if group == "engine" else ()))
         token = _FROM_YAML.set(True)
         try:
             return cls(**values)
@@ -520,30 +521,29 @@ class LoopSettings:
                 out[f.name] = value
         return out
 
-    @staticmethod
-    def resume_keys() -> tuple[str, ...]:
+    @classmethod
+    def resume_keys(cls) -> tuple[str, ...]:
         """The fields a resume must agree on."""
-        return tuple(f.name for f in dataclasses.fields(LoopSettings) if f.metadata["resume"])
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["resume"])
 
     def gpu_policy(self) -> dict[str, Any]:
         """The GPU policy settings by name (:data:`GPU_POLICY`)."""
         return {key: getattr(self, key) for key in GPU_POLICY}
 
 
-def _names(yaml: bool) -> dict[str, str]:
+def _names(cls: type, yaml: bool) -> dict[str, str]:
     """How messages name each field: its YAML key (``trainer.max_epochs``) or its name."""
-    out = {}
-    for f in dataclasses.fields(LoopSettings):
-        out[f.name] = f.metadata["key"] if yaml and f.metadata["key"] else f.name
+    return {f.name: f.metadata["key"] if yaml and f.metadata["key"] else f.name for f in dataclasses.fields(cls)}
+
+
+def _keys(cls: type) -> dict[str, list[str]]:
+    """The YAML keys of each group the loop reads."""
+    out: dict[str, list[str]] = {"trainer": [], "engine": []}
+    for f in dataclasses.fields(cls):
+        group, _, name = (f.metadata["key"] or "").rpartition(".")
+        if group in out:
+            out[group].append(name)
     return out
-
-
-# The YAML keys of each group the loop reads.
-_KEYS: dict[str, list[str]] = {"trainer": [], "engine": []}
-for _f in dataclasses.fields(LoopSettings):
-    _group, _, _name = (_f.metadata["key"] or "").rpartition(".")
-    if _group in _KEYS:
-        _KEYS[_group].append(_name)
 
 
 def _refuse_unknown(section: str, given: Mapping, known: tuple[str, ...]) -> None:

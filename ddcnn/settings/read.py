@@ -108,7 +108,8 @@ class Section:
         if unknown:
             where = f"{self.name}." if self.name else ""
             key = unknown[0]
+            settings = f"the {self.name or 'top-level'} settings are {', '.join(known)}" if known else "it has none"
             raise ValueError(
-                f"{where}{key}={self.given[key]!r} is not a setting of ddcnn; the {self.name or 'top-level'} settings "
-                f"are {', '.join(known)}. Remove it (or fix its spelling)."
+                f"{where}{key}={self.given[key]!r} is not a setting of ddcnn; {settings}. Remove it (or fix its "
+                f"spelling)."
             )

@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddcnn import registry
+from ddcnn.data.prepare import PrepareSettings
 from ddcnn.rundir import RunIdentity
 from ddcnn.settings.loop import LoopSettings, check_srun_ddp
 from ddcnn.settings.read import AUTO, Section, positive_int, yaml_default
-
-if TYPE_CHECKING:
-    from ddcnn.data.prepare import PrepareSettings
 
 __all__ = [
     "RunSettings",
@@ -104,27 +102,17 @@ class MemorySettings:
     limit_gb: float | None
 
 
-@dataclass(frozen=True)
-class DataSettings:
-    """``data``: the source and its preparation. ``num_classes`` / ``in_channels`` may be ``auto`` until the data
-    are read (:meth:`RunSettings.with_data_counts`). ``extra`` holds the dataset's own keys (``path``, ``root``,
-    ``resize_mode``, ...), which its ``source`` spec reads and checks."""
+@dataclass(frozen=True, kw_only=True)
+class DataSettings(PrepareSettings):
+    """``data``: the source and its preparation. The preparation's fields and their checks are
+    :class:`~ddcnn.data.prepare.PrepareSettings`' (which a preparation reads from these settings); ``num_classes`` /
+    ``in_channels`` may be ``auto`` until the data are read (:meth:`RunSettings.with_data_counts`). ``extra`` holds the
+    dataset's own keys (``path``, ``root``, ``resize_mode``, ...), which its ``source`` spec reads and checks."""
 
     name: str
     source: dict
-    spatial_dims: int
-    in_channels: int | str
-    num_classes: int | str
-    image_size: tuple[int, ...] | None
-    val_fraction: float
     val_target_fraction: float
-    split_seed: int
-    train_subset: int | None
-    test_subset: int | None
-    normalize: bool
     batch_size: int
-    float_storage: str | None
-    window: tuple[float, float] | None
     memory: MemorySettings
     augment: dict | None
     extra: dict = field(default_factory=dict)
@@ -172,25 +160,6 @@ class DataSettings:
         )
         # The dataset's own keys (path, root, resize_mode, ...): its source spec interpolates and checks them.
         return dataclasses.replace(out, extra={k: v for k, v in d.given.items() if k not in d.read})
-
-    def prepare_settings(self) -> PrepareSettings:
-        """The settings of the preparation (:class:`~ddcnn.data.prepare.PrepareSettings`: all but ``normalize`` name
-        the prepared copy in the store)."""
-        from ddcnn.data.prepare import PrepareSettings
-
-        return PrepareSettings(
-            num_classes=self.num_classes,
-            in_channels=self.in_channels,
-            spatial_dims=self.spatial_dims,
-            image_size=self.image_size,
-            val_fraction=self.val_fraction,
-            split_seed=self.split_seed,
-            train_subset=self.train_subset,
-            test_subset=self.test_subset,
-            normalize=self.normalize,
-            float_storage=self.float_storage,
-            window=self.window,
-        )
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ from ddcnn.engine.gpu import POLICY_OFF
 from ddcnn.engine.loggers import EpochReporter
 from ddcnn.engine.loop import EVAL_CHUNK, FitResult, fit_tensors
 from ddcnn.engine.optim import torch_threads
-from ddcnn.io import atomic_write_json
+from ddcnn.io import atomic_write_json, load_run_file
 from ddcnn.metrics import chance_margin, majority_rate, near_chance
 from ddcnn.rundir import CURVE_FILE, SPLITS, TARGET_SPLIT
 from ddcnn.settings import CoarseLinearSettings, CoarseSettings, LoopSettings
@@ -504,7 +504,7 @@ def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
     n, k = ctx.decomposition.num_subdomains, ctx.data.num_classes
     points, averaging = [], []
     for epoch, paths in files.items():
-        snaps = [torch.load(p, weights_only=True) for p in paths]
+        snaps = [load_run_file(p) for p in paths]
         rows = snaps[0]["train_rows"]
         if any(not torch.equal(s["train_rows"], rows) for s in snaps):
             log.warning("coarse curve: the local nets' snapshots of epoch %d hold other training rows; skipped", epoch)

@@ -21,13 +21,14 @@ from torch import nn
 
 from ddcnn.context import Context, build_global_net
 from ddcnn.engine.train import seed_everything
+from ddcnn.io import load_run_file
 from ddcnn.stages.common import skip, stage_seed, train_full_images
 
 __all__ = ["run", "init_global_transfer"]
 
 
 def _local_states(ctx: Context, indices: list[int]) -> list[dict[str, torch.Tensor]]:
-    return [torch.load(ctx.run.stage_dir("local", i) / "net.pt", weights_only=True) for i in indices]
+    return [load_run_file(ctx.run.stage_dir("local", i) / "net.pt") for i in indices]
 
 
 def init_global_transfer(ctx: Context) -> tuple[nn.Module, dict]:

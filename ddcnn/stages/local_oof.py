@@ -25,7 +25,7 @@ from ddcnn.context import Context, build_augment, build_local_net, subdomain_see
 from ddcnn.data.datamodule import PreparedBatches, RowSubset
 from ddcnn.engine.common import predict_logits, save_net
 from ddcnn.engine.train import fit, seed_everything
-from ddcnn.io import atomic_torch_save
+from ddcnn.io import atomic_torch_save, load_run_file
 from ddcnn.runtime import execution_context, run_generation
 from ddcnn.stages.common import skip
 
@@ -70,7 +70,7 @@ def _train_fold(ctx: Context, subdomain: int, fold: int, held: torch.Tensor, dev
     folder = ctx.run.stage_dir("local_oof", subdomain) / name
     done = folder / "done.pt"
     if done.is_file():
-        saved = torch.load(done, weights_only=False)
+        saved = load_run_file(done)
         return saved["logits"], saved["record"]
     folder.mkdir(parents=True, exist_ok=True)
     n_train = len(ctx.data.y["train"])

@@ -17,11 +17,12 @@ import torch
 
 from ddcnn.data.augment import Augment
 from ddcnn.data.datamodule import Batches, PreparedBatches, TensorDataModule
-from ddcnn.data.prepare import PrepareSettings, load_prepared, prepare
+from ddcnn.data.prepare import load_prepared, prepare
 from ddcnn.data.sources import Splits, npz
 from ddcnn.decomposition import Decomposition
 from ddcnn.settings import RunSettings
 from ddcnn.store import Store
+from tests.conftest import prepare_settings
 
 SPLITS = ("train", "val", "test")
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,7 +173,7 @@ def mapped_volumes(tmp_path_factory):
     y = np.arange(130) % 2
     np.savez(root / "v.npz", x_train=x[:120], y_train=y[:120], x_test=x[120:], y_test=y[120:])
     spec = {"_target_": "ddcnn.data.sources.npz", "path": str(root / "v.npz")}
-    settings = PrepareSettings(num_classes=2, in_channels=1, spatial_dims=3)
+    settings = prepare_settings(num_classes=2, in_channels=1, spatial_dims=3)
     return load_prepared(
         lambda: npz(root / "v.npz", spatial_dims=3), spec, settings, mode="mapped", store=Store(root / "store")
     )

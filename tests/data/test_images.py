@@ -13,6 +13,7 @@ from PIL import Image
 from ddcnn.data.images import read_folder, read_image
 from ddcnn.data.prepare import prepare
 from ddcnn.data.sources import image_folder
+from tests.conftest import prepare_settings
 
 
 def _pattern(label: int, h: int, w: int, seed: int) -> np.ndarray:
@@ -284,12 +285,12 @@ def test_report_and_class_counts_come_back_from_the_store(tmp_path, caplog):
     """Read once: a second run maps the prepared copy and still reports what the folder held, without reading it."""
     import logging
 
-    from ddcnn.data.prepare import PrepareSettings, load_prepared
+    from ddcnn.data.prepare import load_prepared
     from ddcnn.store import Store
 
     root = messy_folder(tmp_path / "data", per_class=(3, 1, 1))
     spec = {"_target_": "ddcnn.data.sources.image_folder", "root": str(root), "image_size": [16, 16]}
-    settings = PrepareSettings(num_classes="auto", in_channels="auto", spatial_dims=2, image_size=(16, 16))
+    settings = prepare_settings(num_classes="auto", in_channels="auto", spatial_dims=2, image_size=(16, 16))
     store = Store(tmp_path / "store")
     reads = []
 

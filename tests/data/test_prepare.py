@@ -19,7 +19,7 @@ from ddcnn.data.prepare import DataDoesNotFit, Prepared, PrepareSettings, load_p
 from ddcnn.data.progress import Progress
 from ddcnn.data.sources import Splits, digits, npz
 from ddcnn.store import Store
-from tests.conftest import shared_data
+from tests.conftest import prepare_settings, shared_data
 
 ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("train", "val", "test")
@@ -142,7 +142,7 @@ def test_lazy_archives_prepare_the_same_data_in_pieces(tmp_path, save, monkeypat
 
 
 def _settings(**kw) -> PrepareSettings:
-    return PrepareSettings(num_classes=3, in_channels=1, spatial_dims=3, **kw)
+    return prepare_settings(num_classes=3, in_channels=1, spatial_dims=3, **kw)
 
 
 def _archive(tmp_path: Path, n=60) -> tuple[Path, dict]:
@@ -222,15 +222,16 @@ def test_data_that_do_not_fit_the_memory_setting_are_refused_before_training(tmp
 _PREPARER = """
 import sys, time
 from pathlib import Path
-from ddcnn.data.prepare import PrepareSettings, load_prepared
+from ddcnn.data.prepare import load_prepared
 from ddcnn.data.sources import npz
+from tests.conftest import prepare_settings
 from ddcnn.store import Store
 path, root, start = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
 spec = {"_target_": "ddcnn.data.sources.npz", "path": str(path), "spatial_dims": 3}
 while time.time() < start:
     time.sleep(0.005)
 data = load_prepared(lambda: npz(path, spatial_dims=3, lazy=True), spec,
-                     PrepareSettings(num_classes=3, in_channels=1, spatial_dims=3), mode="mapped",
+                     prepare_settings(num_classes=3, in_channels=1, spatial_dims=3), mode="mapped",
                      store=Store(root, poll_s=0.05))
 print(data.entry, data.info["built"], float(data.inputs("train").sum()))
 """

@@ -4,6 +4,9 @@ store in the run directory) on request."""
 from __future__ import annotations
 
 import csv
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -59,3 +62,23 @@ def test_an_unknown_logger_is_refused_with_the_choices(make_cfg):
 
     with pytest.raises(ConfigCompositionException, match="logger"):
         make_cfg("logger=wandb")
+
+
+_LOG_IN_A_TASK = """
+import sys
+from ddcnn.engine.loggers import TensorBoardLogger
+logger = TensorBoardLogger(sys.argv[1])
+logger.log_metrics({"val_acc": 0.5}, step=0)
+logger.save()
+logger.finalize("success")
+"""
+
+
+def test_tensorboard_logs_in_every_srun_task_not_only_rank_0(tmp_path):
+    """An srun step's tasks each train their own local nets (SLURM_PROCID 1, 2, ... without DDP), and each writes
+    its events. Lightning Fabric's TensorBoardLogger would write nothing there: its rank_zero_only takes the rank
+    from SLURM_PROCID at import, and a single-device training never resets it (why ddcnn keeps its own)."""
+    pytest.importorskip("tensorboard")
+    env = {**os.environ, "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1"}
+    subprocess.run([sys.executable, "-c", _LOG_IN_A_TASK, str(tmp_path)], env=env, check=True, timeout=120)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard events from srun task 1"

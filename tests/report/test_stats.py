@@ -21,12 +21,12 @@ from ddcnn.report.stats import (
 )
 
 
-def test_t_quantiles_match_the_table_and_approach_the_normal():
-    assert t_quantile_975(1) == 12.706 and t_quantile_975(2) == 4.303 and t_quantile_975(30) == 2.042
-    # Between the table's rows: scipy.stats.t.ppf(0.975, df) is 2.0086 at 50, 1.9840 at 100, 1.9624 at 1000.
-    for df, exact in ((50, 2.0086), (100, 1.9840), (1000, 1.9624)):
-        assert t_quantile_975(df) == pytest.approx(exact, abs=2e-3)
-    assert t_quantile_975(10**9) == pytest.approx(1.960, abs=1e-3)
+def test_t_quantiles_are_students_to_six_decimals_and_approach_the_normal():
+    # t(0.975, df) to six decimals (R's qt(0.975, df); a printed table rounds them to three: 12.706, 4.303, 2.042).
+    for df, exact in ((1, 12.706205), (2, 4.302653), (3, 3.182446), (4, 2.776445), (30, 2.042272), (50, 2.008559)):
+        assert t_quantile_975(df) == pytest.approx(exact, abs=1e-6)
+    assert t_quantile_975(1000) == pytest.approx(1.962339, abs=1e-6)
+    assert t_quantile_975(10**9) == pytest.approx(1.959964, abs=1e-6)  # the normal's 97.5% quantile
     with pytest.raises(ValueError, match="at least 1 degree of freedom"):
         t_quantile_975(0)
 
@@ -37,8 +37,9 @@ def test_known_differences_give_the_known_interval():
     out = paired_difference(d, seeds=[0, 1, 2])
     mean, std = sum(d) / 3, math.sqrt(sum((x - sum(d) / 3) ** 2 for x in d) / 2)
     assert out["n"] == 3 and out["mean"] == pytest.approx(mean) and out["std"] == pytest.approx(std)
-    assert out["half_width"] == pytest.approx(4.303 * std / math.sqrt(3))
-    assert (out["low"], out["high"]) == pytest.approx((mean - 4.303 * std / math.sqrt(3), mean + 4.303 * std / 3**0.5))
+    t2 = 4.302653  # t(0.975, 2)
+    assert out["half_width"] == pytest.approx(t2 * std / math.sqrt(3))
+    assert (out["low"], out["high"]) == pytest.approx((mean - t2 * std / math.sqrt(3), mean + t2 * std / 3**0.5))
     assert out["verdict"] == WITHIN_NOISE and out["seeds"] == [0, 1, 2]
     # Five seeds all clearly above 0: better; all below: worse.
     assert paired_difference([1.0, 1.2, 0.8, 1.1, 0.9])["verdict"] == BETTER
@@ -46,9 +47,9 @@ def test_known_differences_give_the_known_interval():
 
 
 def test_the_verdict_at_the_boundary_of_the_interval():
-    # Differences 1 and 3: mean 2, std sqrt(2), half width 12.706 * sqrt(2) / sqrt(2) = 12.706: the interval
+    # Differences 1 and 3: mean 2, std sqrt(2), half width t(0.975, 1) * sqrt(2) / sqrt(2) = 12.706: the interval
     # [-10.706, 14.706] holds 0.
-    assert paired_difference([1.0, 3.0])["low"] == pytest.approx(2 - 12.706)
+    assert paired_difference([1.0, 3.0])["low"] == pytest.approx(2 - 12.706205)
     # An interval whose lower end is exactly 0 does not exclude 0: within noise; just above it: better.
     assert verdict(0.0, 2.0, 5) == WITHIN_NOISE and verdict(1e-9, 2.0, 5) == BETTER
     assert verdict(-2.0, 0.0, 5) == WITHIN_NOISE and verdict(-2.0, -1e-9, 5) == WORSE

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddcnn.io import load_run_file
 from ddcnn.pipeline import train
 from ddcnn.rundir import RunDir
 from ddcnn.stages.local_oof import oof_folds
@@ -37,6 +38,8 @@ def test_out_of_fold_and_validation_fits_give_their_rows(make_cfg):
         meta = run.meta("local_oof", i)
         records = meta["folds"]
         assert [r["fold"] for r in records] == [0, 1]
+        # a fold's done.pt (read again when the stage resumes) holds tensors and plain types only
+        assert load_run_file(run.stage_dir("local_oof", i) / "fold_0" / "done.pt")["record"] == records[0]
         assert all(r["n_fit"] + r["n_held_out"] == n_train for r in records)
         assert sum(r["n_held_out"] for r in records) == n_train
         saved = run.load_probs("local_oof", "train", i)
