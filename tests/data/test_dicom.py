@@ -4,6 +4,7 @@ corrected as stated, a tiny ``data=dicom`` run with patient groups, and no ident
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import subprocess
@@ -43,8 +44,10 @@ def _write(dest: Path, slices: list, names: list[str] | None = None, **tags) -> 
     """``slices`` written to ``dest`` (one new SOPInstanceUID each), ``tags`` set on every one, named ``names``."""
     dest.mkdir(parents=True, exist_ok=True)
     for k, ds in enumerate(slices):
-        ds = ds.copy()
+        ds = copy.deepcopy(ds)
         ds.SOPInstanceUID = pydicom.uid.generate_uid()
+        if getattr(ds, "file_meta", None) is not None and "MediaStorageSOPInstanceUID" in ds.file_meta:
+            ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID
         for key, value in tags.items():
             setattr(ds, key, value)
         ds.save_as(dest / (names[k] if names else f"IM{k:04d}"))
@@ -212,31 +215,97 @@ def test_dicom_to_nifti_writes_the_affine(tmp_path, capsys):
     assert "missing slice" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(shutil.which("dcm2niix") is None, reason="dcm2niix (Debian package dcm2niix) is not installed")
-@pytest.mark.parametrize("case", ["ct5n", "oblique"])
+needs_dcm2niix = pytest.mark.skipif(shutil.which("dcm2niix") is None, reason="dcm2niix (Debian package) not installed")
+
+
+def _dcm2niix(series: Path, out: Path) -> tuple[list[Path], str]:
+    out.mkdir()
+    done = subprocess.run(["dcm2niix", "-z", "y", "-f", "ref", "-o", str(out), str(series)],
+                          check=True, capture_output=True, text=True)  # fmt: skip
+    return sorted(out.glob("*.nii.gz")), done.stdout + done.stderr
+
+
+def _oblique(dest: Path, slices: list, degrees: float, step: float, roll: bool = False) -> Path:
+    """``slices`` turned ``degrees`` about x and stacked ``step`` mm apart along the new normal (a straight stack)."""
+    angle = np.radians(degrees)
+    row, col = np.array([1.0, 0, 0]), np.array([0, np.cos(angle), np.sin(angle)])
+    normal = np.cross(row, col)
+    out = []
+    for k, ds in enumerate(slices):
+        ds = copy.deepcopy(ds)
+        ds.ImageOrientationPatient = [float(v) for v in (*row, *col)]
+        ds.ImagePositionPatient = [float(v) for v in np.array([-72.2, -143.0, 0.0]) + step * k * normal]
+        ds.InstanceNumber = k + 1
+        if roll:  # a different image per slice
+            ds.PixelData = np.roll(ds.pixel_array, 3 * k, axis=0).tobytes()
+        out.append(ds)
+    return _write(dest, out)
+
+
+def _clinical_size(dest: Path) -> Path:
+    """40 slices of 512 x 512 from pydicom's JPEG 2000 CT slice (decoded here, written uncompressed), 15 degrees
+    oblique, 1.25 mm apart."""
+    ds = pydicom.dcmread(J2K)
+    try:
+        ds.decompress()
+    except Exception as err:  # noqa: BLE001 - no JPEG 2000 decoder installed
+        pytest.skip(f"no JPEG 2000 decoder to build the 512 x 512 series ({err})")
+    return _oblique(dest, [ds] * 40, 15.0, 1.25, roll=True)
+
+
+@needs_dcm2niix
+@pytest.mark.parametrize("case", ["ct5n", "oblique", "clinical_size"])
 def test_agrees_with_dcm2niix(tmp_path, case):
     if case == "ct5n":
         series = CT5N
-    else:  # CT5N's slices turned 20 degrees about x and written as a straight oblique stack
-        angle = np.radians(20.0)
-        row, col = np.array([1.0, 0, 0]), np.array([0, np.cos(angle), np.sin(angle)])
-        normal = np.cross(row, col)
-        slices = _slices()
-        for k, ds in enumerate(slices):
-            ds.ImageOrientationPatient = [*row, *col]
-            ds.ImagePositionPatient = list(np.array([-72.2, -143.0, 0.0]) + 2.5 * k * normal)
-        series = _write(tmp_path / "oblique", slices)
+    elif case == "oblique":  # CT5N's slices turned 20 degrees about x
+        series = _oblique(tmp_path / "oblique", _slices(), 20.0, 2.5)
+    else:
+        series = _clinical_size(tmp_path / "big")
     series_to_nifti(series, tmp_path / "ours.nii.gz")
     ours = nib.as_closest_canonical(nib.load(tmp_path / "ours.nii.gz"))
-    (tmp_path / "ref").mkdir()
-    subprocess.run(["dcm2niix", "-z", "y", "-f", "ref", "-o", str(tmp_path / "ref"), str(series)],
-                   check=True, capture_output=True)  # fmt: skip
-    files = sorted((tmp_path / "ref").glob("*.nii.gz"))
-    assert len(files) == 1, files
+    files, said = _dcm2niix(series, tmp_path / "ref")
+    assert len(files) == 1, said
     ref = nib.as_closest_canonical(nib.load(files[0]))
     assert ours.shape == ref.shape
     np.testing.assert_allclose(ours.affine, ref.affine, atol=0.05)
-    assert np.abs(ours.get_fdata() - ref.get_fdata()).max() <= 1.0
+    a, b = ours.get_fdata(), ref.get_fdata()
+    inside = b >= AIR_HU  # dcm2niix keeps the padding outside the field of view (-3995 .. -1025 HU in the 512 series)
+    assert np.abs(a - b)[inside].max() <= 1.0
+    assert (a[~inside] == AIR_HU).all()
+
+
+@needs_dcm2niix
+def test_what_dcm2niix_warns_about_is_refused_or_corrected(tmp_path):
+    # a missing slice: dcm2niix warns "Interslice distance varies" and writes an equalised copy (_Eq_1)
+    slices = _slices()
+    gap = _write(tmp_path / "gap", slices[:2] + slices[3:])
+    files, said = _dcm2niix(gap, tmp_path / "ref_gap")
+    assert "Interslice distance varies" in said and any("_Eq_" in f.name for f in files)
+    with pytest.raises(DicomError, match="missing slice"):
+        series_to_nifti(gap, tmp_path / "gap.nii.gz")
+    # a gantry tilt: dcm2niix warns and writes a corrected copy (_Tilt_1); ours refuses, or corrects on request with
+    # the same voxel values (dcm2niix pads the field of view and places it 4 rows, 1.95 mm, from where DICOM's first
+    # slice is; ours keeps slice 0 where its ImagePositionPatient says, as test_gantry_tilt_refused_or_corrected checks)
+    slices = _slices()
+    for k, ds in enumerate(slices):
+        x, y, z = (float(v) for v in ds.ImagePositionPatient)
+        ds.ImagePositionPatient = [x, y + k * float(ds.PixelSpacing[0]), z]
+        ds.GantryDetectorTilt = 11.05
+    tilted = _write(tmp_path / "tilt", slices)
+    files, said = _dcm2niix(tilted, tmp_path / "ref_tilt")
+    assert "gantry tilt" in said.lower() and any("_Tilt_" in f.name for f in files)
+    with pytest.raises(DicomError, match="gantry tilt of 11.05 degrees"):
+        series_to_nifti(tilted, tmp_path / "tilt.nii.gz")
+    series_to_nifti(tilted, tmp_path / "tilt.nii.gz", correct_tilt=True)
+    a = nib.as_closest_canonical(nib.load(tmp_path / "tilt.nii.gz")).get_fdata()
+    b = nib.as_closest_canonical(nib.load(next(f for f in files if "_Tilt_" in f.name))).get_fdata()
+    rows = a.shape[1]
+    offsets = [
+        r for r in range(b.shape[1] - rows + 1)
+        if np.abs(a - b[:, r : r + rows])[(a > AIR_HU) & (b[:, r : r + rows] > AIR_HU)].max() <= 1.0
+    ]  # fmt: skip
+    assert offsets, "no placement of ours inside dcm2niix's tilt-corrected volume agrees within 1 HU"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -255,7 +324,7 @@ def _dataset(root: Path, patients: int = 8, studies_each: int = 2) -> dict[str, 
         for s in range(studies_each):
             slices = []
             for ds in base:
-                ds = ds.copy()
+                ds = copy.deepcopy(ds)
                 pixels = ds.pixel_array.astype(np.int32) + rng.integers(-20, 20, size=(16, 16))
                 if label == "dense":
                     pixels[4:12, 4:12] += 300
@@ -317,7 +386,7 @@ def test_manifest_group_column_decides_the_groups(tmp_path):
     assert len(set(splits.groups["train"])) == 1 and len(set(splits.groups["test"])) == 1
 
 
-def test_tiny_dicom_run_end_to_end_writes_no_identifying_tag(make_cfg, tmp_path):
+def test_tiny_dicom_run_end_to_end_writes_no_identifying_tag(make_cfg, tmp_path, capsys):
     from ddcnn.pipeline import train
 
     root = tmp_path / "ct"
@@ -337,6 +406,17 @@ def test_tiny_dicom_run_end_to_end_writes_no_identifying_tag(make_cfg, tmp_path)
     run_dir = Path(cfg.paths.run_dir)
     saved = json.loads((run_dir / "results.json").read_text())
     assert saved["data"]["n_train"] + saved["data"]["n_val"] + saved["data"]["n_test"] == 20
+    # 10 patients in all, counted per split: no patient in two splits.
+    assert saved["data"]["report"]["dicom"]["patient_groups"] == 10
+    assert sum(saved["data"]["n_groups"].values()) == 10 and min(saved["data"]["n_groups"].values()) >= 1
+    # ddcnn-predict classifies a study folder by the training's series rule and preprocessing.
+    from ddcnn.predict import predict_main
+
+    study = root / "dense" / "study10"
+    assert predict_main([str(run_dir), str(study), "--json"]) == 0
+    prediction = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert prediction["file"] == str(study) and prediction["class"] in ("dense", "plain")
+    assert sum(prediction["probabilities"].values()) == pytest.approx(1.0, abs=1e-5)
     written = [p for p in [*run_dir.rglob("*"), *(root / ".ddcnn_cache").rglob("*")] if p.is_file()]
     assert len(written) > 20
     for path in written:
