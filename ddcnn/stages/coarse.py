@@ -378,7 +378,11 @@ def _fit_data(ctx: Context, kind: str, fit_on: str, seed: int):
     if ctx.data.groups is not None:  # one patient's studies on one side
         from ddcnn.data.splits import stratified_split
 
-        what = "coarse_val: the fit and selection halves of the validation split"
+        what = (
+            "coarse_val (methods.enabled.coarse_val) fits on one half of the validation split and selects on the "
+            "other, one patient's studies on one side; raise data.val_fraction or set methods.enabled.coarse_val="
+            "false"
+        )
         fit_rows, select_rows = stratified_split(labels, 0.5, int(seed), ctx.data.groups["val"], what)
     else:
         try:

@@ -354,6 +354,11 @@ def test_dicom_source_keeps_each_patient_in_one_split(tmp_path):
     sets = {s: set(data.groups[s].tolist()) for s in ("train", "val", "test")}
     assert all(sets.values()) and not sets["train"] & sets["val"] and not sets["val"] & sets["test"]
     assert data.info["n_groups"] == {s: len(v) for s, v in sets.items()}
+    # A subset takes whole patients: every patient it holds comes with all of their training studies.
+    small = prepare(splits, num_classes=2, in_channels=1, spatial_dims=3, val_fraction=0.25, split_seed=3,
+                    train_subset=4)  # fmt: skip
+    kept = small.groups["train"].tolist()
+    assert 2 <= len(kept) <= 6 and all(kept.count(g) == data.groups["train"].tolist().count(g) for g in kept)
     carved = data.carve_val_target(0.5, 0)
     assert not set(carved.groups["val"].tolist()) & set(carved.groups["val_target"].tolist())
 
