@@ -89,6 +89,7 @@ _ORIENTATION_TOL = 1e-4
 _SOP_SECONDARY_CAPTURE = "1.2.840.10008.5.1.4.1.1.7"  # and .7.1 to .7.4
 _SOP_STRUCTURED_REPORT = "1.2.840.10008.5.1.4.1.1.88."  # radiation dose SR among them
 _SOP_ENHANCED_CT = "1.2.840.10008.5.1.4.1.1.2.1"
+_SOP_RADIOTHERAPY = "1.2.840.10008.5.1.4.1.1.481."  # RT dose, plan, structure set, ...
 _SOP_MEDIA_DIRECTORY = "1.2.840.10008.1.3.10"
 _J2K = "pylibjpeg-openjpeg (pip install pylibjpeg pylibjpeg-openjpeg), python-gdcm, or Pillow built with OpenJPEG"
 _PLUGINS = {
@@ -238,15 +239,18 @@ def _drop_reason(ds: Any) -> str | None:
         return "dose summary or report"
     if sop.startswith(_SOP_SECONDARY_CAPTURE):
         return "secondary capture"
+    if sop.startswith(_SOP_RADIOTHERAPY):
+        return "radiotherapy object"
     if "LOCALIZER" in image_type or "SCOUT" in image_type or "topogram" in description or "scout" in description:
         return "localizer/scout"
     if "dose" in description or "DOSE" in image_type:
         return "dose summary or report"
     if "PixelData" not in ds and "FloatPixelData" not in ds and not ds.get("Rows"):
         return "no image"
-    if "ImagePositionPatient" not in ds or "ImageOrientationPatient" not in ds:
+    multi_frame = sop == _SOP_ENHANCED_CT or (_number(ds, "NumberOfFrames") or 1) > 1
+    if not multi_frame and ("ImagePositionPatient" not in ds or "ImageOrientationPatient" not in ds):
         return "no position or orientation"
-    return None
+    return None  # an enhanced (multi-frame) image stays a candidate series, refused with the reason if chosen
 
 
 def scan_study(folder: str | os.PathLike[str]) -> Study:
@@ -292,8 +296,8 @@ def scan_study(folder: str | os.PathLike[str]) -> Study:
         series[uid].slices.append(
             _Slice(
                 path=path,
-                ipp=tuple(float(v) for v in ds.ImagePositionPatient),
-                iop=tuple(float(v) for v in ds.ImageOrientationPatient),
+                ipp=tuple(float(v) for v in ds.get("ImagePositionPatient") or (0.0, 0.0, 0.0)),
+                iop=tuple(float(v) for v in ds.get("ImageOrientationPatient") or (1.0, 0.0, 0.0, 0.0, 1.0, 0.0)),
                 rows=int(ds.get("Rows") or 0),
                 columns=int(ds.get("Columns") or 0),
                 pixel_spacing=(spacing[0], spacing[1]),

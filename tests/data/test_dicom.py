@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -158,6 +159,39 @@ def test_one_series_per_study_chosen_by_the_rule(tmp_path):
         choose_series(study, {"kernel": "B45"})
 
 
+def test_mixed_sizes_and_orientations_refused(tmp_path):
+    slices = _slices()
+    small = pydicom.dcmread(TEST_FILES / "CT_small.dcm")  # 128 x 128
+    small.SeriesInstanceUID, small.ImageOrientationPatient = slices[0].SeriesInstanceUID, [1, 0, 0, 0, 1, 0]
+    small.PatientID = slices[0].PatientID
+    small.ImagePositionPatient = [-72.2, -143.0, 11.2625]
+    study = scan_study(_write(tmp_path / "sizes", [*slices, small]))
+    with pytest.raises(DicomError, match=r"mixed slice sizes \(5 of 16x16, 1 of 128x128\)"):
+        read_series(study.series[0], study.folder)
+    slices = _slices()
+    slices[1].ImageOrientationPatient = [1, 0, 0, 0, 0.9962, 0.0872]  # 5 degrees about x
+    study = scan_study(_write(tmp_path / "orientations", slices))
+    with pytest.raises(DicomError, match=r"mixed orientations \(2 different ImageOrientationPatient\)"):
+        read_series(study.series[0], study.folder)
+
+
+def test_enhanced_multi_frame_ct_refused_with_the_reason_and_other_objects_dropped(tmp_path):
+    ds = _slices()[0]
+    ds.SOPClassUID = "1.2.840.10008.5.1.4.1.1.2.1"  # Enhanced CT Image Storage: geometry per frame, not top-level
+    del ds.ImagePositionPatient, ds.ImageOrientationPatient
+    ds.NumberOfFrames = 1
+    _write(tmp_path / "study" / "enhanced", [ds])
+    for name, dest in (("rtdose.dcm", "dose"), ("SC_rgb_rle.dcm", "capture")):  # of the same patient
+        other = pydicom.dcmread(TEST_FILES / name)
+        other.PatientID = ds.PatientID
+        other.save_as(tmp_path / "study" / dest)
+    (tmp_path / "study" / "notes.txt").write_text("not DICOM")
+    study = scan_study(tmp_path / "study")
+    assert study.dropped == {"radiotherapy object": 1, "secondary capture": 1} and study.ignored == 1
+    with pytest.raises(DicomError, match=r"enhanced \(multi-frame\) CT.*Convert the series with dcm2niix"):
+        read_series(choose_series(study), study.folder)
+
+
 def test_a_study_folder_of_two_patients_refused(tmp_path):
     _ct5n(tmp_path / "study" / "a", PatientID=SECRET_ID)
     _ct5n(tmp_path / "study" / "b", PatientID="OTHER-PATIENT", SeriesInstanceUID="1.2.3.9")
@@ -166,26 +200,32 @@ def test_a_study_folder_of_two_patients_refused(tmp_path):
     assert SECRET_ID not in str(err.value)
 
 
-def _j2k_series(dest: Path) -> Path:
-    ds = pydicom.dcmread(J2K)
-    first = [float(v) for v in ds.ImagePositionPatient]
+def _j2k_series(dest: Path, source: Path = J2K) -> Path:
+    ds = pydicom.dcmread(source)
+    first = np.asarray([float(v) for v in ds.ImagePositionPatient])
+    orientation = np.asarray([float(v) for v in ds.ImageOrientationPatient])
+    normal = np.cross(orientation[:3], orientation[3:])  # J2K_pixelrep_mismatch.dcm is oblique
     slices = []
     for k in range(2):
-        copy = pydicom.dcmread(J2K)
-        copy.ImagePositionPatient = [first[0], first[1], first[2] + k * float(ds.get("SliceThickness") or 1.0)]
+        copy = pydicom.dcmread(source)
+        copy.ImagePositionPatient = [float(v) for v in first + k * float(ds.get("SliceThickness") or 1.0) * normal]
         slices.append(copy)
     return _write(dest, slices)
 
 
-def test_jpeg2000_refused_naming_the_plugin_where_no_decoder_is_installed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["693_J2KI.dcm", "J2K_pixelrep_mismatch.dcm"])
+def test_jpeg2000_refused_naming_the_plugin_where_no_decoder_is_installed(tmp_path, monkeypatch, name):
     from pydicom.pixels.decoders.base import get_decoder
 
-    study = scan_study(_j2k_series(tmp_path / "study"))
+    study = scan_study(_j2k_series(tmp_path / "study", TEST_FILES / name))
     # Pillow built with OpenJPEG decodes JPEG 2000 here; a machine without it (or pylibjpeg, gdcm) has no decoder.
-    volume = read_series(study.series[0], study.folder)
-    assert volume.data.shape == (512, 512, 2) and -1024 <= volume.data.min() < volume.data.max() < 4000
-    monkeypatch.setattr(get_decoder(pydicom.uid.JPEG2000), "_available", {})
-    with pytest.raises(DicomError, match="JPEG 2000 Image Compression .* pydicom cannot decode") as err:
+    syntax = pydicom.dcmread(TEST_FILES / name, stop_before_pixels=True).file_meta.TransferSyntaxUID
+    decoder = get_decoder(syntax)
+    if decoder.available_plugins:
+        volume = read_series(study.series[0], study.folder)
+        assert volume.data.shape == (512, 512, 2) and -1024 <= volume.data.min() < volume.data.max() < 4000
+    monkeypatch.setattr(decoder, "_available", {})
+    with pytest.raises(DicomError, match=re.escape(f"{syntax.name} ({syntax}), which pydicom cannot decode")) as err:
         read_series(study.series[0], study.folder)
     assert "pylibjpeg-openjpeg" in str(err.value) and "python-gdcm" in str(err.value)
 
@@ -429,3 +469,25 @@ def test_tiny_dicom_run_end_to_end_writes_no_identifying_tag(make_cfg, tmp_path,
         blob = __import__("gzip").decompress(blob) if path.suffix == ".gz" else blob
         for secret in (SECRET_ID, SECRET_NAME, "Doe", "SECRET"):
             assert secret.encode() not in blob, f"{secret!r} written to {path}"
+
+
+def test_groups_survive_the_store_and_a_worker_process(tmp_path):
+    import pickle
+
+    from ddcnn.data.prepare import PrepareSettings, load_prepared
+    from ddcnn.data.sources import dicom
+    from ddcnn.store import Store
+
+    _dataset(tmp_path / "set", patients=6, studies_each=2)
+    spec = {"_target_": "ddcnn.data.sources.dicom", "root": str(tmp_path / "set"), "target_shape": [16, 16, 8]}
+    settings = PrepareSettings(num_classes=2, in_channels=1, spatial_dims=3, val_fraction=0.25)
+
+    def load(mode: str):
+        source = lambda: dicom(tmp_path / "set", target_shape=[16, 16, 8], progress=False, lazy=True)  # noqa: E731
+        return load_prepared(source, spec, settings, mode=mode, store=Store(tmp_path / "store"), progress=False)
+
+    mapped, memory = load("mapped"), load("memory")
+    assert mapped.holding == "mapped"
+    for split in ("train", "val", "test"):
+        np.testing.assert_array_equal(mapped.groups[split], memory.groups[split])
+    assert pickle.loads(pickle.dumps(mapped)).groups["val"].tolist() == mapped.groups["val"].tolist()
