@@ -348,10 +348,11 @@ def nifti(
     """NIfTI volumes from a class-per-folder root or a CSV manifest (see :mod:`ddcnn.data.nifti`).
 
     A manifest's ``split`` column gives train/val/test; without one, the test split is stratified with a fixed
-    seed. Preprocessed volumes are cached under ``cache_dir`` (default ``<root>/.ddcnn_cache``), keyed by the
-    preprocessing settings. Values are returned as float32 after windowing/normalisation, so the datamodule
-    does not rescale them. With ``lazy`` the volumes are :class:`~ddcnn.data.arrays.Rows` read (and preprocessed,
-    when not cached yet) one at a time as they are needed, so a study larger than memory can be prepared.
+    seed. A manifest's ``group`` column (a patient) keeps each group in one split of every split drawn. Preprocessed
+    volumes are cached under ``cache_dir`` (default ``<root>/.ddcnn_cache``), keyed by the preprocessing settings.
+    Values are returned as float32 after windowing/normalisation, so the datamodule does not rescale them. With
+    ``lazy`` the volumes are :class:`~ddcnn.data.arrays.Rows` read (and preprocessed, when not cached yet) one at a
+    time as they are needed, so a study larger than memory can be prepared.
     """
     from ddcnn.data.nifti import NiftiPreprocess, scan_nifti
 
@@ -371,7 +372,10 @@ def nifti(
     )
     if cache_dir is None:
         cache_dir = (root if root.is_dir() else root.parent) / ".ddcnn_cache"
-    return _volume_splits(index, prep, cache_dir, root.stem, test_fraction, seed, progress, lazy)
+    groups = None
+    if index.groups is not None:  # the manifest's group column: one patient's volumes in one split
+        groups = np.unique(np.asarray(index.groups), return_inverse=True)[1].astype(np.int64)
+    return _volume_splits(index, prep, cache_dir, root.stem, test_fraction, seed, progress, lazy, groups)
 
 
 def _volume_splits(
