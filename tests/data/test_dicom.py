@@ -451,6 +451,7 @@ def test_tiny_dicom_run_end_to_end_writes_no_identifying_tag(make_cfg, tmp_path,
     run_dir = Path(cfg.paths.run_dir)
     saved = json.loads((run_dir / "results.json").read_text())
     assert saved["data"]["n_train"] + saved["data"]["n_val"] + saved["data"]["n_test"] == 20
+    assert (run_dir / "coarse_val" / "done").is_file()  # its fit and selection halves drawn over whole patients
     # 10 patients in all, counted per split: no patient in two splits.
     assert saved["data"]["report"]["dicom"]["patient_groups"] == 10
     assert sum(saved["data"]["n_groups"].values()) == 10 and min(saved["data"]["n_groups"].values()) >= 1
@@ -491,3 +492,15 @@ def test_groups_survive_the_store_and_a_worker_process(tmp_path):
     for split in ("train", "val", "test"):
         np.testing.assert_array_equal(mapped.groups[split], memory.groups[split])
     assert pickle.loads(pickle.dumps(mapped)).groups["val"].tolist() == mapped.groups["val"].tolist()
+
+
+def test_a_stage_split_the_groups_make_impossible_is_refused_before_training(make_cfg, tmp_path):
+    from ddcnn.pipeline import train
+
+    root = tmp_path / "ct"
+    _dataset(root, patients=4, studies_each=2)
+    cfg = make_cfg("data=dicom", f"data.root={root}", "data.source.target_shape=[16,16,8]", "data.val_fraction=0.15",
+                   "data.source.test_fraction=0.25", "decomposition=2x2x2")  # fmt: skip
+    with pytest.raises(ValueError, match=r"coarse_val .* validation samples come from 1 patient group\(s\); raise"):
+        train(cfg)
+    assert not list(Path(cfg.paths.run_dir).glob("local/*/done"))
