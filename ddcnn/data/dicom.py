@@ -4,8 +4,9 @@ A study is a folder (files nested at any depth) holding one or more series. Read
 a volume is right or refused, never silently wrong:
 
 * files are grouped by ``SeriesInstanceUID``; localizer/scout images (``ImageType`` LOCALIZER or SCOUT), dose
-  summaries (structured reports, images named "dose") and secondary captures are dropped, and the dataset says how
-  many; files that are not DICOM (and ``DICOMDIR``) are ignored;
+  summaries (structured reports, screens described as "Dose Report", "Patient Protocol", ...; a "Low Dose" protocol is
+  kept), secondary captures and radiotherapy objects are dropped, and the dataset says how many; files that are not
+  DICOM (and ``DICOMDIR``) are ignored;
 * one series per study is chosen by a :class:`SeriesRule` (``data.source.series``: a description pattern, a kernel
   pattern, a slice-thickness range or a UID); none or several matching is refused naming the candidates;
 * slices are sorted by their position along the slice normal (``ImagePositionPatient`` projected on the cross product
@@ -90,6 +91,7 @@ _SOP_SECONDARY_CAPTURE = "1.2.840.10008.5.1.4.1.1.7"  # and .7.1 to .7.4
 _SOP_STRUCTURED_REPORT = "1.2.840.10008.5.1.4.1.1.88."  # radiation dose SR among them
 _SOP_ENHANCED_CT = "1.2.840.10008.5.1.4.1.1.2.1"
 _SOP_RADIOTHERAPY = "1.2.840.10008.5.1.4.1.1.481."  # RT dose, plan, structure set, ...
+_DOSE_SCREEN = re.compile(r"dose\s*(report|summary|info|screen|record)|patient\s*protocol|radiation\s*dose")
 _SOP_MEDIA_DIRECTORY = "1.2.840.10008.1.3.10"
 _J2K = "pylibjpeg-openjpeg (pip install pylibjpeg pylibjpeg-openjpeg), python-gdcm, or Pillow built with OpenJPEG"
 _PLUGINS = {
@@ -222,7 +224,7 @@ def _read_header(path: Path) -> Any | None:
         pass
     except (OSError, EOFError, ValueError, KeyError, TypeError):
         return None
-    try:  # files written without the 128-byte preamble (older scanners, pydicom's CT5N)
+    try:  # files written without the 128-byte preamble and file meta (older exports)
         ds = pydicom.dcmread(path, stop_before_pixels=True, force=True)
     except Exception:  # noqa: BLE001 - force=True reads anything; whatever fails here is not DICOM
         return None
@@ -243,9 +245,10 @@ def _drop_reason(ds: Any) -> str | None:
         return "radiotherapy object"
     if "LOCALIZER" in image_type or "SCOUT" in image_type or "topogram" in description or "scout" in description:
         return "localizer/scout"
-    if "dose" in description or "DOSE" in image_type:
+    # a dose screen saved as an image; not "low dose", a CT protocol's name
+    if _DOSE_SCREEN.search(description) or "DOSE" in image_type or "SCREEN SAVE" in " ".join(image_type):
         return "dose summary or report"
-    if "PixelData" not in ds and "FloatPixelData" not in ds and not ds.get("Rows"):
+    if not ds.get("Rows"):  # headers read without the pixels: an image states its rows
         return "no image"
     multi_frame = sop == _SOP_ENHANCED_CT or (_number(ds, "NumberOfFrames") or 1) > 1
     if not multi_frame and ("ImagePositionPatient" not in ds or "ImageOrientationPatient" not in ds):

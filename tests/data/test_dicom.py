@@ -192,6 +192,15 @@ def test_enhanced_multi_frame_ct_refused_with_the_reason_and_other_objects_dropp
         read_series(choose_series(study), study.folder)
 
 
+def test_a_low_dose_series_is_kept_and_a_dose_report_dropped(tmp_path):
+    _ct5n(tmp_path / "study" / "ct", SeriesDescription="Low Dose Chest 1.25mm")
+    report = _slices()[:1]
+    _write(tmp_path / "study" / "dose", report, SeriesDescription="Dose Report", SeriesInstanceUID="1.2.3.77")
+    study = scan_study(tmp_path / "study")
+    assert study.dropped == {"dose summary or report": 1}
+    assert choose_series(study).description == "Low Dose Chest 1.25mm"
+
+
 def test_a_study_folder_of_two_patients_refused(tmp_path):
     _ct5n(tmp_path / "study" / "a", PatientID=SECRET_ID)
     _ct5n(tmp_path / "study" / "b", PatientID="OTHER-PATIENT", SeriesInstanceUID="1.2.3.9")
