@@ -423,7 +423,8 @@ def choose_series(study: Study, rule: SeriesRule | dict | str | None = None) -> 
     shown = "; ".join(s.describe() for s in study.series)
     how = (
         "set data.source.series (description: a pattern of SeriesDescription, kernel: a pattern of "
-        "ConvolutionKernel, thickness: [min, max] mm, or uid) so that exactly one series of each study matches"
+        "ConvolutionKernel, thickness: [min, max] mm, or uid; ddcnn-dicom-to-nifti --description, --kernel, "
+        "--thickness, --uid) so that exactly one series of each study matches"
     )
     if not matching:
         raise DicomError(f"{study.folder}: no series matches the series rule ({rule.describe()}); candidates: {shown}. "
@@ -538,8 +539,8 @@ def _check_spacing(series: SeriesInfo, where: Path | str, z: np.ndarray, regrid:
         problem = f"uneven slice spacing: gaps from {gaps.min():g} to {widest:g} mm (median {spacing:g} mm)"
     if not regrid:
         raise _refuse(where, series, problem,
-                      "Set data.source.regrid=true to resample it onto a regular grid at the median spacing, "
-                      "or choose another series.")  # fmt: skip
+                      "Set data.source.regrid=true (ddcnn-dicom-to-nifti --regrid) to resample it onto a regular "
+                      "grid at the median spacing, or choose another series.")  # fmt: skip
     if widest > MAX_REGRID_GAP * spacing:
         raise _refuse(where, series, problem + f"; the widest gap, {widest:g} mm, is more than {MAX_REGRID_GAP:g} "
                       "slices wide, too wide to interpolate", "Choose another series, or split the stack "
@@ -601,8 +602,8 @@ def read_series(
     if sheared > _TILT_TOL_MM and not correct_tilt:
         raise _refuse(where, series, f"gantry tilt of {tilt:.2f} degrees (each slice shifted in its plane, up to "
                       f"{sheared:.1f} mm): a plain stack of its slices misplaces them", "Set "
-                      "data.source.correct_tilt=true to shift every slice back onto a straight stack, or "
-                      "choose another series.")  # fmt: skip
+                      "data.source.correct_tilt=true (ddcnn-dicom-to-nifti --correct-tilt) to shift every slice back "
+                      "onto a straight stack, or choose another series.")  # fmt: skip
     values, masks = zip(*(_pixels(s.path, where, series) for s in slices), strict=True)
     stack = np.stack(values)  # (slices, rows, columns)
     mask = np.stack(masks)
