@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import hydra
+import numpy as np
 import torch
 from torch import nn
 
@@ -141,8 +142,35 @@ def open_context(
     grid, overlap = settings.decomposition.grid, settings.decomposition.overlap
     ctx = Context(RunDir(run_dir), data, Decomposition(grid, data.image_shape, overlap), settings)
     if check:
+        check_group_splits(settings, data)
         check_networks(ctx, weights=weights)
     return ctx
+
+
+def check_group_splits(settings: RunSettings, data: Prepared) -> None:
+    """The splits that enabled stages draw later over patient groups are possible, checked before any training:
+    ``coarse_val`` halves the validation split, ``local_oof`` folds the training split.
+
+    Raises:
+        ValueError: Too few patient groups, with the numbers and the fix.
+    """
+    if data.groups is None:
+        return
+    enabled = settings.methods.enabled
+    n_val = len(np.unique(data.groups["val"]))
+    if enabled.get("coarse_val") and n_val < 2:
+        raise ValueError(
+            f"coarse_val (methods.enabled.coarse_val) fits on one half of the validation split and selects on the "
+            f"other, one patient's studies on one side, but the {len(data.groups['val'])} validation samples come "
+            f"from {n_val} patient group(s); raise data.val_fraction or set methods.enabled.coarse_val=false."
+        )
+    folds = settings.methods.local_oof.folds
+    n_train = len(np.unique(data.groups["train"]))
+    if (enabled.get("local_oof") or enabled.get("coarse_oof")) and n_train < folds:
+        raise ValueError(
+            f"methods.local_oof.folds={folds} needs at least {folds} patient groups in the training split, which holds "
+            f"{len(data.groups['train'])} samples of {n_train} group(s); lower the folds or add patients."
+        )
 
 
 def build_context(

@@ -35,7 +35,7 @@ import io
 import json
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,9 +176,21 @@ def _file_reading(data: DataSettings) -> dict:
         # ddcnn.data.images decodes every PIL mode, then brings the image to size as resize_mode says
         images["resize_mode"] = str(source.get("resize_mode") or "stretch")
         images["background"] = int(source.get("background") or 0)
-    if target.endswith(".nifti"):
+    if target.endswith(".nifti") or target.endswith(".dicom"):
         nifti = {k: source[k] for k in _NIFTI_KEYS if source.get(k) is not None}
-    return {"image_files": images, "nifti": nifti}
+    out = {"image_files": images, "nifti": nifti}
+    if target.endswith(".dicom"):  # the series rule and corrections of the training, for a study folder
+        series = source.get("series")
+        if isinstance(series, Mapping):
+            series = {
+                k: list(v) if isinstance(v, Sequence) and not isinstance(v, str) else v for k, v in series.items()
+            }
+        out["dicom"] = {
+            "series": series,
+            "regrid": bool(source.get("regrid")),
+            "correct_tilt": bool(source.get("correct_tilt")),
+        }
+    return out
 
 
 def _model_name(settings: RunSettings) -> str:

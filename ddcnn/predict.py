@@ -1,9 +1,11 @@
-"""``ddcnn-predict`` and ``ddcnn-export``: apply a run's exported CNN-DNN to image, ``.npy`` and NIfTI files.
+"""``ddcnn-predict`` and ``ddcnn-export``: apply a run's exported CNN-DNN to image, ``.npy`` and NIfTI files and DICOM
+study folders.
 
 Files are read the way training read its data: image files with PIL in the training's mode (grayscale ``L``
 for one channel, ``RGB`` for three, as the image-folder source does), ``.npy`` arrays as they are (``uint8``
 is scaled by 1/255 like training data, floats are used unchanged), NIfTI volumes with
-:func:`ddcnn.data.nifti.load_volume` and the training source's NIfTI settings. The exported model
+:func:`ddcnn.data.nifti.load_volume` and the training source's NIfTI settings, a DICOM study folder by the training's
+series rule and corrections (:mod:`ddcnn.data.dicom`), then as a NIfTI volume. The exported model
 (:mod:`ddcnn.export`) then resizes and normalises. Predicting needs torch, PIL and nibabel; not the training
 stack (Lightning, Hydra), unless a run directory has no exported model yet.
 """
@@ -107,6 +109,27 @@ def _read_nifti(path: Path, meta: dict) -> np.ndarray:
     return load_volume(path, NiftiPreprocess(**settings))
 
 
+def _read_dicom_study(path: Path, meta: dict) -> np.ndarray:
+    """A study folder's series, chosen and read as the training's ``data=dicom`` source did, then preprocessed as its
+    NIfTI volumes were."""
+    import tempfile
+
+    from ddcnn.data.dicom import choose_series, read_series, scan_study, to_nifti_image
+
+    if meta["spatial_dims"] != 3:
+        raise InputError(f"{path}: a DICOM study is a 3D volume but {_expected(meta)}.")
+    reading = meta["preprocessing"].get("dicom") or {}
+    study = scan_study(path)
+    series = choose_series(study, reading.get("series"))
+    volume = read_series(
+        series, study.folder, regrid=bool(reading.get("regrid")), correct_tilt=bool(reading.get("correct_tilt"))
+    )
+    with tempfile.TemporaryDirectory(prefix="ddcnn-predict-") as tmp:
+        file = Path(tmp) / "study.nii"
+        to_nifti_image(volume).to_filename(file)
+        return _read_nifti(file, meta)
+
+
 def _read_npy(path: Path, meta: dict) -> np.ndarray:
     try:
         array = np.load(path, allow_pickle=False)
@@ -160,8 +183,15 @@ def read_input(path: str | Path, meta: dict) -> np.ndarray:
             cannot resize to what it was trained on.
     """
     path = Path(path)
+    if path.is_dir():  # a DICOM study folder
+        try:
+            return _as_batch(_read_dicom_study(path, meta), path, meta)
+        except InputError:
+            raise
+        except ValueError as err:  # DicomError and NiftiError say what is wrong already
+            raise InputError(str(err)) from err
     if not path.is_file():
-        raise InputError(f"{path}: no such file.")
+        raise InputError(f"{path}: no such file or study folder.")
     kind = _kind(path)
     if kind == "image":
         array = _read_image(path, meta)
@@ -225,12 +255,12 @@ def predict_main(argv: Sequence[str] | None = None) -> int:
     """``ddcnn-predict RUN_DIR_OR_MODEL FILES...``: print the class and probabilities of every input."""
     parser = argparse.ArgumentParser(
         prog="ddcnn-predict",
-        description="Classify image files (PNG, JPG, ...), .npy arrays and NIfTI volumes (.nii, .nii.gz) with the "
-        "CNN-DNN of a finished run, preprocessed as in training. Prints: file, class, its probability, "
-        "class probabilities.",
+        description="Classify image files (PNG, JPG, ...), .npy arrays, NIfTI volumes (.nii, .nii.gz) and DICOM "
+        "study folders with the CNN-DNN of a finished run, preprocessed as in training. Prints: file, class, its "
+        "probability, class probabilities.",
     )
     parser.add_argument("model", type=Path, help="a run directory or an exported model file (export/cnn_dnn.pt)")
-    parser.add_argument("files", type=Path, nargs="+", help="inputs to classify")
+    parser.add_argument("files", type=Path, nargs="+", help="inputs to classify (files, or DICOM study folders)")
     parser.add_argument("--top", type=int, default=None, help="show the K most likely classes (default: all <= 10)")
     parser.add_argument("--json", action="store_true", help="one JSON object per input instead of text")
     args = parser.parse_args(argv)

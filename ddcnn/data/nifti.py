@@ -11,9 +11,10 @@ file read with ``channel_axis`` set, the channel axis is moved to the front.
 Two dataset layouts are understood by :func:`scan_nifti`:
 
 * class-per-folder: ``root/<class_name>/*.nii[.gz]``; class indices follow the sorted folder names;
-* a CSV manifest with a header row ``path,label[,split][,class_name]``; paths are absolute or relative to
-  the manifest's folder, labels are class names or integer indices, ``split`` is train/val/test, and the
-  optional ``class_name`` column (written by :func:`ddcnn.data.convert.arrays_to_nifti`) names integer labels.
+* a CSV manifest with a header row ``path,label[,split][,class_name][,group]``; paths are absolute or relative to
+  the manifest's folder, labels are class names or integer indices, ``split`` is train/val/test, the
+  optional ``class_name`` column (written by :func:`ddcnn.data.convert.arrays_to_nifti`) names integer labels, and
+  the optional ``group`` column (a patient) keeps one group's volumes in one split of every split drawn.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class NiftiIndex:
         class_names: Class names; ``labels`` index into them.
         splits: ``"train"``/``"val"``/``"test"`` per volume, or ``None`` when the source has no split column.
         source: The folder or manifest the index was read from (named in error messages).
+        groups: The manifest's ``group`` (a patient) per volume, or ``None`` without a group column.
     """
 
     paths: tuple[Path, ...]
@@ -107,6 +109,7 @@ class NiftiIndex:
     class_names: tuple[str, ...]
     splits: tuple[str, ...] | None = None
     source: Path | None = None
+    groups: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "paths", tuple(Path(p) for p in self.paths))
@@ -114,8 +117,14 @@ class NiftiIndex:
         object.__setattr__(self, "class_names", tuple(str(c) for c in self.class_names))
         if self.splits is not None:
             object.__setattr__(self, "splits", tuple(str(s) for s in self.splits))
-        if len(self.labels) != len(self.paths) or (self.splits is not None and len(self.splits) != len(self.paths)):
-            raise ValueError("NiftiIndex: paths, labels and splits must have the same length")
+        if self.groups is not None:
+            object.__setattr__(self, "groups", tuple(str(g) for g in self.groups))
+        if (
+            len(self.labels) != len(self.paths)
+            or (self.splits is not None and len(self.splits) != len(self.paths))
+            or (self.groups is not None and len(self.groups) != len(self.paths))
+        ):
+            raise ValueError("NiftiIndex: paths, labels, splits and groups must have the same length")
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -151,6 +160,7 @@ class NiftiIndex:
             class_names=self.class_names,
             splits=tuple(self.splits[i] for i in keep),
             source=self.source,
+            groups=tuple(self.groups[i] for i in keep) if self.groups is not None else None,
         )
 
 
@@ -236,6 +246,7 @@ class _Row(NamedTuple):
     label: str
     split: str
     class_name: str
+    group: str
 
 
 def _read_manifest(manifest: Path, class_names: tuple[str, ...] | None) -> NiftiIndex:
@@ -258,7 +269,7 @@ def _read_manifest(manifest: Path, class_names: tuple[str, ...] | None) -> Nifti
                     _Row(
                         len(rows) + 1,
                         reader.line_num,
-                        *(value.get(k, "") for k in ("path", "label", "split", "class_name")),
+                        *(value.get(k, "") for k in ("path", "label", "split", "class_name", "group")),
                     )
                 )
         except (UnicodeDecodeError, csv.Error) as err:
@@ -289,7 +300,9 @@ def _read_manifest(manifest: Path, class_names: tuple[str, ...] | None) -> Nifti
                 )
         splits = tuple(row.split for row in rows)
     labels, class_names = _manifest_labels(manifest, rows, class_names, "class_name" in header)
-    return NiftiIndex(tuple(paths), tuple(labels), class_names, splits, manifest)
+    # a row without a group is a group of its own
+    groups = tuple(row.group or f"\0row {row.number}" for row in rows) if "group" in header else None
+    return NiftiIndex(tuple(paths), tuple(labels), class_names, splits, manifest, groups)
 
 
 def _where(manifest: Path, row: _Row) -> str:

@@ -119,10 +119,13 @@ class PrepareSettings:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _subset(y: np.ndarray, n: int, seed: int) -> np.ndarray:
-    """A class-stratified subset of ``n`` indices, fixed by ``seed`` (for fast benchmarks)."""
+def _subset(y: np.ndarray, n: int, seed: int, groups: np.ndarray | None = None, what: str = "subset") -> np.ndarray:
+    """A class-stratified subset of ``n`` indices, fixed by ``seed`` (for fast benchmarks); of whole groups (about
+    ``n`` samples) when ``groups`` are given."""
     if n >= len(y):
         return np.arange(len(y))
+    if groups is not None:
+        return np.sort(stratified_split(y, n / len(y), seed, groups, what)[1])
     from sklearn.model_selection import train_test_split
 
     try:
@@ -153,6 +156,7 @@ class _Plan:
     stored: np.dtype
     scale_uint8: bool
     report: dict  # what the source found while reading (Splits.report)
+    groups: dict[str, np.ndarray] | None = None  # prepared split -> a group (patient) per sample, kept together
 
     def n(self, split: str) -> int:
         return len(self.routes[split][1])
@@ -203,18 +207,22 @@ def _plan(splits: Splits, s: PrepareSettings) -> _Plan:
         "train": ("train", np.arange(len(labels["train"]))),
         "test": ("test", np.arange(len(labels["test"]))),
     }
+    groups = _source_groups(splits, labels)
     if splits.x_val is not None and splits.y_val is not None:
         sources["val"], labels["val"] = splits.x_val, np.asarray(splits.y_val)
         routes["val"] = ("val", np.arange(len(labels["val"])))
     else:
-        keep, held = stratified_split(labels["train"], s.val_fraction, s.split_seed)
+        what = f"{where}: the validation split (data.val_fraction={s.val_fraction})"
+        keep, held = stratified_split(labels["train"], s.val_fraction, s.split_seed, groups.get("train"), what)
         routes["train"], routes["val"] = ("train", keep), ("train", held)
     for split, n in (("train", s.train_subset), ("test", s.test_subset)):
         if n is not None:
             if n < 1:
                 raise ValueError(f"data.{split}_subset must be a positive number of samples or null, got {n}.")
             src, rows = routes[split]
-            routes[split] = (src, rows[_subset(labels[src][rows], int(n), s.split_seed)])
+            part = groups[src][rows] if src in groups else None
+            what = f"{where}: data.{split}_subset={n}"
+            routes[split] = (src, rows[_subset(labels[src][rows], int(n), s.split_seed, part, what)])
     y = {split: np.asarray(labels[src][rows], dtype=np.int64) for split, (src, rows) in routes.items()}
     for split in SPLITS:
         if len(y[split]) == 0:
@@ -243,7 +251,34 @@ def _plan(splits: Splits, s: PrepareSettings) -> _Plan:
     stored, scale = storage_dtype([x.dtype for x in sources.values()], resized, s.float_storage)
     row_shape = (s.in_channels, *(size if size is not None else spatial))
     report = dict(splits.report)
-    return _Plan(splits.name, list(splits.class_names), sources, routes, y, row_shape, size, stored, scale, report)
+    prepared_groups = {split: groups[src][rows] for split, (src, rows) in routes.items()} if groups else None
+    return _Plan(splits.name, list(splits.class_names), sources, routes, y, row_shape, size, stored, scale, report,
+                 prepared_groups)  # fmt: skip
+
+
+def _source_groups(splits: Splits, labels: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The source's group per sample of each source split (``{}`` without groups), groups numbered across splits."""
+    if splits.groups is None:
+        return {}
+    from ddcnn.data.splits import check_groups
+
+    out = {}
+    for split, y in (*labels.items(), ("val", splits.y_val)):
+        if y is None:
+            continue
+        if split not in splits.groups:
+            raise ValueError(f"dataset {splits.name!r}: the source gives groups but none for its {split} split.")
+        given = np.asarray(splits.groups[split])
+        check_groups(given, len(y), f"dataset {splits.name!r}: {split} split")
+        out[split] = given.astype(np.int64)
+    for a, b in (("train", "test"), ("train", "val"), ("val", "test")):
+        shared = np.intersect1d(out.get(a, []), out.get(b, []))
+        if len(shared):
+            raise ValueError(
+                f"dataset {splits.name!r}: {len(shared)} patient group(s) have samples in both the {a} and the {b} "
+                f"split; one patient's studies belong to one split. Fix the manifest's split column for them."
+            )
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -456,8 +491,12 @@ class Prepared:
         holding: str = "memory",
         entry: Path | None = None,
         maps: Mapping[str, mmap.mmap] | None = None,
+        groups: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         self.stored = dict(x)
+        # split -> a group (patient) per sample that every split drawn later (val_target, folds, coarse_val) keeps
+        # together; None: every sample on its own
+        self.groups = {k: np.asarray(v, dtype=np.int64) for k, v in groups.items()} if groups else None
         self.y = dict(y)
         self.class_names = list(class_names)
         self.mean = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)
@@ -598,7 +637,9 @@ class Prepared:
         split, ``val_target``, that no choice sees (``data.val_target_fraction``; ``docs/protocol.md`` §3): every
         training, selection and fit reads the rest as ``val``. Both parts are held in this process's memory (a copy
         of the validation rows, also of mapped data)."""
-        keep, held = stratified_split(self.y["val"].numpy(), float(fraction), int(seed))
+        groups = self.groups["val"] if self.groups else None
+        what = f"data.val_target_fraction={fraction}: the target split of the {len(self.y['val'])} validation samples"
+        keep, held = stratified_split(self.y["val"].numpy(), float(fraction), int(seed), groups, what)
         if not len(keep) or not len(held):
             raise ValueError(
                 f"data.val_target_fraction={fraction} leaves {len(keep)} validation and {len(held)} target sample(s) "
@@ -612,6 +653,8 @@ class Prepared:
         out._maps = {s: m for s, m in self._maps.items() if s != "val"}
         out._normalizers, out._float = {}, {}
         out.info = {**self.info, "n_val": len(keep), "n_val_target": len(held)}
+        if groups is not None:
+            out.groups = {**self.groups, "val": groups[keep], "val_target": groups[held]}
         return out
 
     # --- processes ---
@@ -637,6 +680,7 @@ class Prepared:
         meta = json.loads((folder / DATA_FILE).read_text())
         stored, maps = _map_entry(folder)
         y = {s: torch.from_numpy(np.load(folder / f"y_{s}.npy")) for s in SPLITS}
+        groups = {s: np.load(folder / f"g_{s}.npy") for s in SPLITS} if (folder / "g_train.npy").is_file() else None
         mean, std = _constants(meta["stats"], normalize, len(meta["stats"]["mean"]))
         return cls(
             stored,
@@ -651,6 +695,7 @@ class Prepared:
             holding="mapped",
             entry=folder,
             maps=maps,
+            groups=groups,
         )
 
 
@@ -680,7 +725,11 @@ def _record(plan: _Plan, stats: _Stats, settings: PrepareSettings) -> dict:
         "shapes": {s: [plan.n(s), *plan.row_shape] for s in SPLITS},
         "decode": {"scale_uint8": plan.scale_uint8, "window": list(settings.window) if settings.window else None},
         "stats": {"mean": [float(v) for v in mean], "std": [float(v) for v in std], "of": "train, decoded"},
-        "info": {**{f"n_{s}": plan.n(s) for s in SPLITS}, **({"report": plan.report} if plan.report else {})},
+        "info": {
+            **{f"n_{s}": plan.n(s) for s in SPLITS},
+            **({"report": plan.report} if plan.report else {}),
+            **({"n_groups": {s: len(np.unique(plan.groups[s])) for s in SPLITS}} if plan.groups else {}),
+        },
     }
 
 
@@ -706,6 +755,7 @@ def _prepare_in_memory(plan: _Plan, settings: PrepareSettings, progress: bool) -
         {**record["info"], "stats": record["stats"]},
         scale_uint8=plan.scale_uint8,
         window=settings.window,
+        groups=plan.groups,
     )
 
 
@@ -730,6 +780,8 @@ def _write_entry(plan: _Plan, settings: PrepareSettings, folder: Path, progress:
     sums = sink.finish()
     for s in SPLITS:
         np.save(folder / f"y_{s}.npy", plan.y[s])
+        if plan.groups is not None:
+            np.save(folder / f"g_{s}.npy", plan.groups[s])
     record = _record(plan, stats, settings)
     (folder / DATA_FILE).write_text(json.dumps(record, indent=2))
     return {"describe": f"{plan.name}: {sum(plan.n(s) for s in SPLITS)} samples {plan.stored.name}", "_sha256": sums}

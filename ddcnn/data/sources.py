@@ -23,6 +23,7 @@ __all__ = [
     "torchvision_dataset",
     "image_folder",
     "nifti",
+    "dicom",
     "stratified_split",
     "source_identity",
     "NOT_IDENTITY",
@@ -45,6 +46,8 @@ class Splits:
             equal their number. Otherwise they may be made up from the labels seen.
         report: What the source found while reading (files ignored or skipped, duplicates), JSON-ready; kept with
             the prepared data and written to ``results.json``.
+        groups: ``{"train": ..., "test": ..., "val": ...}`` an integer group per sample (a patient) that every split
+            drawn from these samples keeps together, or ``None`` (every sample on its own).
     """
 
     x_train: np.ndarray | Rows
@@ -57,6 +60,7 @@ class Splits:
     name: str = "data"
     classes_listed: bool = False
     report: dict = field(default_factory=dict)
+    groups: dict[str, np.ndarray] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -344,12 +348,13 @@ def nifti(
     """NIfTI volumes from a class-per-folder root or a CSV manifest (see :mod:`ddcnn.data.nifti`).
 
     A manifest's ``split`` column gives train/val/test; without one, the test split is stratified with a fixed
-    seed. Preprocessed volumes are cached under ``cache_dir`` (default ``<root>/.ddcnn_cache``), keyed by the
-    preprocessing settings. Values are returned as float32 after windowing/normalisation, so the datamodule
-    does not rescale them. With ``lazy`` the volumes are :class:`~ddcnn.data.arrays.Rows` read (and preprocessed,
-    when not cached yet) one at a time as they are needed, so a study larger than memory can be prepared.
+    seed. A manifest's ``group`` column (a patient) keeps each group in one split of every split drawn. Preprocessed
+    volumes are cached under ``cache_dir`` (default ``<root>/.ddcnn_cache``), keyed by the preprocessing settings.
+    Values are returned as float32 after windowing/normalisation, so the datamodule does not rescale them. With
+    ``lazy`` the volumes are :class:`~ddcnn.data.arrays.Rows` read (and preprocessed, when not cached yet) one at a
+    time as they are needed, so a study larger than memory can be prepared.
     """
-    from ddcnn.data.nifti import NiftiCache, NiftiPreprocess, load_arrays, scan_nifti
+    from ddcnn.data.nifti import NiftiPreprocess, scan_nifti
 
     root = Path(root).expanduser()
     if not root.exists():
@@ -367,22 +372,47 @@ def nifti(
     )
     if cache_dir is None:
         cache_dir = (root if root.is_dir() else root.parent) / ".ddcnn_cache"
+    groups = None
+    if index.groups is not None:  # the manifest's group column: one patient's volumes in one split
+        groups = np.unique(np.asarray(index.groups), return_inverse=True)[1].astype(np.int64)
+    return _volume_splits(index, prep, cache_dir, root.stem, test_fraction, seed, progress, lazy, groups)
+
+
+def _volume_splits(
+    index,
+    prep,
+    cache_dir: str | Path,
+    name: str,
+    test_fraction: float,
+    seed: int,
+    progress: bool,
+    lazy: bool,
+    groups: np.ndarray | None = None,
+    report: dict | None = None,
+) -> Splits:
+    """The NIfTI volumes of ``index`` preprocessed by ``prep`` (cached), split by the index's split column, else with a
+    stratified test split (over whole ``groups`` when given)."""
+    from ddcnn.data.nifti import NiftiCache, load_arrays
+
     if lazy:
         cache = NiftiCache(cache_dir, prep)
         first = np.asarray(cache.load(index.paths[0]))
-        x = FileRows(index.paths, lambda p: np.asarray(cache.load(p)), first.shape, first.dtype, name=str(root))
+        x = FileRows(index.paths, lambda p: np.asarray(cache.load(p)), first.shape, first.dtype, name=str(name))
         y = np.asarray(index.labels, dtype=np.int64)
     else:
         x, y = load_arrays(index, prep, cache_dir=cache_dir, progress=progress)
     names = list(index.class_names)
+    extra = {"report": report or {}}
+
+    def take(rows: np.ndarray):
+        return x.select(rows) if isinstance(x, FileRows) else x[rows]
+
     if index.splits is not None and "train" in index.splits and "test" in index.splits:
         split = np.asarray(index.splits)
         parts = {s: np.flatnonzero(split == s) for s in ("train", "val", "test")}
         has_val = len(parts["val"]) > 0
-
-        def take(rows: np.ndarray):
-            return x.select(rows) if isinstance(x, FileRows) else x[rows]
-
+        if groups is not None:
+            extra["groups"] = {s: groups[rows] for s, rows in parts.items() if len(rows) or s != "val"}
         return Splits(
             take(parts["train"]),
             y[parts["train"]],
@@ -391,12 +421,69 @@ def nifti(
             take(parts["val"]) if has_val else None,
             y[parts["val"]] if has_val else None,
             class_names=names,
-            name=root.stem,
+            name=name,
+            **extra,
         )
-    train, test = stratified_split(y, test_fraction, seed)
-    if isinstance(x, FileRows):
-        return Splits(x.select(train), y[train], x.select(test), y[test], class_names=names, name=root.stem)
-    return Splits(x[train], y[train], x[test], y[test], class_names=names, name=root.stem)
+    train, test = stratified_split(y, test_fraction, seed, groups, what=f"dataset {name!r}: the test split")
+    if groups is not None:
+        extra["groups"] = {"train": groups[train], "test": groups[test]}
+    return Splits(take(train), y[train], take(test), y[test], class_names=names, name=name, **extra)
+
+
+def dicom(
+    root: str | Path,
+    series: dict | str | None = None,
+    regrid: bool = False,
+    correct_tilt: bool = False,
+    target_shape: Sequence[int] | None = None,
+    spacing: Sequence[float] | float | None = None,
+    window: Sequence[float] | None = None,
+    normalize: str = "none",
+    cache_dir: str | Path | None = None,
+    class_names: Sequence[str] | None = None,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    progress: bool = True,
+    lazy: bool = False,
+) -> Splits:
+    """DICOM CT studies (class folders of study folders, or a manifest ``path,label[,group][,split]``), one series per
+    study chosen by ``series``, read by the rules of :mod:`ddcnn.data.dicom` and stored as NIfTI in the cache; from
+    there the same preprocessing, cache and splits as :func:`nifti`.
+
+    Every split keeps one patient's studies together: the manifest's ``group`` column, else the studies' PatientID
+    (:attr:`Splits.groups`). What was dropped, set to air or resampled, and each study's spacing and orientation, are
+    in :attr:`Splits.report` (``results.json``).
+
+    Args:
+        root: ``data.root``: the class folders or the manifest.
+        series: ``data.source.series``: the series rule (:class:`~ddcnn.data.dicom.SeriesRule`).
+        regrid, correct_tilt: Resample uneven slice spacing / a gantry tilt instead of refusing the study.
+        target_shape, spacing, window, normalize, cache_dir, class_names, test_fraction, seed, progress, lazy: As
+            :func:`nifti`.
+    """
+    from ddcnn.data.dicom import SeriesRule, convert_studies, scan_dicom
+    from ddcnn.data.nifti import NiftiIndex, NiftiPreprocess
+
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(
+            f"DICOM dataset {root} does not exist; set data.root to a folder <root>/<class>/<study>/... or to a "
+            f"manifest.csv with columns path,label[,group][,split] (see docs/ct.md)."
+        )
+    index = scan_dicom(root, class_names)
+    if cache_dir is None:
+        cache_dir = (root if root.is_dir() else root.parent) / ".ddcnn_cache"
+    paths, groups, report = convert_studies(
+        index, cache_dir, SeriesRule.of(series), regrid=bool(regrid), correct_tilt=bool(correct_tilt), progress=progress
+    )
+    volumes = NiftiIndex(tuple(paths), index.labels, index.class_names, index.splits, index.source)
+    prep = NiftiPreprocess(
+        target_shape=tuple(target_shape) if target_shape is not None else None,
+        spacing=spacing if spacing is None or isinstance(spacing, int | float) else tuple(spacing),
+        window=tuple(window) if window is not None else None,
+        normalize=normalize,
+    )
+    return _volume_splits(volumes, prep, cache_dir, root.stem, test_fraction, seed, progress, lazy, groups, report)
 
 
 # Source settings that name where a copy or a cache goes, not what is read: not part of a source's identity.
@@ -438,6 +525,13 @@ def source_identity(spec: dict) -> dict:
         index = scan_nifti(Path(str(spec["root"])).expanduser(), spec.get("class_names"))
         files = list(index.paths) + ([index.source] if index.source is not None and index.source.is_file() else [])
         return {"nifti_format": FORMAT_VERSION, "files": _files_digest(files)}
+    if target.endswith(".dicom") and spec.get("root"):
+        from ddcnn.data.dicom import DICOM_FORMAT, scan_dicom
+
+        index = scan_dicom(Path(str(spec["root"])).expanduser(), spec.get("class_names"))
+        files = [p for study in index.studies for p in _visible_files(study)]
+        files += [index.source] if index.source is not None and index.source.is_file() else []
+        return {"dicom_format": DICOM_FORMAT, "files": _files_digest(files)}
     paths: list[Path] = []
     for key, value in spec.items():
         if key in NOT_IDENTITY or key.startswith("_") or not isinstance(value, str):

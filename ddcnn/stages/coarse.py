@@ -401,10 +401,20 @@ def _fit_data(ctx: Context, kind: str, fit_on: str, seed: int):
 
     labels = y["val"].numpy()
     rows = torch.arange(len(labels)).numpy()
-    try:
-        fit_rows, select_rows = train_test_split(rows, test_size=0.5, stratify=labels, random_state=int(seed))
-    except ValueError:  # a class too small to stratify: a plain seeded half
-        fit_rows, select_rows = train_test_split(rows, test_size=0.5, random_state=int(seed))
+    if ctx.data.groups is not None:  # one patient's studies on one side
+        from ddcnn.data.splits import stratified_split
+
+        what = (
+            "coarse_val (methods.enabled.coarse_val) fits on one half of the validation split and selects on the "
+            "other, one patient's studies on one side; raise data.val_fraction or set methods.enabled.coarse_val="
+            "false"
+        )
+        fit_rows, select_rows = stratified_split(labels, 0.5, int(seed), ctx.data.groups["val"], what)
+    else:
+        try:
+            fit_rows, select_rows = train_test_split(rows, test_size=0.5, stratify=labels, random_state=int(seed))
+        except ValueError:  # a class too small to stratify: a plain seeded half
+            fit_rows, select_rows = train_test_split(rows, test_size=0.5, random_state=int(seed))
     fit_rows, select_rows = torch.from_numpy(fit_rows).sort().values, torch.from_numpy(select_rows).sort().values
     fit_x = {"train": x["val"][fit_rows], "val": x["val"][select_rows]}
     fit_y = {"train": y["val"][fit_rows], "val": y["val"][select_rows]}

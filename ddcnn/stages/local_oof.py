@@ -34,14 +34,26 @@ log = logging.getLogger(__name__)
 __all__ = ["run", "oof_folds"]
 
 
-def oof_folds(labels: torch.Tensor, folds: int, seed: int) -> list[torch.Tensor]:
-    """The held-out training rows of each fold: stratified, fixed by ``seed``, every row in exactly one fold."""
+def oof_folds(labels: torch.Tensor, folds: int, seed: int, groups: np.ndarray | None = None) -> list[torch.Tensor]:
+    """The held-out training rows of each fold: stratified, fixed by ``seed``, every row in exactly one fold; with
+    ``groups`` (a patient per row) every group in one fold (scikit-learn's ``StratifiedGroupKFold``)."""
     from sklearn.model_selection import StratifiedKFold
 
     y = labels.numpy()
     counts = np.bincount(y)
     if folds < 2:
         raise ValueError(f"methods.local_oof.folds must be >= 2 (k-fold cross-fitting), got {folds}.")
+    if groups is not None:
+        from sklearn.model_selection import StratifiedGroupKFold
+
+        n_groups = len(np.unique(groups))
+        if n_groups < folds:
+            raise ValueError(
+                f"methods.local_oof.folds={folds} needs at least {folds} patient groups in the training split, which "
+                f"holds {len(y)} samples of {n_groups} group(s); lower the folds to at most {n_groups} or add patients."
+            )
+        splitter = StratifiedGroupKFold(folds, shuffle=True, random_state=int(seed))
+        return [torch.from_numpy(np.sort(held)) for _, held in splitter.split(np.zeros(len(y)), y, groups)]
     if counts[counts > 0].min() < folds:  # a class with fewer samples than folds: plain (shuffled) folds
         from sklearn.model_selection import KFold
 
@@ -107,7 +119,8 @@ def run(ctx: Context, device=None) -> dict:
         return done
     ctx.run.make_stage_dir("local_oof")
     folds = ctx.settings.methods.local_oof.folds
-    held_out = oof_folds(ctx.data.y["train"], folds, ctx.settings.data.split_seed)
+    groups = ctx.data.groups["train"] if ctx.data.groups else None
+    held_out = oof_folds(ctx.data.y["train"], folds, ctx.settings.data.split_seed, groups)
     n_train, n = len(ctx.data.y["train"]), ctx.decomposition.num_subdomains
     per_subdomain = []
     for i in range(n):

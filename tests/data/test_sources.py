@@ -145,3 +145,25 @@ def test_datamodule_batches_and_view():
     assert tx.shape == (10, 1, 1, 2) and ty.tolist() == list(range(10))
     with pytest.raises(ValueError, match="differ in length"):
         TensorDataModule({"train": x["train"]}, {"train": y["train"][:9]})
+
+
+def test_nifti_manifest_group_column_keeps_each_patient_in_one_split(tmp_path):
+    import nibabel as nib
+
+    from ddcnn.data.sources import nifti
+
+    rng = np.random.default_rng(0)
+    rows = ["path,label,group"]
+    for patient in range(6):
+        for visit in range(3):
+            name = f"p{patient}_{visit}.nii.gz"
+            nib.save(nib.Nifti1Image(rng.normal(size=(6, 6, 4)).astype(np.float32), np.eye(4)), tmp_path / name)
+            rows.append(f"{name},{'a' if patient % 2 else 'b'},patient{patient}")
+    (tmp_path / "manifest.csv").write_text("\n".join(rows) + "\n")
+    splits = nifti(tmp_path / "manifest.csv", test_fraction=0.34, progress=False)
+    assert not set(splits.groups["train"]) & set(splits.groups["test"])
+    assert len(splits.y_train) % 3 == 0 and len(splits.y_test) % 3 == 0  # whole patients of 3 visits each
+    data = prepare(splits, num_classes=2, in_channels=1, spatial_dims=3, val_fraction=0.25)
+    groups = {s: set(data.groups[s].tolist()) for s in ("train", "val", "test")}
+    assert all(groups.values()) and not groups["train"] & groups["val"]
+    assert sum(len(g) for g in groups.values()) == 6
