@@ -818,7 +818,7 @@ def convert_studies(
     Raises:
         DicomError: Every study that cannot be read, each named with its problem (up to 20 listed).
     """
-    from ddcnn.data.nifti import progress_bar
+    from ddcnn.data.progress import track
 
     rule = SeriesRule.of(rule)
     settings = {"format": DICOM_FORMAT, "rule": dataclasses.asdict(rule), "regrid": regrid, "tilt": correct_tilt}
@@ -831,7 +831,7 @@ def convert_studies(
     studies: list[dict] = []
     padded = ignored = 0
     corrected: Counter = Counter()
-    for i, study_dir in enumerate(progress_bar(list(index.studies), "reading DICOM", progress)):
+    for i, study_dir in enumerate(track(list(index.studies), "reading DICOM", "studies", progress)):
         study_key = _digest(str(study_dir.resolve()))
         try:
             study = scan_study(study_dir)

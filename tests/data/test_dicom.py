@@ -484,13 +484,14 @@ def test_tiny_dicom_run_end_to_end_writes_no_identifying_tag(make_cfg, tmp_path,
 def test_groups_survive_the_store_and_a_worker_process(tmp_path):
     import pickle
 
-    from ddcnn.data.prepare import PrepareSettings, load_prepared
+    from ddcnn.data.prepare import load_prepared
     from ddcnn.data.sources import dicom
     from ddcnn.store import Store
+    from tests.conftest import prepare_settings
 
     _dataset(tmp_path / "set", patients=6, studies_each=2)
     spec = {"_target_": "ddcnn.data.sources.dicom", "root": str(tmp_path / "set"), "target_shape": [16, 16, 8]}
-    settings = PrepareSettings(num_classes=2, in_channels=1, spatial_dims=3, val_fraction=0.25)
+    settings = prepare_settings(num_classes=2, in_channels=1, spatial_dims=3, val_fraction=0.25)
 
     def load(mode: str):
         source = lambda: dicom(tmp_path / "set", target_shape=[16, 16, 8], progress=False, lazy=True)  # noqa: E731
