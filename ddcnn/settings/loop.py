@@ -151,6 +151,28 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def _is_whole(value: Any, least: int) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
+
+
+def _rule(
+    ok: Callable[[Any], bool], message: str, convert: Callable[[Any], Any] = lambda v: v
+) -> Callable[[Any, str, Mapping[str, str]], Any]:
+    """A check: ``convert(value)`` where ``ok(value)``, else a ``ValueError`` of ``message`` formatted with the
+    setting's ``name``, its ``value`` and how the messages name the other fields (``{monitor}``)."""
+
+    def check(value: Any, name: str, names: Mapping[str, str]) -> Any:
+        if not ok(value):
+            raise ValueError(message.format(name=name, value=value, **names))
+        return convert(value)
+
+    return check
+
+
+def _or_none(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda v: None if v is None else convert(v)
+
+
 def _positive(value: Any, name: str, names: Mapping[str, str]) -> int:
     return positive_int(value, name)
 
@@ -159,98 +181,11 @@ def _positive_or_none(value: Any, name: str, names: Mapping[str, str]) -> int | 
     return positive_int(value, name, none=True)
 
 
-def _precision(value: Any, name: str, names: Mapping[str, str]) -> str:
-    if str(value).lower() not in PRECISIONS:
-        raise ValueError(
-            f"{name}={value!r} is not one the loop runs: use 32-true, bf16-mixed (bf16 autocast), 16-mixed (float16 "
-            f"autocast with a loss scaler) or 64-true (float64 weights and arithmetic)."
-        )
-    return PRECISIONS[str(value).lower()]
-
-
-def _flag(value: Any, name: str, names: Mapping[str, str]) -> bool:
-    return bool(value or False)
-
-
-def _bar(value: Any, name: str, names: Mapping[str, str]) -> bool | None:
-    if value not in (None, True, False):
-        raise ValueError(
-            f"{name} must be true, false or null (bars on a terminal, one line per epoch otherwise), got {value!r}."
-        )
-    return value
-
-
-def _clip(value: Any, name: str, names: Mapping[str, str]) -> float | None:
-    if value is not None and (not _is_real(value) or not value > 0):
-        raise ValueError(f"{name} must be > 0 (or null: no clipping), got {value!r}.")
-    return None if value is None else float(value)
-
-
-def _clip_algorithm(value: Any, name: str, names: Mapping[str, str]) -> str:
-    if value not in ("norm", "value"):
-        raise ValueError(
-            f"{name} must be 'norm' (the gradients' global 2-norm, the default) or 'value' (each gradient entry), "
-            f"got {value!r}."
-        )
-    return value
-
-
-def _limit_train(value: Any, name: str, names: Mapping[str, str]) -> int | float | None:
+def _limit(value: Any, name: str, names: Mapping[str, str]) -> int | float | None:
     num_batches(1, value, name)  # checks the value
-    if value in (0, 0.0) and value is not None:
+    if name.endswith("limit_train_batches") and value is not None and value in (0, 0.0):
         raise ValueError(f"{name}=0 trains nothing; use a positive number of batches or null.")
     return value
-
-
-def _limit_val(value: Any, name: str, names: Mapping[str, str]) -> int | float | None:
-    num_batches(1, value, name)
-    return value
-
-
-def _monitor(value: Any, name: str, names: Mapping[str, str]) -> str:
-    if value not in MONITORS:
-        raise ValueError(f"{name} must be one of {', '.join(MONITORS)}, got {value!r}.")
-    return str(value)
-
-
-def _mode(value: Any, name: str, names: Mapping[str, str]) -> str:
-    if value not in ("max", "min"):
-        raise ValueError(f"{name} must be 'max' or 'min', got {value!r}.")
-    return str(value)
-
-
-def _patience(value: Any, name: str, names: Mapping[str, str]) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
-        raise ValueError(
-            f"{name} must be a whole number of epochs >= 1 (stop a training once {names['monitor']} has not improved "
-            f"for that many epochs) or null (train {names['max_epochs']} epochs), got {value!r}."
-        )
-    return None if value is None else int(value)
-
-
-def _min_delta(value: Any, name: str, names: Mapping[str, str]) -> float:
-    value = 0.0 if value is None else value
-    if not _is_real(value) or not value >= 0:
-        raise ValueError(
-            f"{name} must be >= 0 (early stopping counts an epoch as an improvement only when it beats the best one "
-            f"by more than this, in {names['monitor']}'s units; 0 = any improvement), got {value!r}."
-        )
-    return float(value)
-
-
-def _min_epochs(value: Any, name: str, names: Mapping[str, str]) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
-        raise ValueError(
-            f"{name} must be a whole number of epochs >= 0 (early stopping never ends a training before it) or null "
-            f"(half of the training's epochs, rounded up), got {value!r}."
-        )
-    return None if value is None else int(value)
-
-
-def _seconds(value: Any, name: str, names: Mapping[str, str]) -> float | None:
-    if value is not None and (not _is_real(value) or value < 0):
-        raise ValueError(f"{name} must be >= 0 (0: after every epoch), got {value!r}.")
-    return None if value is None else float(value)
 
 
 def _switch(value: Any, name: str, names: Mapping[str, str]) -> str | bool:
@@ -262,75 +197,88 @@ def _switch(value: Any, name: str, names: Mapping[str, str]) -> str | bool:
     raise ValueError(f"{name} must be auto, true or false, got {value!r}.")
 
 
-def _fraction(value: Any, name: str, names: Mapping[str, str]) -> float:
-    if not _is_real(value) or not 0 < value <= 1:
-        raise ValueError(
-            f"{name} must be a fraction in (0, 1] of the free device memory that a split held on the device may take, "
-            f"got {value!r}."
-        )
-    return float(value)
-
-
-def _bool(value: Any, name: str, names: Mapping[str, str]) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}.")
-    return value
-
-
-def _profile_steps(value: Any, name: str, names: Mapping[str, str]) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(
-            f"{name} must be a whole number >= 0 (0: no profile; N: a Chrome trace of N training steps in the stage's "
-            f"profile/trace.json), got {value!r}."
-        )
-    return int(value)
-
-
-def _optimizer(value: Any, name: str, names: Mapping[str, str]) -> Any:
-    if not (isinstance(value, Mapping) or callable(value)):
-        raise ValueError(
-            f"the {name} setting must be a Hydra node with _partial_: true (e.g. coarse.optimizer) or a callable, "
-            f"got {value!r}."
-        )
-    return plain_spec(value)
-
-
-def _scheduler(value: Any, name: str, names: Mapping[str, str]) -> Any:
-    return plain_spec(value) if value else None
-
-
-def _seed(value: Any, name: str, names: Mapping[str, str]) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-        raise ValueError(f"{name} must be a whole number (or null: the data's seed), got {value!r}.")
-    return None if value is None else int(value)
-
-
-def _restarts(value: Any, name: str, names: Mapping[str, str]) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
-        raise ValueError(f"{name} must be >= 0 or null (no check), got {value!r}.")
-    return None if value is None else int(value)
-
-
-def _above_one(value: Any, name: str, names: Mapping[str, str]) -> float:
-    if not _is_real(value) or not value > 1:
-        raise ValueError(f"{name} must be > 1, got {value!r}.")
-    return float(value)
-
-
-def _open_unit(value: Any, name: str, names: Mapping[str, str]) -> float:
-    if not _is_real(value) or not 0 < value < 1:
-        raise ValueError(f"{name} must lie strictly between 0 and 1, got {value!r}.")
-    return float(value)
-
-
-def _launcher(value: Any, name: str, names: Mapping[str, str]) -> str | None:
-    if value is not None and value not in LAUNCHERS:
-        raise ValueError(f"{name} must be one of {', '.join(LAUNCHERS)}, got {value!r}.")
-    return value
-
-
-def _any(value: Any, name: str, names: Mapping[str, str]) -> Any:
-    return value
+_precision = _rule(
+    lambda v: str(v).lower() in PRECISIONS,
+    "{name}={value!r} is not one the loop runs: use 32-true, bf16-mixed (bf16 autocast), 16-mixed (float16 autocast "
+    "with a loss scaler) or 64-true (float64 weights and arithmetic).",
+    lambda v: PRECISIONS[str(v).lower()],
+)
+_flag = _rule(lambda v: True, "", lambda v: bool(v or False))
+_bar = _rule(
+    lambda v: v in (None, True, False),
+    "{name} must be true, false or null (bars on a terminal, one line per epoch otherwise), got {value!r}.",
+)
+_clip = _rule(
+    lambda v: v is None or (_is_real(v) and v > 0),
+    "{name} must be > 0 (or null: no clipping), got {value!r}.",
+    _or_none(float),
+)
+_clip_algorithm = _rule(
+    lambda v: v in ("norm", "value"),
+    "{name} must be 'norm' (the gradients' global 2-norm, the default) or 'value' (each gradient entry), got "
+    "{value!r}.",
+)
+_monitor = _rule(lambda v: v in MONITORS, "{name} must be one of " + ", ".join(MONITORS) + ", got {value!r}.", str)
+_mode = _rule(lambda v: v in ("max", "min"), "{name} must be 'max' or 'min', got {value!r}.", str)
+_patience = _rule(
+    lambda v: v is None or _is_whole(v, 1),
+    "{name} must be a whole number of epochs >= 1 (stop a training once {monitor} has not improved for that many "
+    "epochs) or null (train {max_epochs} epochs), got {value!r}.",
+    _or_none(int),
+)
+_min_delta = _rule(
+    lambda v: v is None or (_is_real(v) and v >= 0),
+    "{name} must be >= 0 (early stopping counts an epoch as an improvement only when it beats the best one by more "
+    "than this, in {monitor}'s units; 0 = any improvement), got {value!r}.",
+    lambda v: 0.0 if v is None else float(v),
+)
+_min_epochs = _rule(
+    lambda v: v is None or _is_whole(v, 0),
+    "{name} must be a whole number of epochs >= 0 (early stopping never ends a training before it) or null (half of "
+    "the training's epochs, rounded up), got {value!r}.",
+    _or_none(int),
+)
+_seconds = _rule(
+    lambda v: v is None or (_is_real(v) and v >= 0),
+    "{name} must be >= 0 (0: after every epoch), got {value!r}.",
+    _or_none(float),
+)
+_fraction = _rule(
+    lambda v: _is_real(v) and 0 < v <= 1,
+    "{name} must be a fraction in (0, 1] of the free device memory that a split held on the device may take, got "
+    "{value!r}.",
+    float,
+)
+_bool = _rule(lambda v: isinstance(v, bool), "{name} must be true or false, got {value!r}.")
+_profile_steps = _rule(
+    lambda v: _is_whole(v, 0),
+    "{name} must be a whole number >= 0 (0: no profile; N: a Chrome trace of N training steps in the stage's "
+    "profile/trace.json), got {value!r}.",
+    int,
+)
+_optimizer = _rule(
+    lambda v: isinstance(v, Mapping) or callable(v),
+    "the {name} setting must be a Hydra node with _partial_: true (e.g. coarse.optimizer) or a callable, got "
+    "{value!r}.",
+    lambda v: plain_spec(v),
+)
+_scheduler = _rule(lambda v: True, "", lambda v: plain_spec(v) if v else None)
+_seed = _rule(
+    lambda v: v is None or _is_whole(v, -(2**63)),
+    "{name} must be a whole number (or null: the data's seed), got {value!r}.",
+    _or_none(int),
+)
+_restarts = _rule(
+    lambda v: v is None or _is_whole(v, 0), "{name} must be >= 0 or null (no check), got {value!r}.", _or_none(int)
+)
+_above_one = _rule(lambda v: _is_real(v) and v > 1, "{name} must be > 1, got {value!r}.", float)
+_open_unit = _rule(
+    lambda v: _is_real(v) and 0 < v < 1, "{name} must lie strictly between 0 and 1, got {value!r}.", float
+)
+_launcher = _rule(
+    lambda v: v is None or v in LAUNCHERS, "{name} must be one of " + ", ".join(LAUNCHERS) + ", got {value!r}."
+)
+_any = _rule(lambda v: True, "")
 
 
 def _setting(
@@ -401,10 +349,10 @@ class LoopSettings:
         "trainer.gradient_clip_algorithm", _clip_algorithm, default="norm", null_is_default=True
     )
     limit_train_batches: int | float | None = _setting(
-        "trainer.limit_train_batches", _limit_train, default=None, resume="where_set"
+        "trainer.limit_train_batches", _limit, default=None, resume="where_set"
     )
     limit_val_batches: int | float | None = _setting(
-        "trainer.limit_val_batches", _limit_val, default=None, resume="where_set"
+        "trainer.limit_val_batches", _limit, default=None, resume="where_set"
     )
     accumulate_grad_batches: int = _setting(
         "trainer.accumulate_grad_batches", _positive, default=1, resume="where_set", null_is_default=True
