@@ -232,7 +232,12 @@ def snapshot_train_rows(n_train: int, max_rows: int, seed: int) -> torch.Tensor:
 @torch.no_grad()
 def _logits(net: nn.Module, dm: Batches, split: str, idx: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device) if device is not None else torch.device("cpu")
-    out = [net(dm.eval_batch(split, chunk, device)[0]).float().cpu() for chunk in idx.split(dm.eval_batch_size)]
+    # The inputs in the network's dtype: a curve point of a trainer.precision=64-true training sees it in float64.
+    dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.float32)
+    out = []
+    for chunk in idx.split(dm.eval_batch_size):
+        x = dm.eval_batch(split, chunk, device)[0]
+        out.append(net(x.to(dtype) if x.is_floating_point() else x).float().cpu())
     return torch.cat(out)
 
 

@@ -624,3 +624,13 @@ def test_min_epochs_stays_out_of_the_fingerprint_while_early_stopping_is_off(mak
     ]
     assert stopping[1]["engine"]["min_epochs"] == 2
     assert len({fingerprint(s) for s in stopping}) == 3
+
+
+def test_a_64_true_training_with_curve_points_runs_end_to_end(make_cfg):
+    """A curve point evaluates the net in the middle of its training, when 64-true holds it in float64: the images
+    are given in its dtype (they were float32, and the first curve point failed)."""
+    cfg = make_cfg("stage=local", "subdomain=0", "trainer.precision=64-true", "report.curves.enabled=true")
+    train(cfg)
+    rows = list(csv.DictReader((Path(cfg.paths.run_dir) / "local" / "00" / "logs" / "metrics.csv").open()))
+    assert rows and all(row["test_acc"] not in ("", None) for row in rows if row.get("test_acc") is not None)
+    assert "test_acc" in rows[-1]
