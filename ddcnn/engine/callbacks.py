@@ -12,6 +12,10 @@ Every hook is optional; a callback defines the ones it needs. In the order of an
   progress bar and the loggers (:class:`ddcnn.engine.loggers.EpochReporter`).
 - ``on_epoch_end(epoch, row)`` (every rank; training time): once the epoch's checkpoint, if any, is written; an
   exception it raises stops the training as a kill at that moment would.
+- ``on_train_end(epoch, net, restarts) -> (reason, lr_factor) | None`` (every rank; they must decide alike): after
+  the last epoch, with ``net`` holding the kept weights: a reason and a factor start the training again from its
+  initial weights with the learning rates times the factor (recorded in ``restarts``, as a divergence's), e.g. the
+  coarse fit's :class:`ddcnn.stages.coarse.CollapseRefit`.
 - ``on_fit_end(status)`` (rank 0): ``success`` or ``failed``.
 
 Callbacks travel to spawned DDP ranks by pickling: module-level classes or functions, no lambdas or closures.
@@ -41,7 +45,7 @@ __all__ = [
     "HOOKS",
 ]
 
-HOOKS = ("on_validation_end", "on_log", "on_epoch_end", "on_fit_end")
+HOOKS = ("on_validation_end", "on_log", "on_epoch_end", "on_train_end", "on_fit_end")
 
 
 def call(callbacks, hook: str, *args: Any) -> list[Any]:

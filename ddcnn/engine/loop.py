@@ -463,11 +463,28 @@ class _Training:
                 if self.policy["compile"]:  # the first training and evaluation passes compile the network
                     compile_time_s = time.perf_counter() - began_warmup
             compiled_before = compiled_frames() if self.policy["compile"] else None
-            while not state.finished(s.max_epochs):
+            while not state.finished(s.max_epochs) or self.train_again(state):
                 self.fit_epoch(state, profile)
             if compiled_before is not None:  # compilations inside the clock: a shape the warm-up did not cover
                 engine["compile_recompiles"] = compiled_frames() - compiled_before
         return compile_time_s
+
+    def train_again(self, state: TrainState) -> bool:
+        """Whether a callback's ``on_train_end`` (every rank, with the kept weights; they decide alike) asks for
+        another attempt, ``(reason, lr_factor)``: then the training starts again from its initial weights at the
+        rates times the factor, recorded as a restart (as a divergence's)."""
+        if state.best_net is None or not any(hasattr(c, "on_train_end") for c in self.callbacks):
+            return False
+        self.module.load_state_dict(state.best_net)
+        self.module.eval()
+        asked = [a for a in call(self.callbacks, "on_train_end", state.epoch - 1, self.module, state.restarts) if a]
+        if not asked:
+            return False
+        reason, factor = asked[0]
+        state.restart(state.epoch - 1, reason, factor)
+        self.module.load_state_dict(state.initial_net)
+        self.build_optimizer(state.lr_scale)
+        return True
 
     def fit_epoch(self, state: TrainState, profile) -> None:
         """One epoch: train; after a divergence, restart; else validate, hand the row to the hooks, select, step the

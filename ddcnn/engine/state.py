@@ -219,12 +219,12 @@ class TrainState:
         self.epoch += 1
 
     def restart(self, epoch: int, reason: str, lr_factor: float) -> None:
-        """A new attempt after ``epoch`` diverged: from epoch 0, with the learning rates times ``lr_factor`` once
-        more (the network and the optimizer are the caller's)."""
+        """A new attempt after ``epoch`` diverged (or a callback asked for one): from epoch 0, with the learning rates
+        times ``lr_factor`` once more (the network and the optimizer are the caller's)."""
         self.lr_scale *= lr_factor
         self.restarts.append({"epoch": epoch, "reason": reason, "lr_scale": self.lr_scale})
         self.history, self.best_net, self.best_metric, self.best_epoch = [], None, None, -1
-        self.step, self.initial_loss, self.epoch = 0, None, 0
+        self.step, self.initial_loss, self.epoch, self.stopped_epoch = 0, None, 0, None
 
 
 def cpu_state(net: nn.Module) -> dict[str, torch.Tensor]:

@@ -200,6 +200,43 @@ def coarse_loop(
     )
 
 
+# The reason a restart of the coarse fit records when it collapsed (CollapseRefit).
+COLLAPSED = "collapsed"
+
+
+class CollapseRefit:
+    """The coarse fit's callback ``on_train_end``: a fit that ended at chance on validation while averaging the local
+    nets is well above it has collapsed (e.g. the paper's plain MLP on unscaled logits at too high a rate), and the
+    loop trains it again from its initial weights with the learning rate x 0.1, at most ``allowed`` times (the
+    loop's restarts record them, so a resumed fit counts them too); ``refits`` what each saw."""
+
+    def __init__(self, x_val, y_val, rate: float, averaging: float, allowed: int, device, folder) -> None:
+        self.x_val, self.y_val, self.rate, self.averaging = x_val, y_val, rate, averaging
+        self.allowed, self.device, self.folder = int(allowed), device, folder
+        self.refits: list[dict[str, float]] = []
+
+    def on_train_end(self, epoch: int, net: nn.Module, restarts: list[dict]) -> tuple[str, float] | None:
+        done = [r for r in restarts if str(r["reason"]).startswith(COLLAPSED)]
+        acc = _scores(net, self.x_val, self.y_val, self.device)["acc"]
+        n = len(self.y_val)
+        if not near_chance(acc, self.rate, n) or self.averaging <= self.rate + 2 * chance_margin(self.rate, n):
+            return None
+        if len(done) >= self.allowed:
+            return None
+        scale = (restarts[-1]["lr_scale"] if restarts else 1.0) * 0.1
+        self.refits.append({"val_acc": acc, "majority_rate": self.rate, "lr_scale": scale})
+        log.warning(
+            "%s: the coarse DNN ended at chance on the validation split (accuracy %.3f, majority class %.3f, "
+            "averaging %.3f); fitting again with the learning rate x %g",
+            self.folder,
+            acc,
+            self.rate,
+            self.averaging,
+            scale,
+        )
+        return f"{COLLAPSED} at chance on validation (accuracy {acc:.3f}, averaging {self.averaging:.3f})", 0.1
+
+
 def fit_coarse(
     net: nn.Module,
     x: Mapping[str, torch.Tensor],
@@ -261,46 +298,23 @@ def fit_coarse(
     train = has_hidden or not is_coarse_mlp or start_name is None
     result = FitResult(net, fit_time_s=time.perf_counter() - start)
     if train:
-        attempts, lr_scale = 0, 1.0
-        while True:
-            settings = coarse_loop(loop, coarse, plan, seed, device, lr_scale)
-            fitted = fit_tensors(
-                net,
-                {"train": x_train, "val": x_val},
-                {"train": y_train, "val": y_val},
-                folder,
-                settings,
-                batch_size=plan["batch_size"],
-                callbacks=callbacks,
-                start=start,
-            )
-            report["restarts"] = fitted.restarts
-            trained = _scores(fitted.net, x_val, y_val, device)
-            rate = majority_rate(y_train, y_val)
-            averaging = _averaging_scores(x_val, y_val, getattr(net, "inputs", "probs"))
-            collapsed = near_chance(trained["acc"], rate, len(y_val)) and (
-                averaging["acc"] > rate + 2 * chance_margin(rate, len(y_val))
-            )
-            if not collapsed or attempts >= restarts:
-                break
-            # At chance while averaging the local nets is well above it: the fit collapsed (e.g. the paper's plain
-            # MLP on unscaled logits at too high a rate). Start again with a smaller rate.
-            attempts += 1
-            lr_scale *= 0.1
-            report.setdefault("refits", []).append(
-                {"val_acc": trained["acc"], "majority_rate": rate, "lr_scale": lr_scale}
-            )
-            log.warning(
-                "%s: the coarse DNN ended at chance on the validation split (accuracy %.3f, majority class %.3f, "
-                "averaging %.3f); fitting again with the learning rate x %g",
-                folder,
-                trained["acc"],
-                rate,
-                averaging["acc"],
-                lr_scale,
-            )
-            net.load_state_dict(start_state)
-            (folder / "last.ckpt").unlink(missing_ok=True)
+        rate = majority_rate(y_train, y_val)
+        averaging = _averaging_scores(x_val, y_val, getattr(net, "inputs", "probs"))
+        refit = CollapseRefit(x_val, y_val, rate, averaging["acc"], restarts or 0, device, folder)
+        fitted = fit_tensors(
+            net,
+            {"train": x_train, "val": x_val},
+            {"train": y_train, "val": y_val},
+            folder,
+            coarse_loop(loop, coarse, plan, seed, device),
+            batch_size=plan["batch_size"],
+            callbacks=[*callbacks, refit],
+            start=start,
+        )
+        report["restarts"] = fitted.restarts
+        if refit.refits:
+            report["refits"] = refit.refits
+        trained = _scores(fitted.net, x_val, y_val, device)
         candidates["trained"] = trained
         result = fitted
         if start_name is not None and not _outscores(trained, candidates[start_name], monitor):

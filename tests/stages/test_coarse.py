@@ -135,6 +135,9 @@ def test_a_fit_at_chance_while_averaging_is_well_above_is_refit_and_recorded(tmp
     refits = fitted.report["refits"]
     assert [r["lr_scale"] for r in refits] == pytest.approx([0.1, 0.01])
     assert all(near_chance(r["val_acc"], r["majority_rate"], len(y["val"])) for r in refits)
+    # The loop's own restarts, as a divergence's: in last.ckpt, so that a resumed fit counts them too.
+    assert [r["reason"].split()[0] for r in fitted.report["restarts"]] == ["collapsed", "collapsed"]
+    assert [r["lr_scale"] for r in fitted.report["restarts"]] == pytest.approx([0.1, 0.01])
 
 
 def test_the_coarse_stage_records_its_fit_and_the_run_its_curves_and_the_stacker(make_cfg):
