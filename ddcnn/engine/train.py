@@ -9,7 +9,7 @@ any stage clock starts) pays for them, never a training's clock.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +19,17 @@ from typing import Any
 import torch._dynamo  # noqa: F401
 from torch import nn
 
+from ddcnn.data.datamodule import TensorDataModule
 from ddcnn.engine.launch import seed_everything
 from ddcnn.engine.loggers import EpochReporter
 from ddcnn.engine.loop import FitResult, fit_batches
 from ddcnn.settings import RunSettings
+from ddcnn.settings.loop import LoopSettings
 
-__all__ = ["FitResult", "fit", "seed_everything"]
+__all__ = ["FitResult", "fit", "fit_tensors", "seed_everything", "EVAL_CHUNK"]
+
+# Rows per forward pass when evaluating the coarse DNN's tensors; bounds the memory of a hidden layer.
+EVAL_CHUNK = 65_536
 
 
 def fit(
@@ -59,3 +64,45 @@ def fit(
     seed_everything(settings.seed)
     reporter = EpochReporter(run.logger, settings.enable_progress_bar, folder, settings.max_epochs)
     return fit_batches(net, data, Path(folder), settings, [reporter, *callbacks], start)
+
+
+def fit_tensors(
+    net: nn.Module,
+    x: Mapping[str, torch.Tensor],
+    y: Mapping[str, torch.Tensor],
+    folder: str | Path,
+    settings: LoopSettings,
+    *,
+    batch_size: int | None = None,
+    eval_batch_size: int = EVAL_CHUNK,
+    callbacks: Sequence[Any] = (),
+    start: float | None = None,
+) -> FitResult:
+    """:func:`fit_batches` on in-memory tensors ``x[split], y[split]`` (the coarse DNN's ``(n, N, K)`` local outputs).
+
+    ``batch_size`` rows per step, ``None`` or 0 for the whole training split (full-batch steps); the data's seed is
+    ``settings.seed`` (0 when ``None``).
+    """
+    for split in ("train", "val"):
+        if split not in x or split not in y:
+            raise ValueError(
+                f"fit_tensors needs x and y for the splits 'train' and 'val', got {sorted(x)}/{sorted(y)}."
+            )
+    for split in x:
+        if len(x[split]) != len(y[split]):
+            raise ValueError(f"{split}: {len(x[split])} inputs but {len(y[split])} labels.")
+    if batch_size is not None and int(batch_size) < 0:
+        raise ValueError(f"batch_size must be a positive number of rows, or 0/null for full batches, got {batch_size}.")
+    if int(eval_batch_size) < 1:
+        raise ValueError(f"eval_batch_size must be >= 1, got {eval_batch_size!r}.")
+    n_train = len(y["train"])
+    splits = [s for s in x if s in y]
+    seed = 0 if settings.seed is None else settings.seed
+    data = TensorDataModule(
+        {s: x[s] for s in splits},
+        {s: y[s].long() for s in splits},
+        batch_size=max(1, int(batch_size) if batch_size else n_train),
+        eval_batch_size=int(eval_batch_size),
+        seed=int(seed),
+    )
+    return fit_batches(net, data, folder, dataclasses.replace(settings, seed=seed), callbacks, start)

@@ -58,8 +58,9 @@ from ddcnn.data.datamodule import TensorDataModule
 from ddcnn.engine.convex import fit_logistic
 from ddcnn.engine.gpu import POLICY_OFF
 from ddcnn.engine.loggers import EpochReporter
-from ddcnn.engine.loop import EVAL_CHUNK, FitResult, fit_tensors
+from ddcnn.engine.loop import FitResult
 from ddcnn.engine.optim import torch_threads
+from ddcnn.engine.train import EVAL_CHUNK, fit_tensors
 from ddcnn.io import atomic_write_json, load_run_file
 from ddcnn.metrics import chance_margin, majority_rate, near_chance
 from ddcnn.rundir import CURVE_FILE, SPLITS, TARGET_SPLIT

@@ -19,8 +19,9 @@ import torch
 from ddcnn.context import Context
 from ddcnn.data.datamodule import TensorDataModule
 from ddcnn.engine.convex import fit_logistic
-from ddcnn.engine.loop import EVAL_CHUNK, FitResult
+from ddcnn.engine.loop import FitResult
 from ddcnn.engine.optim import torch_threads
+from ddcnn.engine.train import EVAL_CHUNK
 from ddcnn.models.coarse import CoarseMLP
 from ddcnn.rundir import L2_GRID
 from ddcnn.stages.coarse import coarse_inputs

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from ddcnn.engine.loop import fit_tensors
 from ddcnn.engine.state import CHECKPOINT_FORMAT, CHECKPOINT_KEYS, FitResult
+from ddcnn.engine.train import fit_tensors
 from ddcnn.models.coarse import CoarseMLP
 from ddcnn.pipeline import train
 from ddcnn.report.plots import read_metrics_csv
