@@ -38,7 +38,7 @@ __all__ = [
     "full_image_data",
     "val_accuracy",
     "train_full_images",
-    "curve_hook",
+    "curve_callbacks",
     "snapshot_epochs",
     "snapshot_train_rows",
     "TestCurve",
@@ -295,11 +295,10 @@ class LocalSnapshots(TestCurve):
         return metrics
 
 
-def curve_hook(ctx: Context, dm: Batches, device, max_epochs: int) -> TestCurve | None:
+def curve_callbacks(ctx: Context, dm: Batches, device, max_epochs: int) -> list[TestCurve]:
+    """The loop callbacks of a full-image training's accuracy-versus-time curve (none where curves are off)."""
     curves = ctx.settings.report.curves
-    if not curves.enabled:
-        return None
-    return TestCurve(dm, device, snapshot_epochs(max_epochs, curves.points))
+    return [TestCurve(dm, device, snapshot_epochs(max_epochs, curves.points))] if curves.enabled else []
 
 
 def train_full_images(
@@ -315,8 +314,7 @@ def train_full_images(
     before = val_accuracy(net, dm, device) if measure_start else None
     net.train()
     epochs = method_epochs(ctx, stage)
-    curve = curve_hook(ctx, dm, device, epochs)
-    callbacks = [curve] if curve is not None else []
+    callbacks = curve_callbacks(ctx, dm, device, epochs)
     optimizer = method_optimizer(ctx, stage)
     result = fit(
         ctx.settings,

@@ -10,7 +10,7 @@ from ddcnn.context import Context, build_global_net
 from ddcnn.engine.train import fit, seed_everything
 from ddcnn.settings.loop import check_srun_ddp
 from ddcnn.stages import reuse
-from ddcnn.stages.common import curve_hook, finish_stage, full_image_data, skip, stage_seed
+from ddcnn.stages.common import curve_callbacks, finish_stage, full_image_data, skip, stage_seed
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,7 @@ def train_stage(ctx: Context, device, stage: str, num_devices: int, extra: dict)
     start = time.perf_counter()
     seed_everything(seed)
     net = build_global_net(ctx.settings, ctx.data)
-    curve = curve_hook(ctx, dm, device, ctx.settings.loop.max_epochs) if num_devices == 1 else None
-    callbacks = [curve] if curve is not None else []
+    callbacks = curve_callbacks(ctx, dm, device, ctx.settings.loop.max_epochs) if num_devices == 1 else []
     devices = num_devices if num_devices > 1 else None
     result = fit(
         ctx.settings,
