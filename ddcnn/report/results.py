@@ -35,7 +35,7 @@ from ddcnn.report.curves import (
     target_accuracy,
     time_to_target,
 )
-from ddcnn.report.stats import PAIRS
+from ddcnn.report.stats import BASELINE_NOT_CONVERGED, PAIRS, image_paired_difference
 from ddcnn.rundir import TARGET_SPLIT
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ __all__ = [
     "flag_rows",
     "convergence_of",
     "row_trainings",
+    "image_pairs",
 ]
 
 # Stages that combine the saved local outputs (their parameters add to the local nets').
@@ -505,28 +506,71 @@ def _time_to_target_line(results: Mapping[str, Any], key: str = "time_to_target"
     )
 
 
+def _pair_state(results: Mapping[str, Any], baseline: str) -> str | None:
+    """``baseline not converged`` when the training a pair's baseline is read from (``global`` or every ``local``
+    net) did not converge, else ``None``."""
+    if baseline == "global":
+        return _baseline_state(results)
+    local = (results.get("convergence") or {}).get("local") or []
+    return BASELINE_NOT_CONVERGED if any(r.get("converged") is False for r in local) else None
+
+
+def image_pairs(
+    results: Mapping[str, Any], correct: Mapping[str, torch.Tensor], n_test: int | None = None
+) -> list[dict]:
+    """Each paired difference of :data:`~ddcnn.report.stats.PAIRS` that a run holds, over its test images: the
+    difference in points, McNemar's exact p and the 95% paired bootstrap interval with its verdict
+    (:func:`~ddcnn.report.stats.image_paired_difference`, equivalence margin ±0.5 points), from ``correct``: per
+    results key (``cnn_dnn``, ``global``, ``mean_prob``, ...), whether each test image was predicted right (the saved
+    ``probs_test.pt``). A pair whose baseline did not converge keeps its figures, with the verdict
+    ``baseline not converged``; the bootstrap is seeded (0), so a run's ``results.json`` is reproducible.
+
+    Returns:
+        One entry per pair: ``{"comparison", "method", "baseline", "baseline_converged", **figures}``.
+    """
+    out = []
+    for what, a, b, baseline in PAIRS:
+        if a not in correct or b not in correct:
+            continue
+        figures = image_paired_difference(correct[a].numpy(), correct[b].numpy())
+        state = _pair_state(results, baseline)
+        if state is not None:
+            figures["verdict"] = state
+        out.append({"comparison": what, "method": a, "baseline": b, "baseline_converged": state is None, **figures})
+    return out
+
+
 def _single_seed_lines(results: Mapping[str, Any]) -> list[str]:
-    """The paired differences of one run: one seed, so a difference without an interval and without a verdict."""
+    """The paired differences of one run: one seed, so no interval over seeds; each difference gets its interval
+    over the run's test images (McNemar's exact p, the paired bootstrap), where the run saved its predictions."""
     acc = results.get("accuracy") or {}
+    by_images = {entry["comparison"]: entry for entry in results.get("paired_test") or []}
     parts = []
     for what, a, b, baseline in PAIRS:
         if acc.get(a) is None or acc.get(b) is None:
             continue
-        if baseline == "global":
-            state = _baseline_state(results)
-        else:
-            local = (results.get("convergence") or {}).get("local") or []
-            state = "baseline not converged" if any(r.get("converged") is False for r in local) else None
+        state = _pair_state(results, baseline)
         # against an unconverged baseline no lead is printed, not even one seed's (results.json keeps the accuracies)
-        figure = (
-            "baseline not converged" if state == "baseline not converged" else f"{100 * (acc[a] - acc[b]):+.2f} points"
-        )
+        if state == BASELINE_NOT_CONVERGED:
+            parts.append(f"{what}: baseline not converged")
+            continue
+        entry = by_images.get(what)
+        figure = f"{100 * (acc[a] - acc[b]):+.2f} points"
+        if entry is not None:
+            figure += (
+                f" (95% bootstrap interval over the {entry['n']} test images [{entry['low']:+.2f}, "
+                f"{entry['high']:+.2f}]; McNemar p = {entry['p_mcnemar']:.3g} on {entry['b']} against "
+                f"{entry['c']} discordant images: {entry['verdict']})"
+            )
         parts.append(f"{what}: {figure}")
     if not parts:
         return []
     return [
-        "- Test-accuracy differences on this run's one seed: " + "; ".join(parts) + ". One seed gives no interval and "
-        "no verdict (n<2); ddcnn-report over several seeds pairs them by seed and gives the 95% interval and verdict."
+        "- Test-accuracy differences on this run's one seed: " + "; ".join(parts) + ". One seed gives no interval "
+        "over seeds (n<2); the intervals above are over this run's test images only (a paired bootstrap of 10,000 "
+        "resamples; 'equivalent' only inside ±0.5 points, 'not distinguishable' when the interval holds 0 and reaches "
+        "beyond it), and say nothing of another seed's initialisation or data draw: ddcnn-report over several seeds "
+        "pairs them by seed and gives the 95% interval over seeds."
     ]
 
 
@@ -710,6 +754,11 @@ def evaluate_run(run, decomposition, data, settings: RunSettings | None = None) 
     if not results["timing"]["comparable"]:
         log.warning("evaluate: %s", _context_note(results["timing"]).lstrip("- ").replace("**", ""))
     _derived_figures(run, results, c, local_meta, n)
+    correct = dict(c["correct"])
+    main = f"cnn_dnn_{c['inputs']['coarse']}" if "coarse" in c["inputs"] else None
+    if main in correct:
+        correct["cnn_dnn"] = correct[main]
+    results["paired_test"] = image_pairs(results, correct)
     rate = majority_rate(data.y["train"], labels)
     results["majority_rate"] = rate
     results["test_class_counts"] = torch.bincount(labels.long(), minlength=k).tolist()
@@ -732,6 +781,8 @@ def _local_figures(run, n: int, k: int, data) -> tuple[dict[str, dict], list[dic
     val_probs, val_labels = run.local_outputs(n, "val", "probs")
     metrics: dict[str, Any] = {"local": [_metrics_of(probs[:, i], labels, k) for i in range(n)]}
     metrics.update(_combiner_metrics(probs, labels, n, k))
+    # per test image, whether a row predicted it right: the paired rows' intervals over test images
+    correct: dict[str, torch.Tensor] = {"mean_prob": mean_probability(probs) == labels}
     val: dict[str, dict] = {"local": [_metrics_of(val_probs[:, i], val_labels, k) for i in range(n)]}
     val.update(_combiner_metrics(val_probs, val_labels, n, k))
     local_meta = [run.meta("local", i) for i in range(n)]
@@ -752,7 +803,7 @@ def _local_figures(run, n: int, k: int, data) -> tuple[dict[str, dict], list[dic
     params: dict[str, Any] = {"local": local_meta[0]["params"], "local_total": sum(m["params"] for m in local_meta)}
     contexts: dict[str, dict | None] = {f"local {i}": m.get("context") for i, m in enumerate(local_meta)}
     tables = {"metrics": metrics, "val": val, "convergence": convergence, "fit_times": fit_times, "time_s": time_s}
-    tables |= {"params": params, "contexts": contexts}
+    tables |= {"params": params, "contexts": contexts, "correct": correct}
     # stages whose row key depends on their input (the coarse DNNs), stages that trained on several devices at once
     # (global_ddp), start-up, stages copied from a training of an earlier run with the same settings, and the
     # accuracy on the val_target split (data.val_target_fraction) by row key
@@ -780,6 +831,7 @@ def _stage_figures(run, c: dict[str, dict], labels: torch.Tensor, k: int) -> Non
             c["inputs"][stage.name] = meta.get("input", "probs")
             key = key.format(input=c["inputs"][stage.name])
         c["metrics"][key] = _metrics_of(saved["probs"], saved["labels"], k)
+        c["correct"][key] = saved["probs"].argmax(-1) == saved["labels"]
         saved_val = run.load_probs(stage.name, "val")
         c["val"][key] = _metrics_of(saved_val["probs"], saved_val["labels"], k)
         target_file = run.stage_dir(stage.name) / f"probs_{TARGET_SPLIT}.pt"
