@@ -275,6 +275,8 @@ def convergence_of(meta: Mapping[str, Any]) -> dict:
         "converged": None if converged is None else bool(converged),
         "reasons": [str(r) for r in record.get("reasons") or []],
         "stopped_by": stopped_by,
+        **({"cause": record["cause"]} if record.get("cause") else {}),
+        **({"advice": str(record["advice"])} if record.get("advice") else {}),
     }
 
 
@@ -294,6 +296,39 @@ def row_trainings(stage: str | None) -> tuple[str, ...]:
         else:
             out.append(term)
     return tuple(dict.fromkeys(out))
+
+
+def _unconverged_records(results: Mapping[str, Any], stage: str | None) -> list[tuple[str, Mapping[str, Any]]]:
+    """``(training in words, record)`` of each training behind ``stage``'s row that did not converge."""
+    convergence = results.get("convergence") or {}
+    out = []
+    for training in row_trainings(stage):
+        records = convergence.get(training)
+        if records is None:
+            continue
+        if training == "local" and isinstance(records, list):
+            named = [(f"local net {i}", r) for i, r in enumerate(records)]
+        else:
+            named = [(training if training != "global" else "global CNN", records)]
+        out += [(what, record) for what, record in named if record and record.get("converged") is False]
+    return out
+
+
+def _unconverged_advice(results: Mapping[str, Any], stage: str | None) -> str:
+    """What to try for ``stage``'s unconverged trainings: each one's recorded cause and fix (the engine's
+    ``convergence_advice``, saved in its record), the same fix once; the general advice for records without one (an
+    older ddcnn)."""
+    advice: dict[str, list[str]] = {}
+    for what, record in _unconverged_records(results, stage):
+        if not record.get("advice"):
+            return _UNCONVERGED_TRY
+        advice.setdefault(str(record["advice"]), []).append(what)
+    if not advice:
+        return _UNCONVERGED_TRY
+    if len(advice) == 1:
+        return f"Try: {next(iter(advice))}. Until then no verdict against it holds."
+    parts = [f"{', '.join(whats)}: {fix}" for fix, whats in advice.items()]
+    return "Try: " + "; ".join(parts) + ". Until then no verdict against it holds."
 
 
 def _unconverged(results: Mapping[str, Any], stage: str | None) -> list[str]:
@@ -365,7 +400,7 @@ def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
                     "method": key,
                     "kind": "unconverged",
                     "message": f"{name}: trained without converging: {', '.join(unconverged)}.",
-                    "try": _UNCONVERGED_TRY,
+                    "try": _unconverged_advice(results, row.get("stage")),
                 }
             )
         auc, balanced = row.get("auc"), row.get("balanced_accuracy")
@@ -401,11 +436,35 @@ def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
                     "method": key,
                     "kind": "below_averaging",
                     "message": f"{name}: test accuracy {acc:.4f} is far below averaging the local nets ({mean:.4f}).",
-                    "try": "Use the default coarse.net (its averaging skip keeps it at or above averaging on "
-                    "validation); with few validation samples per class prefer coarse.monitor=val_loss.",
+                    "try": _below_averaging_try(results, row.get("stage")),
                 }
             )
     return flags
+
+
+# The default coarse net's parts that keep it at or above averaging the local nets on validation (conf/coarse/mlp.yaml).
+_DEFAULT_COARSE_NET = {"input_norm": "standardize", "skip": "mean_prob"}
+
+
+def _below_averaging_try(results: Mapping[str, Any], stage: str | None) -> str:
+    """What to try for a combiner far below averaging, by what was in use: the convex stacker has no coarse net; a
+    coarse DNN that is not the default net is pointed to it; the default net is not advised again."""
+    if stage == "stacker":
+        return (
+            "The convex stacker (logistic regression, its L2 strength chosen on validation) has no coarse net to "
+            "change: its fit did worse than averaging on test, so read the mean-probability row as this run's "
+            "combiner of the local nets."
+        )
+    net = (results.get("coarse_nets") or {}).get(stage or "")
+    if isinstance(net, Mapping) and all(net.get(key) == value for key, value in _DEFAULT_COARSE_NET.items()):
+        return (
+            "The default coarse.net (input_norm=standardize, skip=mean_prob) was in use and its selection on "
+            "validation still fell below averaging on test: select on the validation loss, coarse.monitor=val_loss."
+        )
+    return (
+        "Use the default coarse.net (its averaging skip keeps it at or above averaging on validation): "
+        "coarse.net.input_norm=standardize coarse.net.skip=mean_prob."
+    )
 
 
 def _seconds(value: float | None) -> str:
@@ -807,7 +866,7 @@ def _local_figures(run, n: int, k: int, data) -> tuple[dict[str, dict], list[dic
     # stages whose row key depends on their input (the coarse DNNs), stages that trained on several devices at once
     # (global_ddp), start-up, stages copied from a training of an earlier run with the same settings, and the
     # accuracy on the val_target split (data.val_target_fraction) by row key
-    tables |= {"inputs": {}, "devices": {}, "startup": {}, "reused": {}, "held_out": {}}
+    tables |= {"inputs": {}, "devices": {}, "startup": {}, "reused": {}, "held_out": {}, "coarse_nets": {}}
     return tables, local_meta, labels
 
 
@@ -841,6 +900,8 @@ def _stage_figures(run, c: dict[str, dict], labels: torch.Tensor, k: int) -> Non
         c["time_s"][stage.name] = meta["time_s"]
         c["fit_times"][stage.name] = meta.get("fit_time_s", meta["time_s"])
         c["convergence"][stage.name] = convergence_of(meta)
+        if meta.get("coarse_net") is not None:  # the coarse net in use: the below-averaging flag names it
+            c["coarse_nets"][stage.name] = meta["coarse_net"]
         c["params"][stage.name] = meta["params"]
         c["contexts"][stage.name] = meta.get("context")
         if meta.get("startup_s"):
@@ -898,6 +959,7 @@ def _assembled(c: dict[str, dict], decomposition, data, n: int, k: int) -> dict:
         "timing": timing_contexts(compared, reused),
         "timing_all_stages": timing_contexts(contexts, reused),
         "convergence": c["convergence"],
+        "coarse_nets": c["coarse_nets"],
         "decomposition": {
             "grid": list(decomposition.grid),
             "overlap": list(decomposition.overlap),

@@ -114,9 +114,9 @@ def finish_stage(
         record |= {"stopped_by": None, "lr_ratio": None, "train_loss_change_last3": None}
     name = stage if subdomain is None else f"{stage} {subdomain}"
     if not record["converged"]:
-        log.warning(
-            "%s: not converged (%s); try %s", name, "; ".join(record["reasons"]), convergence_advice(record, names)
-        )
+        # the cause and its one fix, kept in the record: results.md's flag prints it (the report reads no engine code)
+        record = {**record, "advice": convergence_advice(record, names)}
+        log.warning("%s: not converged (%s); try %s", name, "; ".join(record["reasons"]), record["advice"])
     folder = ctx.run.stage_dir(stage, subdomain)
     predict_start = time.perf_counter()
     accuracy = save_predictions(net, dm, folder, device)

@@ -75,6 +75,37 @@ def test_a_coarse_row_far_below_averaging_is_flagged_and_noise_is_not():
     assert flag_rows(_results({"global": ("global", 0.5)}, mean=0.9), rate=0.1, counts=[200] * 10) == []
 
 
+def test_the_below_averaging_advice_names_what_was_in_use():
+    """Issue #45: "use the default coarse.net" was printed where the default net was in use, and for the convex
+    stacker, which has no coarse net."""
+    rows = {"cnn_dnn_probs": ("coarse", 0.80), "stacker": ("stacker", 0.80)}
+    results = _results(rows, mean=0.90)
+    results["coarse_nets"] = {
+        "coarse": {"_target_": "ddcnn.models.coarse.CoarseMLP", "input_norm": "standardize", "skip": "mean_prob"}
+    }
+    tries = {f["method"]: f["try"] for f in flag_rows(results, rate=0.1, counts=[200] * 10)}
+    assert "Use the default coarse.net" not in tries["cnn_dnn_probs"] and "was in use" in tries["cnn_dnn_probs"]
+    assert tries["cnn_dnn_probs"].endswith("coarse.monitor=val_loss.")
+    assert "coarse.net" not in tries["stacker"].replace("no coarse net", "") and "no coarse net" in tries["stacker"]
+    results["coarse_nets"]["coarse"] |= {"skip": "none"}  # the paper's plain MLP: pointed to the default
+    tries = {f["method"]: f["try"] for f in flag_rows(results, rate=0.1, counts=[200] * 10)}
+    assert "coarse.net.skip=mean_prob" in tries["cnn_dnn_probs"]
+
+
+def test_an_unconverged_flag_gives_each_trainings_recorded_cause_and_fix():
+    results = _results({"global": ("global", 0.9)}, mean=0.9)
+    record = {"converged": False, "reasons": ["overfitting: ..."], "stopped_by": "budget", "cause": "overfitting"}
+    results["convergence"] = {"global": record | {"advice": "overfitting (...): early stopping, engine.patience=3"}}
+    flag = next(f for f in flag_rows(results, rate=0.1, counts=[200] * 10) if f["kind"] == "unconverged")
+    assert (
+        flag["try"]
+        == "Try: overfitting (...): early stopping, engine.patience=3. Until then no verdict against it holds."
+    )
+    results["convergence"] = {"global": record}  # a record of an older ddcnn: the general advice
+    flag = next(f for f in flag_rows(results, rate=0.1, counts=[200] * 10) if f["kind"] == "unconverged")
+    assert flag["try"].startswith("Train it to convergence")
+
+
 def test_the_time_to_target_line_says_why_a_target_was_not_reached():
     ttt = {
         "target": {
