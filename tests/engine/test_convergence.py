@@ -152,3 +152,114 @@ def test_the_plateau_scheduler_gets_a_floor_and_a_cooldown_where_its_node_sets_n
     opt = torch.optim.AdamW(params, lr=2e-3)
     sched = build_scheduler(node | {"min_lr": 0.0, "cooldown": 0}, opt, 10, plateau=rule)
     assert sched.min_lrs == [0.0] and sched.cooldown == 0
+
+
+# --- following the printed advice on tiny trainings (fit_tensors) until the training converges ------------------------
+_N, _K = 3, 5
+_ADAMW = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 3e-2, "weight_decay": 1e-4}
+_PLATEAU = {"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau", "_partial_": True}
+# the settings an advice names -> the LoopSettings field (``scheduler.x`` / ``optimizer.x``: a key of that node)
+_FIELDS = {"trainer.max_epochs": "max_epochs", "engine.patience": "patience", "engine.min_epochs": "min_epochs"}
+_FIELDS |= {"engine.monitor": "monitor", "engine.monitor_mode": "monitor_mode"}
+
+
+def _tiny(n_train=200, n_val=60, noise=0.0, signal=2.0, seed=0):
+    """Local 'probabilities' whose mean points to the label (``noise``: that share of training labels redrawn)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    x, y = {}, {}
+    for split, n in (("train", n_train), ("val", n_val), ("test", 60)):
+        labels = torch.randint(_K, (n,), generator=gen)
+        logits = torch.randn(n, _N, _K, generator=gen) + signal * torch.nn.functional.one_hot(labels, _K)[:, None]
+        x[split] = logits.softmax(-1)
+        if split == "train" and noise:
+            redrawn = torch.rand(n, generator=gen) < noise
+            labels = torch.where(redrawn, torch.randint(_K, (n,), generator=gen), labels)
+        y[split] = labels
+    return x, y
+
+
+def _train(folder, data, hidden=(16,), **settings):
+    import torch
+
+    from ddcnn.engine.loop import fit_tensors
+    from ddcnn.models.coarse import CoarseMLP
+    from ddcnn.settings import LoopSettings
+
+    torch.manual_seed(0)
+    net = CoarseMLP(_N, _K, hidden=hidden, dropout=0.0)
+    loop = LoopSettings(**({"optimizer": _ADAMW, "max_epochs": 8, "seed": 7} | settings))
+    return fit_tensors(net, *data, folder, loop, batch_size=32)
+
+
+def _follow(advice: str, settings: dict) -> dict:
+    """The settings with the advice's ``key=value`` fix typed in (the text after its last colon)."""
+    out = dict(settings)
+    for token in advice.rsplit(": ", 1)[-1].split():
+        if "=" not in token:
+            continue
+        key, value = token.lstrip("+").split("=", 1)
+        parsed = value if not value.replace(".", "", 1).replace("e-", "", 1).isdigit() else float(value)
+        if key in _FIELDS:
+            out[_FIELDS[key]] = int(parsed) if key in ("trainer.max_epochs", "engine.patience") else parsed
+        else:
+            node, field = key.split(".", 1)
+            out[node] = {**out[node], field: parsed}
+    return out
+
+
+def _until_converged(tmp_path, data, cause, settings, hidden=(16,), rounds=3):
+    """Train, check the first record's cause, follow each printed fix; the converged result and the advice typed."""
+    typed = []
+    result = _train(tmp_path / "0", data, hidden, **settings)
+    assert result.convergence["cause"] == cause, result.convergence
+    for k in range(rounds):
+        if result.convergence["converged"]:
+            break
+        advice = convergence_advice(result.convergence)
+        typed.append(advice)
+        settings = _follow(advice, settings)
+        result = _train(tmp_path / str(k + 1), data, hidden, **settings)
+    record = result.convergence
+    assert record["converged"] is True, (record, typed)
+    assert record["lr_ratio"] is None or record["lr_ratio"] >= 0.01 * (1 - 1e-9)  # never a collapsed rate
+    assert result.best_metric > 0.4  # not degenerate: well above chance (1/5) on validation
+    return result, typed
+
+
+def test_following_the_advice_still_improving_at_the_cap_converges(tmp_path):
+    result, typed = _until_converged(tmp_path, _tiny(), "still_improving", {"max_epochs": 3})
+    assert typed[0] == "still improving at the cap: trainer.max_epochs=13"
+    assert all("trainer.max_epochs=" in advice for advice in typed)
+
+
+def test_following_the_advice_when_overfitting_converges_with_early_stopping(tmp_path):
+    data = _tiny(n_train=60, noise=0.5, signal=1.0)  # 60 noisy training rows: a wide net memorises them
+    result, typed = _until_converged(tmp_path, data, "overfitting", {"max_epochs": 30}, hidden=(128,))
+    assert typed == [
+        "overfitting (validation loss rising while the training loss falls; more epochs are the wrong way): early "
+        "stopping at the best validation epoch, engine.patience=3"
+    ]
+    assert result.stopped_by == "early_stopping"
+
+
+def test_following_the_advice_for_a_collapsed_rate_converges_and_the_default_floor_prevents_it(tmp_path):
+    # Issue #45's recipe: engine.patience=3 with ReduceLROnPlateau(patience=0, factor 0.1) on a noisy validation
+    # split (20 rows); min_lr 0 typed by the user, so the loop's default floor does not apply.
+    collapsing = _PLATEAU | {"patience": 0, "factor": 0.1, "min_lr": 0.0}
+    settings = {"max_epochs": 30, "patience": 3, "scheduler": collapsing}
+    result, typed = _until_converged(tmp_path, _tiny(n_val=20), "rate_collapsed", settings)
+    assert typed == [
+        "rate collapsed (the plateau scheduler lowered the rate below 1% of its start while the training loss still "
+        "fell): ++scheduler.min_lr=0.0003"
+    ]
+    # The same node without min_lr: the loop's default floor (1% of the start) and cooldown keep it from collapsing.
+    default = _train(
+        tmp_path / "default",
+        _tiny(n_val=20),
+        max_epochs=30,
+        patience=3,
+        scheduler=_PLATEAU | {"patience": 0, "factor": 0.1},
+    )
+    assert default.convergence["converged"] is True and default.convergence["lr_ratio"] == pytest.approx(0.01)
