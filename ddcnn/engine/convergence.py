@@ -100,9 +100,9 @@ LR_STILL_HIGH = 0.1
 LR_COLLAPSED = 0.01
 
 
-# The kept epoch of an erratic validation curve: an epoch <= EARLY_KEEP (0-based) kept while the validation loss of the
-# epochs from it on varies by more than ERRATIC_RATIO (largest over smallest): a peak of noise early, not a minimum.
-EARLY_KEEP = 2
+# The kept epoch of an erratic validation curve: one of the first two epochs (0-based <= EARLY_KEEP) kept while the
+# validation loss from it on varies by more than ERRATIC_RATIO (largest over smallest): a peak of noise, not a minimum.
+EARLY_KEEP = 1
 
 
 ERRATIC_RATIO = 2.0
@@ -171,11 +171,10 @@ def convergence(
       means, by more than 1% each): more epochs are the wrong way;
     - ``stopped_after_drop``: early stopping ended it fewer than ``patience`` epochs after the plateau scheduler's
       last drop (the lowered rate had no time to improve the metric);
-    - ``erratic_validation``: it kept an epoch <= 2 (0-based) while the validation loss of the epochs from the kept
-      one on varies by more than 2x (largest over smallest) and moves both ways (a rise and a fall of more than 10%
-      between epochs): a peak of noise, not a minimum; with ``n_val`` given the
-      reason names the split's binomial standard error, and ``small_validation`` is the cause when that is above 1
-      accuracy point.
+    - ``erratic_validation``: it kept one of its first two epochs (0-based <= 1) while the validation loss from the
+      kept one on varies by more than 2x (largest over smallest) and moves both ways (a rise and a fall of more than
+      10% between epochs): a peak of noise, not a minimum; with ``n_val`` given the reason names the split's binomial
+      standard error, and ``small_validation`` is the cause when that is above 1 accuracy point.
 
     Returns:
         ``{"converged", "reasons", "cause", "epochs", "min_epochs", "stopped_by", "lr_ratio",
