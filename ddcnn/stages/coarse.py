@@ -325,7 +325,7 @@ def _convergence(fitted: CoarseFit, coarse: CoarseSettings) -> dict:
         linear = fitted.report["linear"]
         record = logistic_convergence(linear["path"], linear["l2"], coarse.linear.max_iter)
         return {"convergence": record, "advice_names": {"epochs": "coarse.linear.max_iter"}}
-    record = {"converged": True, "reasons": [], "epochs": 0, "min_epochs": 0, "stopped_by": "no_fit"}
+    record = {"converged": True, "reasons": [], "cause": None, "epochs": 0, "min_epochs": 0, "stopped_by": "no_fit"}
     return {"convergence": record | {"lr_ratio": None, "train_loss_change_last3": None}}
 
 
