@@ -228,12 +228,14 @@ def _until_converged(tmp_path, data, cause, settings, hidden=(16,), rounds=3):
     return result, typed
 
 
+@pytest.mark.slow
 def test_following_the_advice_still_improving_at_the_cap_converges(tmp_path):
     result, typed = _until_converged(tmp_path, _tiny(), "still_improving", {"max_epochs": 3})
     assert typed[0] == "still improving at the cap: trainer.max_epochs=13"
     assert all("trainer.max_epochs=" in advice for advice in typed)
 
 
+@pytest.mark.slow
 def test_following_the_advice_when_overfitting_converges_with_early_stopping(tmp_path):
     data = _tiny(n_train=60, noise=0.5, signal=1.0)  # 60 noisy training rows: a wide net memorises them
     result, typed = _until_converged(tmp_path, data, "overfitting", {"max_epochs": 30}, hidden=(128,))
@@ -244,6 +246,7 @@ def test_following_the_advice_when_overfitting_converges_with_early_stopping(tmp
     assert result.stopped_by == "early_stopping"
 
 
+@pytest.mark.slow
 def test_following_the_advice_for_a_collapsed_rate_converges_and_the_default_floor_prevents_it(tmp_path):
     # Issue #45's recipe: engine.patience=3 with ReduceLROnPlateau(patience=0, factor 0.1) on a noisy validation
     # split (20 rows); min_lr 0 typed by the user, so the loop's default floor does not apply.
