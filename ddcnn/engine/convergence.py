@@ -161,8 +161,8 @@ def convergence(
 
     - ``too_short``: fewer than 3 epochs;
     - ``before_min_epochs``: early stopping ended it before ``min_epochs``;
-    - ``rate_collapsed``: its learning rate fell below 1% of its start while its training loss still fell (the mean
-      of the 3 epochs before the collapse more than 1% below the 3 before them);
+    - ``rate_collapsed``: under the plateau scheduler, its learning rate fell below 1% of its start while its
+      training loss still fell (the mean of the 3 epochs before the collapse more than 1% below the 3 before them);
     - ``still_improving``: early stopping ended it at ``min_epochs`` while its monitored metric (3-epoch means, by more
       than 1% in its direction) or its training loss (by more than 1%, while the validation loss did not rise) still
       improved; or the budget ended it with a scheduled rate (the plateau scheduler's too) above 10% of its start; or
@@ -207,7 +207,9 @@ def convergence(
     metric_improves = monitor_change is not None and (
         monitor_change > LOSS_STILL_FALLING if monitor_mode == "max" else monitor_change < -LOSS_STILL_FALLING
     )
-    collapse = _collapse(lrs, losses, lr0, floor)
+    # only a rate that adapts can collapse: a fixed schedule (cosine annealing) is meant to end near 0, and the budget
+    # rule below judges it by how far it decayed
+    collapse = _collapse(lrs, losses, lr0, floor) if plateau else None
     reasons: list[str] = []
     cause = None
     if epochs < JUDGE_EPOCHS:

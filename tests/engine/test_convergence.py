@@ -109,7 +109,13 @@ def test_a_rate_collapsed_before_the_loss_stopped_falling_is_not_converged():
     )
     # A rate that fell after the loss had stopped falling has not collapsed the training.
     late = _rows([1.0, 0.5, 0.4, 0.4, 0.4, 0.4, 0.4, 0.4, 0.4], lr=[1e-3] * 8 + [1e-6])
-    assert convergence(late, "budget")["cause"] is None
+    assert convergence(late, "budget", plateau=True)["cause"] is None
+    # A cosine schedule annealed to below 1% over a longer budget is not a collapse: it is meant to end there.
+    import math
+
+    cosine = [1e-3 * (1 + math.cos(math.pi * e / 24)) / 2 for e in range(24)]
+    falling = [1.0 / (1 + e) for e in range(24)]
+    assert cosine[-1] < 1e-5 and convergence(_rows(falling, lr=cosine), "budget", scheduled=True)["converged"]
 
 
 def test_the_budget_while_overfitting_says_so_and_advises_early_stopping_not_more_epochs():
