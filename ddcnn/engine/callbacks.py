@@ -28,12 +28,12 @@ The rules every training has are callbacks of the loop's own, built from its :cl
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ddcnn.engine.convergence import NOT_FINITE_RETRIES, divergence_reason, early_stop_due
+from ddcnn.engine.convergence import NOT_FINITE_RETRIES, divergence_reason, early_stop_due, last_drop
 from ddcnn.engine.state import Diverged
-from ddcnn.settings.loop import LoopSettings
+from ddcnn.settings.loop import LoopSettings, schedule_kind
 
 __all__ = [
     "EarlyStopping",
@@ -59,15 +59,19 @@ def call(callbacks, hook: str, *args: Any) -> list[Any]:
 
 
 class EarlyStopping:
-    """Ends a training once ``patience`` epochs have passed since the kept epoch, not before ``least_epochs``
-    (:func:`~ddcnn.engine.convergence.early_stop_due`); the same on every rank (the monitored metric is the
-    all-reduced one). Its state, the epoch it stopped after, is ``TrainState.stopped_epoch``."""
+    """Ends a training once ``patience`` epochs have passed since the kept epoch and, under the plateau scheduler,
+    since its last drop of the learning rate (the lowered rate gets ``patience`` epochs to improve), not before
+    ``least_epochs`` (:func:`~ddcnn.engine.convergence.early_stop_due`); the same on every rank (the monitored metric
+    is the all-reduced one). Its state, the epoch it stopped after, is ``TrainState.stopped_epoch``; the drops are
+    read from the training's history (its rows' ``lr``), which a resume restores."""
 
     def __init__(self, settings: LoopSettings) -> None:
         self.patience, self.least, self.max_epochs = settings.patience, settings.least_epochs, settings.max_epochs
+        self.plateau = schedule_kind(settings.scheduler) == "plateau"
 
-    def due(self, epoch: int, best_epoch: int) -> bool:
-        return early_stop_due(epoch, best_epoch, self.patience, self.least, self.max_epochs)
+    def due(self, epoch: int, best_epoch: int, history: Sequence[Mapping[str, Any]] = ()) -> bool:
+        drop = last_drop(history) if self.plateau else -1
+        return early_stop_due(epoch, best_epoch, self.patience, self.least, self.max_epochs, drop)
 
 
 class CheckpointCadence:

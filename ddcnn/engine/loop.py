@@ -633,7 +633,7 @@ class _Training:
     def decide_stop(self, state: TrainState, epoch: int) -> None:
         """Early stopping after ``epoch`` (:class:`~ddcnn.engine.callbacks.EarlyStopping`)."""
         s = self.settings
-        if not self.early_stopping.due(epoch, state.best_epoch):
+        if not self.early_stopping.due(epoch, state.best_epoch, state.history):
             return
         state.stopped_epoch = epoch
         if self.fabric.global_rank == 0:
@@ -704,7 +704,20 @@ class _Training:
             compile_time_s=compile_time_s,
             min_epochs=s.min_epochs,
             stopped_by=stopped_by,
-            convergence=convergence(state.history, stopped_by, s.min_epochs, bool(s.scheduler), state.num_classes),
+            convergence=convergence(
+                state.history,
+                stopped_by,
+                s.min_epochs,
+                bool(s.scheduler),
+                state.num_classes,
+                monitor=s.monitor,
+                monitor_mode=s.monitor_mode,
+                patience=s.patience,
+                best_epoch=int(state.best_epoch),
+                plateau=self.early_stopping.plateau,
+                n_val=self.data.size("val") if self.val_batches else None,
+                max_epochs=s.max_epochs,
+            ),
         )
 
 

@@ -35,7 +35,7 @@ from ddcnn.report.curves import (
     target_accuracy,
     time_to_target,
 )
-from ddcnn.report.stats import PAIRS
+from ddcnn.report.stats import BASELINE_NOT_CONVERGED, PAIRS, image_paired_difference
 from ddcnn.rundir import TARGET_SPLIT
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ __all__ = [
     "flag_rows",
     "convergence_of",
     "row_trainings",
+    "image_pairs",
 ]
 
 # Stages that combine the saved local outputs (their parameters add to the local nets').
@@ -274,6 +275,8 @@ def convergence_of(meta: Mapping[str, Any]) -> dict:
         "converged": None if converged is None else bool(converged),
         "reasons": [str(r) for r in record.get("reasons") or []],
         "stopped_by": stopped_by,
+        **({"cause": record["cause"]} if record.get("cause") else {}),
+        **({"advice": str(record["advice"])} if record.get("advice") else {}),
     }
 
 
@@ -293,6 +296,39 @@ def row_trainings(stage: str | None) -> tuple[str, ...]:
         else:
             out.append(term)
     return tuple(dict.fromkeys(out))
+
+
+def _unconverged_records(results: Mapping[str, Any], stage: str | None) -> list[tuple[str, Mapping[str, Any]]]:
+    """``(training in words, record)`` of each training behind ``stage``'s row that did not converge."""
+    convergence = results.get("convergence") or {}
+    out = []
+    for training in row_trainings(stage):
+        records = convergence.get(training)
+        if records is None:
+            continue
+        if training == "local" and isinstance(records, list):
+            named = [(f"local net {i}", r) for i, r in enumerate(records)]
+        else:
+            named = [(training if training != "global" else "global CNN", records)]
+        out += [(what, record) for what, record in named if record and record.get("converged") is False]
+    return out
+
+
+def _unconverged_advice(results: Mapping[str, Any], stage: str | None) -> str:
+    """What to try for ``stage``'s unconverged trainings: each one's recorded cause and fix (the engine's
+    ``convergence_advice``, saved in its record), the same fix once; the general advice for records without one (an
+    older ddcnn)."""
+    advice: dict[str, list[str]] = {}
+    for what, record in _unconverged_records(results, stage):
+        if not record.get("advice"):
+            return _UNCONVERGED_TRY
+        advice.setdefault(str(record["advice"]), []).append(what)
+    if not advice:
+        return _UNCONVERGED_TRY
+    if len(advice) == 1:
+        return f"Try: {next(iter(advice))}. Until then no verdict against it holds."
+    parts = [f"{', '.join(whats)}: {fix}" for fix, whats in advice.items()]
+    return "Try: " + "; ".join(parts) + ". Until then no verdict against it holds."
 
 
 def _unconverged(results: Mapping[str, Any], stage: str | None) -> list[str]:
@@ -364,7 +400,7 @@ def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
                     "method": key,
                     "kind": "unconverged",
                     "message": f"{name}: trained without converging: {', '.join(unconverged)}.",
-                    "try": _UNCONVERGED_TRY,
+                    "try": _unconverged_advice(results, row.get("stage")),
                 }
             )
         auc, balanced = row.get("auc"), row.get("balanced_accuracy")
@@ -400,11 +436,35 @@ def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
                     "method": key,
                     "kind": "below_averaging",
                     "message": f"{name}: test accuracy {acc:.4f} is far below averaging the local nets ({mean:.4f}).",
-                    "try": "Use the default coarse.net (its averaging skip keeps it at or above averaging on "
-                    "validation); with few validation samples per class prefer coarse.monitor=val_loss.",
+                    "try": _below_averaging_try(results, row.get("stage")),
                 }
             )
     return flags
+
+
+# The default coarse net's parts that keep it at or above averaging the local nets on validation (conf/coarse/mlp.yaml).
+_DEFAULT_COARSE_NET = {"input_norm": "standardize", "skip": "mean_prob"}
+
+
+def _below_averaging_try(results: Mapping[str, Any], stage: str | None) -> str:
+    """What to try for a combiner far below averaging, by what was in use: the convex stacker has no coarse net; a
+    coarse DNN that is not the default net is pointed to it; the default net is not advised again."""
+    if stage == "stacker":
+        return (
+            "The convex stacker (logistic regression, its L2 strength chosen on validation) has no coarse net to "
+            "change: its fit did worse than averaging on test, so read the mean-probability row as this run's "
+            "combiner of the local nets."
+        )
+    net = (results.get("coarse_nets") or {}).get(stage or "")
+    if isinstance(net, Mapping) and all(net.get(key) == value for key, value in _DEFAULT_COARSE_NET.items()):
+        return (
+            "The default coarse.net (input_norm=standardize, skip=mean_prob) was in use and its selection on "
+            "validation still fell below averaging on test: select on the validation loss, coarse.monitor=val_loss."
+        )
+    return (
+        "Use the default coarse.net (its averaging skip keeps it at or above averaging on validation): "
+        "coarse.net.input_norm=standardize coarse.net.skip=mean_prob."
+    )
 
 
 def _seconds(value: float | None) -> str:
@@ -505,28 +565,71 @@ def _time_to_target_line(results: Mapping[str, Any], key: str = "time_to_target"
     )
 
 
+def _pair_state(results: Mapping[str, Any], baseline: str) -> str | None:
+    """``baseline not converged`` when the training a pair's baseline is read from (``global`` or every ``local``
+    net) did not converge, else ``None``."""
+    if baseline == "global":
+        return _baseline_state(results)
+    local = (results.get("convergence") or {}).get("local") or []
+    return BASELINE_NOT_CONVERGED if any(r.get("converged") is False for r in local) else None
+
+
+def image_pairs(
+    results: Mapping[str, Any], correct: Mapping[str, torch.Tensor], n_test: int | None = None
+) -> list[dict]:
+    """Each paired difference of :data:`~ddcnn.report.stats.PAIRS` that a run holds, over its test images: the
+    difference in points, McNemar's exact p and the 95% paired bootstrap interval with its verdict
+    (:func:`~ddcnn.report.stats.image_paired_difference`, equivalence margin ±0.5 points), from ``correct``: per
+    results key (``cnn_dnn``, ``global``, ``mean_prob``, ...), whether each test image was predicted right (the saved
+    ``probs_test.pt``). A pair whose baseline did not converge keeps its figures, with the verdict
+    ``baseline not converged``; the bootstrap is seeded (0), so a run's ``results.json`` is reproducible.
+
+    Returns:
+        One entry per pair: ``{"comparison", "method", "baseline", "baseline_converged", **figures}``.
+    """
+    out = []
+    for what, a, b, baseline in PAIRS:
+        if a not in correct or b not in correct:
+            continue
+        figures = image_paired_difference(correct[a].numpy(), correct[b].numpy())
+        state = _pair_state(results, baseline)
+        if state is not None:
+            figures["verdict"] = state
+        out.append({"comparison": what, "method": a, "baseline": b, "baseline_converged": state is None, **figures})
+    return out
+
+
 def _single_seed_lines(results: Mapping[str, Any]) -> list[str]:
-    """The paired differences of one run: one seed, so a difference without an interval and without a verdict."""
+    """The paired differences of one run: one seed, so no interval over seeds; each difference gets its interval
+    over the run's test images (McNemar's exact p, the paired bootstrap), where the run saved its predictions."""
     acc = results.get("accuracy") or {}
+    by_images = {entry["comparison"]: entry for entry in results.get("paired_test") or []}
     parts = []
     for what, a, b, baseline in PAIRS:
         if acc.get(a) is None or acc.get(b) is None:
             continue
-        if baseline == "global":
-            state = _baseline_state(results)
-        else:
-            local = (results.get("convergence") or {}).get("local") or []
-            state = "baseline not converged" if any(r.get("converged") is False for r in local) else None
+        state = _pair_state(results, baseline)
         # against an unconverged baseline no lead is printed, not even one seed's (results.json keeps the accuracies)
-        figure = (
-            "baseline not converged" if state == "baseline not converged" else f"{100 * (acc[a] - acc[b]):+.2f} points"
-        )
+        if state == BASELINE_NOT_CONVERGED:
+            parts.append(f"{what}: baseline not converged")
+            continue
+        entry = by_images.get(what)
+        figure = f"{100 * (acc[a] - acc[b]):+.2f} points"
+        if entry is not None:
+            figure += (
+                f" (95% bootstrap interval over the {entry['n']} test images [{entry['low']:+.2f}, "
+                f"{entry['high']:+.2f}]; McNemar p = {entry['p_mcnemar']:.3g} on {entry['b']} against "
+                f"{entry['c']} discordant images: {entry['verdict']})"
+            )
         parts.append(f"{what}: {figure}")
     if not parts:
         return []
     return [
-        "- Test-accuracy differences on this run's one seed: " + "; ".join(parts) + ". One seed gives no interval and "
-        "no verdict (n<2); ddcnn-report over several seeds pairs them by seed and gives the 95% interval and verdict."
+        "- Test-accuracy differences on this run's one seed: " + "; ".join(parts) + ". One seed gives no interval "
+        "over seeds (n<2); the intervals above are over this run's test images only (a paired bootstrap of 10,000 "
+        "resamples; 'equivalent' only inside ±0.5 points, 'not distinguishable' when the interval holds 0 and reaches "
+        "beyond it), and say nothing of another seed's initialisation or data draw: ddcnn-report over several seeds "
+        "pairs them by seed and gives the 95% interval over seeds."
     ]
 
 
@@ -710,6 +813,11 @@ def evaluate_run(run, decomposition, data, settings: RunSettings | None = None) 
     if not results["timing"]["comparable"]:
         log.warning("evaluate: %s", _context_note(results["timing"]).lstrip("- ").replace("**", ""))
     _derived_figures(run, results, c, local_meta, n)
+    correct = dict(c["correct"])
+    main = f"cnn_dnn_{c['inputs']['coarse']}" if "coarse" in c["inputs"] else None
+    if main in correct:
+        correct["cnn_dnn"] = correct[main]
+    results["paired_test"] = image_pairs(results, correct)
     rate = majority_rate(data.y["train"], labels)
     results["majority_rate"] = rate
     results["test_class_counts"] = torch.bincount(labels.long(), minlength=k).tolist()
@@ -732,6 +840,8 @@ def _local_figures(run, n: int, k: int, data) -> tuple[dict[str, dict], list[dic
     val_probs, val_labels = run.local_outputs(n, "val", "probs")
     metrics: dict[str, Any] = {"local": [_metrics_of(probs[:, i], labels, k) for i in range(n)]}
     metrics.update(_combiner_metrics(probs, labels, n, k))
+    # per test image, whether a row predicted it right: the paired rows' intervals over test images
+    correct: dict[str, torch.Tensor] = {"mean_prob": mean_probability(probs) == labels}
     val: dict[str, dict] = {"local": [_metrics_of(val_probs[:, i], val_labels, k) for i in range(n)]}
     val.update(_combiner_metrics(val_probs, val_labels, n, k))
     local_meta = [run.meta("local", i) for i in range(n)]
@@ -752,11 +862,11 @@ def _local_figures(run, n: int, k: int, data) -> tuple[dict[str, dict], list[dic
     params: dict[str, Any] = {"local": local_meta[0]["params"], "local_total": sum(m["params"] for m in local_meta)}
     contexts: dict[str, dict | None] = {f"local {i}": m.get("context") for i, m in enumerate(local_meta)}
     tables = {"metrics": metrics, "val": val, "convergence": convergence, "fit_times": fit_times, "time_s": time_s}
-    tables |= {"params": params, "contexts": contexts}
+    tables |= {"params": params, "contexts": contexts, "correct": correct}
     # stages whose row key depends on their input (the coarse DNNs), stages that trained on several devices at once
     # (global_ddp), start-up, stages copied from a training of an earlier run with the same settings, and the
     # accuracy on the val_target split (data.val_target_fraction) by row key
-    tables |= {"inputs": {}, "devices": {}, "startup": {}, "reused": {}, "held_out": {}}
+    tables |= {"inputs": {}, "devices": {}, "startup": {}, "reused": {}, "held_out": {}, "coarse_nets": {}}
     return tables, local_meta, labels
 
 
@@ -780,6 +890,7 @@ def _stage_figures(run, c: dict[str, dict], labels: torch.Tensor, k: int) -> Non
             c["inputs"][stage.name] = meta.get("input", "probs")
             key = key.format(input=c["inputs"][stage.name])
         c["metrics"][key] = _metrics_of(saved["probs"], saved["labels"], k)
+        c["correct"][key] = saved["probs"].argmax(-1) == saved["labels"]
         saved_val = run.load_probs(stage.name, "val")
         c["val"][key] = _metrics_of(saved_val["probs"], saved_val["labels"], k)
         target_file = run.stage_dir(stage.name) / f"probs_{TARGET_SPLIT}.pt"
@@ -789,6 +900,8 @@ def _stage_figures(run, c: dict[str, dict], labels: torch.Tensor, k: int) -> Non
         c["time_s"][stage.name] = meta["time_s"]
         c["fit_times"][stage.name] = meta.get("fit_time_s", meta["time_s"])
         c["convergence"][stage.name] = convergence_of(meta)
+        if meta.get("coarse_net") is not None:  # the coarse net in use: the below-averaging flag names it
+            c["coarse_nets"][stage.name] = meta["coarse_net"]
         c["params"][stage.name] = meta["params"]
         c["contexts"][stage.name] = meta.get("context")
         if meta.get("startup_s"):
@@ -846,6 +959,7 @@ def _assembled(c: dict[str, dict], decomposition, data, n: int, k: int) -> dict:
         "timing": timing_contexts(compared, reused),
         "timing_all_stages": timing_contexts(contexts, reused),
         "convergence": c["convergence"],
+        "coarse_nets": c["coarse_nets"],
         "decomposition": {
             "grid": list(decomposition.grid),
             "overlap": list(decomposition.overlap),

@@ -13,12 +13,22 @@ Over ``n`` seeds with differences ``d_1 .. d_n`` (mean ``m``, sample standard de
   accuracy difference moves in steps of one test sample): the interval would have no width, and a zero spread
   estimated from a few seeds is not the absence of noise;
 - ``baseline not converged``: the baseline of any seed did not converge; no verdict holds against it.
+
+One run has one seed, but its test images are a sample too: two methods scored on the same test images differ on
+the images one classifies right and the other wrong. :func:`image_paired_difference` gives such a difference its
+interval over test images: McNemar's exact test (:func:`mcnemar_exact`: a binomial test of the discordant images,
+``scipy.stats.binomtest``) and a paired percentile bootstrap over the images (:func:`paired_bootstrap`), with a
+verdict that needs a margin stated in advance to call two methods equivalent (:func:`margin_verdict`: ``better`` /
+``worse`` when the interval excludes 0, ``equivalent`` only inside ±``margin``, ``not distinguishable`` otherwise).
+:func:`holm` adjusts a family of p-values for multiplicity (Holm's step-down procedure).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
+import numpy as np
 
 __all__ = [
     "PAIRS",
@@ -33,6 +43,15 @@ __all__ = [
     "paired_difference",
     "verdict",
     "all_converged",
+    "EQUIVALENT",
+    "NOT_DISTINGUISHABLE",
+    "EQUIVALENCE_MARGIN_POINTS",
+    "BOOTSTRAP_RESAMPLES",
+    "mcnemar_exact",
+    "paired_bootstrap",
+    "holm",
+    "margin_verdict",
+    "image_paired_difference",
 ]
 
 # The paired differences of the protocol: (label, method, baseline, the training whose convergence the baseline's is:
@@ -52,6 +71,13 @@ NO_VERDICT = (NO_INTERVAL, NO_SPREAD)
 # A sample std at or below this is 0: differences of accuracies (k / n each) that are equal but for float rounding.
 SPREAD_TOLERANCE = 1e-9  # the verdicts that say no interval could be computed
 BASELINE_NOT_CONVERGED = "baseline not converged"
+EQUIVALENT, NOT_DISTINGUISHABLE = "equivalent", "not distinguishable"
+# The equivalence margin of an accuracy difference, in points, fixed before the runs (docs/protocol.md, section 5):
+# half a point, 50 of the 10,000 official test images of MNIST or Fashion-MNIST.
+EQUIVALENCE_MARGIN_POINTS = 0.5
+# Resamples of the paired bootstrap: the Monte Carlo error of a 2.5% percentile from 10,000 resamples is about
+# sqrt(0.025 * 0.975 / 10000) = 0.16% in probability, far below the interval's own width.
+BOOTSTRAP_RESAMPLES = 10_000
 
 
 def t_quantile_975(df: int) -> float:
@@ -117,4 +143,139 @@ def paired_difference(
         else verdict(low, high, n, baseline_converged),
         "baseline_converged": baseline_converged,
         "seeds": list(seeds) if seeds is not None else None,
+    }
+
+
+def _as_bool(correct: Sequence[bool] | np.ndarray) -> np.ndarray:
+    return np.asarray(correct, dtype=bool).reshape(-1)
+
+
+def mcnemar_exact(correct_a: Sequence[bool] | np.ndarray, correct_b: Sequence[bool] | np.ndarray) -> dict:
+    """McNemar's exact test of two classifiers scored on the same images: under the null hypothesis that both are
+    equally accurate, each discordant image (one right, the other wrong) is equally likely to favour either, so the
+    count ``b`` of images only ``a`` gets right is binomial(``b + c``, 1/2). The two-sided p-value is SciPy's
+    ``binomtest`` (the probabilities no larger than the observed one, summed); 1 when no image is discordant.
+
+    Args:
+        correct_a, correct_b: Per image, whether each classifier predicted its label (same images, same order).
+
+    Returns:
+        ``{"b", "c", "n", "p"}``: ``b`` images only ``a`` got right, ``c`` only ``b``, ``n`` images, the p-value.
+    """
+    a, b_ = _as_bool(correct_a), _as_bool(correct_b)
+    if a.shape != b_.shape:
+        raise ValueError(f"McNemar's test pairs images: {a.size} against {b_.size} predictions.")
+    b, c = int(np.sum(a & ~b_)), int(np.sum(~a & b_))
+    if b + c == 0:
+        p = 1.0
+    else:
+        from scipy.stats import binomtest  # imported here, as the t quantile: scipy.stats is slow to import
+
+        p = float(binomtest(b, b + c, 0.5).pvalue)
+    return {"b": b, "c": c, "n": int(a.size), "p": min(1.0, p)}
+
+
+def paired_bootstrap(
+    correct_a: Sequence[bool] | np.ndarray,
+    correct_b: Sequence[bool] | np.ndarray,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+    level: float = 0.95,
+) -> tuple[float, float]:
+    """The paired percentile bootstrap interval of an accuracy difference ``acc(a) - acc(b)`` over test images (as a
+    fraction; seeded, so the same predictions give the same interval).
+
+    Each resample draws ``n`` images with replacement and keeps both classifiers' outcomes on each (the pairing).
+    The per-image difference takes three values (+1: only ``a`` right, -1: only ``b``, 0: both or neither), so a
+    resample's mean depends only on how many of each it drew: a multinomial draw of ``n`` over their observed shares
+    is the same distribution as drawing the image indices, at a cost independent of ``n``.
+
+    Args:
+        correct_a, correct_b: Per image, whether each classifier predicted its label.
+        resamples: Bootstrap resamples.
+        seed: Seeds NumPy's generator.
+        level: Coverage of the two-sided interval.
+
+    Returns:
+        ``(low, high)``: the ``(1 - level) / 2`` and ``(1 + level) / 2`` percentiles of the resampled differences.
+    """
+    a, b_ = _as_bool(correct_a), _as_bool(correct_b)
+    n = a.size
+    if n == 0 or a.shape != b_.shape:
+        raise ValueError(f"a paired bootstrap needs the same images for both: {a.size} against {b_.size}.")
+    shares = np.array([np.sum(a & ~b_), np.sum(~a & b_), 0], dtype=float) / n
+    shares[2] = max(0.0, 1.0 - shares[0] - shares[1])
+    counts = np.random.default_rng(seed).multinomial(n, shares / shares.sum(), size=int(resamples))
+    means = (counts[:, 0] - counts[:, 1]) / n
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of ``m`` p-values (Holm 1979, "A simple sequentially rejective
+    multiple test procedure"): sorted ascending, the ``i``-th smallest (from 0) becomes ``(m - i) p``, made monotone
+    (never below an adjusted p-value before it) and capped at 1. A hypothesis is rejected at level alpha when its
+    adjusted p-value is at most alpha; this controls the family-wise error rate without assuming independence.
+
+    Returns:
+        The adjusted p-values, in the order given.
+    """
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: float(pvalues[i]))
+    adjusted = [1.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * float(pvalues[i])))
+        adjusted[i] = running
+    return adjusted
+
+
+def margin_verdict(low: float | None, high: float | None, margin: float = EQUIVALENCE_MARGIN_POINTS) -> str:
+    """The verdict of an interval ``[low, high]`` of a difference with an equivalence ``margin`` (same units, e.g.
+    points): ``better`` / ``worse`` when it lies above / below 0 (a bound at 0 does not exclude it), ``equivalent``
+    only when it lies inside ``(-margin, margin)``, ``not distinguishable`` otherwise (the interval holds 0 and
+    reaches beyond the margin: the data cannot tell the two apart, which is not the same as equal)."""
+    if low is None or high is None:
+        return NO_INTERVAL
+    if low > 0:
+        return BETTER
+    if high < 0:
+        return WORSE
+    if -margin < low and high < margin:
+        return EQUIVALENT
+    return NOT_DISTINGUISHABLE
+
+
+def image_paired_difference(
+    correct_a: Sequence[bool] | np.ndarray,
+    correct_b: Sequence[bool] | np.ndarray,
+    margin: float = EQUIVALENCE_MARGIN_POINTS,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+) -> dict:
+    """One run's paired difference ``acc(a) - acc(b)`` over its test images, in points: McNemar's exact p
+    (:func:`mcnemar_exact`), the 95% paired bootstrap interval (:func:`paired_bootstrap`) and its verdict with the
+    equivalence ``margin`` in points (:func:`margin_verdict`).
+
+    Returns:
+        ``{"n", "difference", "b", "c", "p_mcnemar", "low", "high", "margin", "verdict", "resamples", "seed"}``;
+        ``difference``, ``low``, ``high`` and ``margin`` in points.
+    """
+    a, b_ = _as_bool(correct_a), _as_bool(correct_b)
+    test = mcnemar_exact(a, b_)
+    low, high = paired_bootstrap(a, b_, resamples=resamples, seed=seed)
+    low, high = 100 * low, 100 * high
+    return {
+        "n": test["n"],
+        "difference": 100 * (test["b"] - test["c"]) / test["n"],
+        "b": test["b"],
+        "c": test["c"],
+        "p_mcnemar": test["p"],
+        "low": low,
+        "high": high,
+        "margin": float(margin),
+        "verdict": margin_verdict(low, high, margin),
+        "resamples": int(resamples),
+        "seed": int(seed),
     }

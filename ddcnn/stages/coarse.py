@@ -333,13 +333,14 @@ def _convergence(fitted: CoarseFit, coarse: CoarseSettings) -> dict:
     (AdamW with ``coarse.patience``; no minimum of epochs), the linear path's L-BFGS solve, or none for the averaging
     combiner (nothing fitted: converged)."""
     if fitted.kept == "trained":
-        names = {"epochs": "coarse.steps or coarse.max_epochs", "patience": "coarse.patience", "min_epochs": ""}
-        return {"convergence": fitted.result.convergence, "advice_names": names | {"plateau": ""}}
+        names = {"epochs": "coarse.max_epochs", "patience": "coarse.patience", "min_epochs": "", "plateau": ""}
+        names |= {"monitor": "coarse.monitor", "monitor_mode": "", "lr": "coarse.optimizer.lr", "scheduler": ""}
+        return {"convergence": fitted.result.convergence, "advice_names": names}
     if fitted.kept == "linear":
         linear = fitted.report["linear"]
         record = logistic_convergence(linear["path"], linear["l2"], coarse.linear.max_iter)
         return {"convergence": record, "advice_names": {"epochs": "coarse.linear.max_iter"}}
-    record = {"converged": True, "reasons": [], "epochs": 0, "min_epochs": 0, "stopped_by": "no_fit"}
+    record = {"converged": True, "reasons": [], "cause": None, "epochs": 0, "min_epochs": 0, "stopped_by": "no_fit"}
     return {"convergence": record | {"lr_ratio": None, "train_loss_change_last3": None}}
 
 

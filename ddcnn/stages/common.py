@@ -110,13 +110,14 @@ def finish_stage(
     record = extra.pop("convergence", None) or result.convergence
     names = extra.pop("advice_names", None)
     if record is None:  # a result that did not come from the loop and says nothing of its fit
-        record = {"converged": False, "reasons": ["no record of how the fit ended"], "epochs": 0, "min_epochs": 0}
+        record = {"converged": False, "reasons": ["no record of how the fit ended"], "cause": None, "epochs": 0}
+        record["min_epochs"] = 0
         record |= {"stopped_by": None, "lr_ratio": None, "train_loss_change_last3": None}
     name = stage if subdomain is None else f"{stage} {subdomain}"
     if not record["converged"]:
-        log.warning(
-            "%s: not converged (%s); try %s", name, "; ".join(record["reasons"]), convergence_advice(record, names)
-        )
+        # the cause and its one fix, kept in the record: results.md's flag prints it (the report reads no engine code)
+        record = {**record, "advice": convergence_advice(record, names)}
+        log.warning("%s: not converged (%s); try %s", name, "; ".join(record["reasons"]), record["advice"])
     folder = ctx.run.stage_dir(stage, subdomain)
     predict_start = time.perf_counter()
     accuracy = save_predictions(net, dm, folder, device)
@@ -173,6 +174,7 @@ def logistic_convergence(path: list[dict], l2: float, max_iter: int) -> dict:
     return {
         "converged": not reasons,
         "reasons": reasons,
+        "cause": "max_iter" if reasons else None,
         "epochs": evaluations,
         "min_epochs": 0,
         "stopped_by": stopped_by,

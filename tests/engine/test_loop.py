@@ -403,20 +403,27 @@ def test_the_plateau_scheduler_counts_an_improvement_as_selection_does():
     assert improves(0.89995, 0.9, "min", 0.0) and default.num_bad_epochs == 1
 
 
-def _replay(history: list[dict], monitor: str, mode: str, min_delta: float, patience: int, factor: float, waits: int):
+def _replay(
+    history: list[dict], monitor: str, mode: str, min_delta: float, patience: int, factor: float, waits: int, floor=0.0
+):
     """The improvement rule replayed over a fit's history: the kept epoch, the stop and the learning rates it gives."""
     from ddcnn.engine.convergence import improves
 
-    best, kept, bad, lr, rates, stop = None, -1, 0, history[0]["lr"], [], None
+    best, kept, bad, lr, rates, stop, dropped = None, -1, 0, history[0]["lr"], [], None, -1
     for epoch, row in enumerate(history):
         rates.append(lr)
         if improves(row[monitor], best, mode, min_delta):
             best, kept, bad = row[monitor], epoch, 0
         else:
             bad += 1
-        if bad > waits:  # ReduceLROnPlateau: the rate drops after `waits` epochs without improvement
-            lr, bad = lr * factor, 0
-        if epoch - kept >= patience:
+        # early stopping counts `patience` epochs from the kept epoch and from the last epoch after which the rate
+        # dropped (one the epochs so far trained at a lower rate after: not this epoch's own drop)
+        since = max(kept, dropped)
+        if bad > waits:  # ReduceLROnPlateau: the rate drops after `waits` epochs without improvement, to its floor
+            lowered, bad = max(lr * factor, floor), 0
+            if lr - lowered > 1e-8:  # torch's eps: a rate at its floor does not drop
+                lr, dropped = lowered, epoch
+        if epoch - since >= patience:
             stop = epoch
             break
     return kept, stop, rates
@@ -426,12 +433,13 @@ def test_selection_early_stopping_and_the_plateau_scheduler_share_one_improvemen
     """An epoch within min_delta of the kept one neither replaces the selection, nor resets early stopping's count,
     nor counts as an improvement for ReduceLROnPlateau; the same fit with min_delta = 0 takes it as one."""
     plateau = {"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau", "_partial_": True, "factor": 0.5}
+    plateau |= {"cooldown": 0, "min_lr": 3e-4}  # set: the loop's defaults (cooldown 1, 1% of 0.03) are kept out
     settings = {"monitor": "val_loss", "monitor_mode": "min", "scheduler": plateau | {"patience": 1}, "patience": 3}
-    settings["max_epochs"] = 40
+    settings["max_epochs"] = 80
     for min_delta in (0.0, 0.01):
         result = _fit(tmp_path / str(min_delta), min_delta=min_delta, **settings)
         history = result.history
-        kept, stop, rates = _replay(history, "val_loss", "min", min_delta, 3, 0.5, 1)
+        kept, stop, rates = _replay(history, "val_loss", "min", min_delta, 3, 0.5, 1, floor=3e-4)
         assert result.best_epoch == kept and result.stopped_epoch == stop == len(history) - 1
         assert [row["lr"] for row in history] == pytest.approx(rates)
         values = [row["val_loss"] for row in history]
@@ -674,12 +682,14 @@ def test_finished_coarse_stage_is_skipped_and_force_retrains_from_scratch(local_
         assert (folder / name).is_file(), name
 
 
-def test_the_advice_for_an_unconverged_training_names_each_fix_once():
-    """A training too short to judge that ran its whole budget (1 epoch of 1) is told to train longer once, and how
-    to let the budget adapt; one stopped by early stopping is told to wait longer."""
+def test_the_advice_for_an_unconverged_training_names_one_fix_with_its_value():
+    """A training too short to judge that ran its whole budget (1 epoch of 1) is told one budget to type; one that
+    early stopping ended too soon, one minimum of epochs (or, where it has none, a longer patience)."""
     from ddcnn.engine.convergence import convergence_advice
 
-    advice = convergence_advice({"stopped_by": "budget", "epochs": 1, "converged": False})
-    assert advice.count("more epochs (trainer.max_epochs)") == 1 and "ReduceLROnPlateau" in advice
-    advice = convergence_advice({"stopped_by": "early_stopping", "epochs": 5, "converged": False})
-    assert "a larger engine.patience or engine.min_epochs" in advice and "ReduceLROnPlateau" not in advice
+    advice = convergence_advice({"stopped_by": "budget", "epochs": 1, "converged": False, "cause": "too_short"})
+    assert advice == "still improving at the cap: trainer.max_epochs=11"
+    record = {"stopped_by": "early_stopping", "epochs": 2, "min_epochs": 0, "converged": False, "cause": "too_short"}
+    assert convergence_advice(record) == "early stopping ended it too soon: engine.min_epochs=4"
+    names = {"epochs": "coarse.max_epochs", "patience": "coarse.patience", "min_epochs": ""}
+    assert convergence_advice(dict(record, patience=3), names) == "early stopping ended it too soon: coarse.patience=5"

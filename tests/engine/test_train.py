@@ -36,8 +36,18 @@ K = 5  # an odd class count, so that a hard-coded 10 cannot pass
 COSINE_NODE = "scheduler={_target_:torch.optim.lr_scheduler.CosineAnnealingLR,_partial_:true,T_max:null}"
 PLATEAU_NODE = "scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_partial_:true,patience:1}"
 SGD = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.2, "momentum": 0.9}
-# The convergence record of every training stage's meta.json (docs/protocol.md, "Convergence"): other tools read these.
-CONVERGENCE_KEYS = ("converged", "reasons", "epochs", "min_epochs", "stopped_by", "lr_ratio", "train_loss_change_last3")
+# The convergence record of every training stage's meta.json (docs/protocol.md, "Convergence"): other tools read these
+# (a record may hold more: the loop's adds the trends, the kept epoch and the validation split's noise).
+CONVERGENCE_KEYS = (
+    "converged",
+    "reasons",
+    "cause",
+    "epochs",
+    "min_epochs",
+    "stopped_by",
+    "lr_ratio",
+    "train_loss_change_last3",
+)
 
 
 def _data(n: int = 96, batch_size: int = 16, seed: int = 0) -> TensorDataModule:
@@ -231,7 +241,7 @@ def test_patience_stops_every_training_of_a_run_and_the_cnn_dnn_curve_ends_where
         assert stop - meta["best_epoch"] == 1 and epochs == list(range(stop + 1)), (stage, index)
         stops[(stage, index)] = stop
         record = meta["convergence"]
-        assert set(record) == {*CONVERGENCE_KEYS} and record["stopped_by"] == "early_stopping"
+        assert {*CONVERGENCE_KEYS} <= set(record) and record["stopped_by"] == "early_stopping"
         assert record["epochs"] == stop + 1 and record["min_epochs"] == 1
         assert meta["converged"] is record["converged"] is (stop + 1 >= 3), (stage, index, record)
         if not meta["converged"]:
@@ -239,11 +249,11 @@ def test_patience_stops_every_training_of_a_run_and_the_cnn_dnn_curve_ends_where
             assert record["reasons"] == [f"too short to judge: {stop + 1} epoch(s), fewer than 3"]
             assert any(
                 r.getMessage().startswith(f"{name}: not converged (too short to judge")
-                and "engine.patience" in r.getMessage()
+                and "engine.min_epochs=" in r.getMessage()
                 for r in caplog.records
             ), name
     coarse = json.loads((run.stage_dir("coarse") / "meta.json").read_text())
-    assert isinstance(coarse["converged"], bool) and set(coarse["convergence"]) == {*CONVERGENCE_KEYS}
+    assert isinstance(coarse["converged"], bool) and {*CONVERGENCE_KEYS} <= set(coarse["convergence"])
     curve = json.loads((run.stage_dir("coarse") / CURVE_FILE).read_text())["cnn_dnn"]
     reached_by_all = min(stop for (stage, _), stop in stops.items() if stage == "local") + 1
     assert [p["epoch"] for p in curve] == list(range(1, reached_by_all + 1))

@@ -75,6 +75,37 @@ def test_a_coarse_row_far_below_averaging_is_flagged_and_noise_is_not():
     assert flag_rows(_results({"global": ("global", 0.5)}, mean=0.9), rate=0.1, counts=[200] * 10) == []
 
 
+def test_the_below_averaging_advice_names_what_was_in_use():
+    """Issue #45: "use the default coarse.net" was printed where the default net was in use, and for the convex
+    stacker, which has no coarse net."""
+    rows = {"cnn_dnn_probs": ("coarse", 0.80), "stacker": ("stacker", 0.80)}
+    results = _results(rows, mean=0.90)
+    results["coarse_nets"] = {
+        "coarse": {"_target_": "ddcnn.models.coarse.CoarseMLP", "input_norm": "standardize", "skip": "mean_prob"}
+    }
+    tries = {f["method"]: f["try"] for f in flag_rows(results, rate=0.1, counts=[200] * 10)}
+    assert "Use the default coarse.net" not in tries["cnn_dnn_probs"] and "was in use" in tries["cnn_dnn_probs"]
+    assert tries["cnn_dnn_probs"].endswith("coarse.monitor=val_loss.")
+    assert "coarse.net" not in tries["stacker"].replace("no coarse net", "") and "no coarse net" in tries["stacker"]
+    results["coarse_nets"]["coarse"] |= {"skip": "none"}  # the paper's plain MLP: pointed to the default
+    tries = {f["method"]: f["try"] for f in flag_rows(results, rate=0.1, counts=[200] * 10)}
+    assert "coarse.net.skip=mean_prob" in tries["cnn_dnn_probs"]
+
+
+def test_an_unconverged_flag_gives_each_trainings_recorded_cause_and_fix():
+    results = _results({"global": ("global", 0.9)}, mean=0.9)
+    record = {"converged": False, "reasons": ["overfitting: ..."], "stopped_by": "budget", "cause": "overfitting"}
+    results["convergence"] = {"global": record | {"advice": "overfitting (...): early stopping, engine.patience=3"}}
+    flag = next(f for f in flag_rows(results, rate=0.1, counts=[200] * 10) if f["kind"] == "unconverged")
+    assert (
+        flag["try"]
+        == "Try: overfitting (...): early stopping, engine.patience=3. Until then no verdict against it holds."
+    )
+    results["convergence"] = {"global": record}  # a record of an older ddcnn: the general advice
+    flag = next(f for f in flag_rows(results, rate=0.1, counts=[200] * 10) if f["kind"] == "unconverged")
+    assert flag["try"].startswith("Train it to convergence")
+
+
 def test_the_time_to_target_line_says_why_a_target_was_not_reached():
     ttt = {
         "target": {
@@ -233,7 +264,12 @@ def test_an_unconverged_global_cnn_is_flagged_and_no_lead_over_it_is_printed(mak
     assert "global DDP − global CNN" not in md  # (no DDP in this run)
     assert "CNN-DNN − mean probability: " in md and "points" in md  # the local nets did converge: its figure stays
     assert "baseline not converged (no speedup against it is given)" in md  # the equal-device speedup against it
-    assert "better" not in md.lower()
+    # no verdict against the unconverged baseline: "better" only where a pair's baseline converged (the local nets)
+    against_global = [e for e in results["paired_test"] if e["baseline"] == "global"]
+    assert against_global and all(e["verdict"] == "baseline not converged" for e in against_global)
+    assert all(
+        "better" not in line.lower() for line in md.splitlines() if not line.startswith("- Test-accuracy differences")
+    )
     assert results["time_to_target"]["target"]["baseline_converged"] is False
     assert "NOT converged" in results["time_to_target"]["target"]["source"]
 
@@ -270,7 +306,36 @@ def test_one_runs_results_give_equal_device_figures_and_no_verdict(make_cfg):
     rows = {r["key"]: r for r in results["methods"]}
     assert rows["cnn_dnn_logits"]["speedup_1_device"] == pytest.approx(t["global"] / (t["local_total"] + t["coarse"]))
     md = results_markdown(results)
-    assert "4 devices: no baseline ran on 4 devices" in md and "One seed gives no interval and no verdict" in md
+    assert "4 devices: no baseline ran on 4 devices" in md and "One seed gives no interval over seeds" in md
+
+
+def test_one_runs_paired_rows_get_mcnemar_and_a_bootstrap_interval_over_its_test_images(make_cfg):
+    """Every paired difference of a run is recomputed from the saved per-image test predictions: the difference
+    equals the accuracies', the discordant counts McNemar's test reads match the saved predictions, and results.md
+    prints the p-value and the interval."""
+    import torch
+
+    from ddcnn.io import load_run_file
+    from ddcnn.report.stats import mcnemar_exact
+
+    cfg = make_cfg("decomposition.grid=[1,2]")
+    results = train(cfg)
+    run_dir = Path(cfg.paths.run_dir)
+    entries = {e["comparison"]: e for e in results["paired_test"]}
+    assert {"CNN-DNN − global CNN", "CNN-DNN − mean probability"} <= set(entries)
+    acc = results["accuracy"]
+    entry = entries["CNN-DNN − global CNN"]
+    assert entry["difference"] == pytest.approx(100 * (acc["cnn_dnn"] - acc["global"]), abs=1e-4)
+    coarse, glob = (load_run_file(run_dir / stage / "probs_test.pt") for stage in ("coarse", "global"))
+    right = [saved["probs"].argmax(-1) == saved["labels"] for saved in (coarse, glob)]
+    by_hand = mcnemar_exact(right[0].numpy(), right[1].numpy())
+    assert (entry["b"], entry["c"], entry["p_mcnemar"]) == (by_hand["b"], by_hand["c"], by_hand["p"])
+    assert entry["n"] == len(coarse["labels"]) and entry["low"] <= entry["difference"] <= entry["high"]
+    assert entry["verdict"] in ("better", "worse", "equivalent", "not distinguishable", "baseline not converged")
+    md = (run_dir / "results.md").read_text()
+    if entry["verdict"] != "baseline not converged":
+        assert f"McNemar p = {entry['p_mcnemar']:.3g}" in md and "95% bootstrap interval over the" in md
+    assert torch.equal(coarse["labels"], glob["labels"])
 
 
 def test_a_global_cnn_copied_from_another_run_keeps_its_clock_and_marks_the_timing(make_cfg):

@@ -10,11 +10,19 @@ import pytest
 from ddcnn.report.stats import (
     BASELINE_NOT_CONVERGED,
     BETTER,
+    EQUIVALENCE_MARGIN_POINTS,
+    EQUIVALENT,
     NO_INTERVAL,
     NO_SPREAD,
+    NOT_DISTINGUISHABLE,
     WITHIN_NOISE,
     WORSE,
     all_converged,
+    holm,
+    image_paired_difference,
+    margin_verdict,
+    mcnemar_exact,
+    paired_bootstrap,
     paired_difference,
     t_quantile_975,
     verdict,
@@ -76,3 +84,73 @@ def test_equal_differences_give_no_interval_and_no_verdict():
     rounded = [251 / 298 - 242 / 298, 249 / 298 - 240 / 298]  # 9 of 298 volumes twice, apart by float rounding
     assert rounded[0] != rounded[1] and paired_difference(rounded)["verdict"] == NO_SPREAD
     assert paired_difference([3.02, 3.02], baseline_converged=False)["verdict"] == BASELINE_NOT_CONVERGED
+
+
+def _outcomes(only_a: int, only_b: int, both: int, neither: int) -> tuple[list[bool], list[bool]]:
+    """Per-image outcomes of two classifiers with the given 2x2 table."""
+    a = [True] * only_a + [False] * only_b + [True] * both + [False] * neither
+    b = [False] * only_a + [True] * only_b + [True] * both + [False] * neither
+    return a, b
+
+
+def test_mcnemar_exact_against_the_binomial_by_hand():
+    # 7 images only a gets right, 1 only b: under H0 b ~ Binomial(8, 1/2); two-sided p = 2 P(X <= 1)
+    # = 2 (C(8,0) + C(8,1)) / 2^8 = 2 * 9 / 256 = 0.0703125. The concordant images (50 both right) do not count.
+    a, b = _outcomes(7, 1, 50, 2)
+    out = mcnemar_exact(a, b)
+    assert (out["b"], out["c"], out["n"]) == (7, 1, 60)
+    assert out["p"] == pytest.approx(18 / 256, abs=1e-12)
+    # 10 against 2: 2 (1 + 12 + 66) / 4096 = 158 / 4096; symmetric in a and b.
+    a, b = _outcomes(10, 2, 0, 0)
+    assert mcnemar_exact(a, b)["p"] == pytest.approx(158 / 4096, abs=1e-12) == mcnemar_exact(b, a)["p"]
+    # As many discordant images each way, or none at all: p = 1.
+    assert mcnemar_exact(*_outcomes(4, 4, 3, 0))["p"] == pytest.approx(1.0)
+    assert mcnemar_exact(*_outcomes(0, 0, 5, 5))["p"] == 1.0
+    with pytest.raises(ValueError, match="pairs images"):
+        mcnemar_exact([True, False], [True])
+
+
+def test_paired_bootstrap_matches_the_normal_approximation_on_many_images():
+    # 10,000 images, 400 only a right, 300 only b: the mean difference 0.01 has variance
+    # ((p+ + p-) - (p+ - p-)^2) / n = (0.07 - 0.0001) / 10000, so the normal 95% interval is 0.01 ± 1.96 * 0.0026439.
+    a, b = _outcomes(400, 300, 9000, 300)
+    se = math.sqrt((0.07 - 0.0001) / 10_000)
+    low, high = paired_bootstrap(a, b, resamples=10_000, seed=0)
+    assert low == pytest.approx(0.01 - 1.959964 * se, abs=3e-4)
+    assert high == pytest.approx(0.01 + 1.959964 * se, abs=3e-4)
+    # Seeded: the same predictions give the same interval; another seed moves it by Monte Carlo noise only.
+    assert paired_bootstrap(a, b, seed=0) == (low, high)
+    other = paired_bootstrap(a, b, seed=1)
+    assert other != (low, high) and other == pytest.approx((low, high), abs=3e-4)
+    # Identical classifiers: no discordant image, an interval of no width at 0.
+    assert paired_bootstrap(a, a) == (0.0, 0.0)
+
+
+def test_holm_on_the_textbook_example():
+    # Holm's procedure on Wikipedia's example (four hypotheses, p = 0.01, 0.04, 0.03, 0.005, alpha 0.05): sorted,
+    # 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> 0.06 (monotone): H1 and H4 rejected.
+    adjusted = holm([0.01, 0.04, 0.03, 0.005])
+    assert adjusted == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert [p <= 0.05 for p in adjusted] == [True, False, False, True]
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1
+    assert holm([0.02]) == [0.02] and holm([]) == []
+
+
+def test_margin_verdict_calls_equivalent_only_inside_the_margin():
+    assert EQUIVALENCE_MARGIN_POINTS == 0.5
+    assert margin_verdict(0.04, 1.2) == BETTER and margin_verdict(-1.2, -0.04) == WORSE
+    assert margin_verdict(-0.3, 0.4) == EQUIVALENT
+    assert margin_verdict(-0.3, 0.6) == NOT_DISTINGUISHABLE and margin_verdict(-0.5, 0.2) == NOT_DISTINGUISHABLE
+    assert margin_verdict(-0.3, 0.6, margin=1.0) == EQUIVALENT
+    assert margin_verdict(0.0, 0.3) == EQUIVALENT  # a bound at 0 does not exclude it
+
+
+def test_one_runs_difference_over_its_test_images():
+    a, b = _outcomes(7, 1, 50, 2)
+    out = image_paired_difference(a, b)
+    assert out["difference"] == pytest.approx(100 * 6 / 60) and out["p_mcnemar"] == pytest.approx(18 / 256)
+    assert out["low"] < out["difference"] < out["high"] and out["verdict"] in (BETTER, NOT_DISTINGUISHABLE)
+    # 10,000 images, 30 against 28 discordant: the interval is about ±0.15 points, inside the margin.
+    a, b = _outcomes(30, 28, 9800, 142)
+    near = image_paired_difference(a, b)
+    assert -0.5 < near["low"] < 0 < near["high"] < 0.5 and near["verdict"] == EQUIVALENT
