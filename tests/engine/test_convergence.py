@@ -189,7 +189,7 @@ def _tiny(n_train=200, n_val=60, noise=0.0, signal=2.0, seed=0):
 def _train(folder, data, hidden=(16,), **settings):
     import torch
 
-    from ddcnn.engine.loop import fit_tensors
+    from ddcnn.engine.train import fit_tensors
     from ddcnn.models.coarse import CoarseMLP
     from ddcnn.settings import LoopSettings
 
