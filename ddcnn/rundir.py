@@ -152,6 +152,10 @@ CHANGED_DEFAULTS: dict[str, tuple[Any, Any]] = {
     # Decided by the results page (docs/protocol.md section 6). A finished coarse stage keeps its input (its meta.json
     # records it, and the evaluation reads it from there); coarse_alt then trains the other one.
     "coarse.input": ("probs", "logits"),
+    # The data draw follows the seed (null: the run's seed; config.yaml records the number). A run directory recorded
+    # with the old default resumes with it (ddcnn.settings.RunSettings.in_run_dir), on the data its stages trained on;
+    # at seed 0 the two are the same draw.
+    "data.split_seed": (0, None),
 }
 
 
@@ -399,6 +403,18 @@ class RunDir:
         was claimed with; ``{}`` when it has none)."""
         path = self.root / "config.yaml"
         return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else {}
+
+    def recorded_setting(self, key: str) -> Any:
+        """The value of setting ``key`` (dotted) in the directory's ``fingerprint.json`` (the settings that change
+        results, as the run that claimed it recorded them); ``None`` when the directory has no record or no such key."""
+        path = self.root / "fingerprint.json"
+        if not path.is_file():
+            return None
+        try:
+            settings = json.loads(path.read_text()).get("settings") or {}
+        except ValueError:
+            return None
+        return flatten(settings).get(key)
 
     def is_done(self, stage: str, subdomain: int | None = None, generation: str | None = None) -> bool:
         """Whether the stage's ``done`` marker exists (with ``generation``: and holds that run generation)."""
