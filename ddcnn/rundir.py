@@ -200,7 +200,7 @@ def _drop(container: dict, dotted: str) -> None:
 
 # Settings added after run directories were first recorded, with the value that behaves as before they existed: at
 # that value they are left out of the fingerprint, so existing run directories (and the store's keys) stay valid.
-NEUTRAL_SETTINGS = {"engine.min_delta": 0.0, "data.val_target_fraction": 0.0}
+NEUTRAL_SETTINGS = {"engine.min_delta": 0.0, "data.val_target_fraction": 0.0, "methods.global_ensemble.k": "auto"}
 # Settings that change nothing while another one is null (setting -> the one it needs): left out of the fingerprint
 # then, whatever their value (engine.min_epochs only delays early stopping, which engine.patience=null switches off).
 INERT_WITHOUT = {"engine.min_epochs": "engine.patience"}
@@ -481,25 +481,29 @@ class RunDir:
             )
         return load_run_file(self.stage_dir(stage, subdomain) / f"probs_{split}.pt")
 
-    def local_outputs(self, num_subdomains: int, split: str, kind: str = "probs") -> tuple[torch.Tensor, torch.Tensor]:
+    def local_outputs(
+        self, num_subdomains: int, split: str, kind: str = "probs", stage: str = "local"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Concatenated local outputs ``(n, N, K)`` of one split and their labels, checked for consistency.
 
         Args:
             num_subdomains: ``N``; every local net must have finished.
             split: One of :data:`SPLITS`.
             kind: ``probs`` or ``logits``.
+            stage: Whose per-index outputs: the local nets', or the members of an ensemble (``global_ensemble``:
+                ``RUN_DIR/<stage>/<i>/``), which a coarse DNN combines as it combines the local nets.
         """
         if kind not in ("probs", "logits"):
             raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
-        missing = self.missing_local(num_subdomains)
+        missing = [i for i in range(num_subdomains) if not self.is_done(stage, i)]
         if missing:
             raise FileNotFoundError(
-                f"local nets {missing} have not finished in {self.root}; run the local stage for them first "
-                f"(stage=local, or stage=all which skips the finished ones)."
+                f"{stage} nets {missing} have not finished in {self.root}; run stage={stage} for them first "
+                f"(or stage=all, which skips the finished ones)."
             )
         feats, labels = [], None
         for i in range(num_subdomains):
-            saved = self.load_probs("local", split, i)
+            saved = self.load_probs(stage, split, i)
             if labels is None:
                 labels = saved["labels"]
             elif saved["labels"].shape != labels.shape or not torch.equal(saved["labels"], labels):

@@ -45,6 +45,7 @@ __all__ = [
     "FineTuneSettings",
     "GlobalTransferSettings",
     "GlobalDdpSettings",
+    "GlobalEnsembleSettings",
     "ParallelSettings",
     "CurveSettings",
     "ReportSettings",
@@ -344,6 +345,24 @@ class GlobalDdpSettings:
         return cls(m("num_devices"))
 
 
+@dataclass(frozen=True)
+class GlobalEnsembleSettings:
+    """``methods.global_ensemble``: the number of global CNNs, ``k >= 2`` or ``auto`` (the CNN-DNN's one-device
+    training time over the global CNN's, rounded, at least 2: :func:`ddcnn.stages.global_ensemble.ensemble_size`)."""
+
+    k: int | str
+
+    @classmethod
+    def read(cls, m: Section) -> GlobalEnsembleSettings:
+        k = m("k")
+        if k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 2):
+            raise ValueError(
+                f"methods.global_ensemble.k must be a whole number >= 2 (an ensemble of one is the global CNN) or auto "
+                f"(the CNN-DNN's one-device training time over the global CNN's), got {k!r}."
+            )
+        return cls(k)
+
+
 _METHOD_CLASSES = {
     "stacker": StackerSettings,
     "local_oof": LocalOofSettings,
@@ -351,6 +370,7 @@ _METHOD_CLASSES = {
     "transfer": FineTuneSettings,
     "global_transfer": GlobalTransferSettings,
     "global_ddp": GlobalDdpSettings,
+    "global_ensemble": GlobalEnsembleSettings,
 }
 
 
@@ -365,6 +385,7 @@ class MethodsSettings:
     transfer: FineTuneSettings
     global_transfer: GlobalTransferSettings
     global_ddp: GlobalDdpSettings
+    global_ensemble: GlobalEnsembleSettings
 
     @classmethod
     def read(cls, m: Section) -> MethodsSettings:
