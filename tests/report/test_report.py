@@ -39,7 +39,7 @@ def sweep(tmp_path_factory):
     one (small grids keep the test fast; the report does not care about the size)."""
     root = tmp_path_factory.mktemp("multirun")
     jobs = {
-        "0_1x2_s0": ["seed=0", "methods=all", "decomposition.grid=[1,2]"],
+        "0_1x2_s0": ["seed=0", "methods=all", "methods.global_ensemble.k=2", "decomposition.grid=[1,2]"],
         "1_1x2_s1": ["seed=1", "decomposition.grid=[1,2]"],
         "2_2x2_s0": ["seed=0"],
     }
