@@ -190,6 +190,7 @@ def build_context(
     """
     if settings is None:
         settings = RunSettings.from_config(cfg)
+    settings = settings.in_run_dir(run_dir if run_dir is not None else settings.run_dir)
     ctx = open_context(settings, run_dir, data=data, weights=weights)
     ctx.identity = ctx.settings.identity()
     if claim:  # only a configuration that can run claims the run directory

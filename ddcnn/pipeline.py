@@ -88,6 +88,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     stage = settings.stage
     optional = enabled_stages(settings) if stage == "all" else [stage] if stage in OPTIONAL_STAGES else []
     run_dir = run_dir if run_dir is not None else settings.run_dir
+    settings = settings.in_run_dir(run_dir)  # before any worker starts: a directory of the old split seed keeps it
     pool = None
     if stage in ("all", "local") and settings.parallel.workers > 1:
         from ddcnn.parallel.workers import start_workers_early

@@ -235,6 +235,50 @@ STAGES: tuple[Stage, ...] = (
         "the global CNN trained with DDP on several devices",
         ranks="all",
     ),
+    Stage(
+        "global_ensemble",
+        "ddcnn.stages.global_ensemble",
+        ("local", "coarse", "global"),
+        -8,
+        True,
+        ResultRow(
+            "global_ensemble",
+            "ensemble of k global CNNs (mean probability)",
+            ("global_ensemble",),
+            ("global_ensemble",),
+            1,
+            0.4,
+        ),
+        "k global CNNs from new initialisations (k: the CNN-DNN's one-device time over the global CNN's), mean "
+        "probability",
+    ),
+    Stage(
+        "global_ensemble_coarse",
+        "ddcnn.stages.global_ensemble_coarse",
+        ("global_ensemble",),
+        -1,
+        True,
+        ResultRow(
+            "global_ensemble_coarse",
+            "ensemble of k global CNNs (coarse DNN)",
+            ("global_ensemble", "global_ensemble_coarse"),
+            ("global_ensemble", "global_ensemble_coarse"),
+            1,
+            0.5,
+        ),
+        "the coarse DNN fit on the k global CNNs' outputs as on N local nets' (the same fit and seed)",
+    ),
+    Stage(
+        "global_wide",
+        "ddcnn.stages.global_wide",
+        (),
+        -9,
+        True,
+        ResultRow(
+            "global_wide", "global CNN, the CNN-DNN's parameter count", ("global_wide",), ("global_wide",), 1, 0.6
+        ),
+        "the global CNN widened (model.width_mult) to the CNN-DNN's parameter count: local nets and coarse DNN",
+    ),
 )
 
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)

@@ -152,6 +152,10 @@ CHANGED_DEFAULTS: dict[str, tuple[Any, Any]] = {
     # Decided by the results page (docs/protocol.md section 6). A finished coarse stage keeps its input (its meta.json
     # records it, and the evaluation reads it from there); coarse_alt then trains the other one.
     "coarse.input": ("probs", "logits"),
+    # The data draw follows the seed (null: the run's seed; config.yaml records the number). A run directory recorded
+    # with the old default resumes with it (ddcnn.settings.RunSettings.in_run_dir), on the data its stages trained on;
+    # at seed 0 the two are the same draw.
+    "data.split_seed": (0, None),
 }
 
 
@@ -196,7 +200,7 @@ def _drop(container: dict, dotted: str) -> None:
 
 # Settings added after run directories were first recorded, with the value that behaves as before they existed: at
 # that value they are left out of the fingerprint, so existing run directories (and the store's keys) stay valid.
-NEUTRAL_SETTINGS = {"engine.min_delta": 0.0, "data.val_target_fraction": 0.0}
+NEUTRAL_SETTINGS = {"engine.min_delta": 0.0, "data.val_target_fraction": 0.0, "methods.global_ensemble.k": "auto"}
 # Settings that change nothing while another one is null (setting -> the one it needs): left out of the fingerprint
 # then, whatever their value (engine.min_epochs only delays early stopping, which engine.patience=null switches off).
 INERT_WITHOUT = {"engine.min_epochs": "engine.patience"}
@@ -400,6 +404,18 @@ class RunDir:
         path = self.root / "config.yaml"
         return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else {}
 
+    def recorded_setting(self, key: str) -> Any:
+        """The value of setting ``key`` (dotted) in the directory's ``fingerprint.json`` (the settings that change
+        results, as the run that claimed it recorded them); ``None`` when the directory has no record or no such key."""
+        path = self.root / "fingerprint.json"
+        if not path.is_file():
+            return None
+        try:
+            settings = json.loads(path.read_text()).get("settings") or {}
+        except ValueError:
+            return None
+        return flatten(settings).get(key)
+
     def is_done(self, stage: str, subdomain: int | None = None, generation: str | None = None) -> bool:
         """Whether the stage's ``done`` marker exists (with ``generation``: and holds that run generation)."""
         done = (self.stage_dir(stage, subdomain) / "done").is_file()
@@ -465,25 +481,29 @@ class RunDir:
             )
         return load_run_file(self.stage_dir(stage, subdomain) / f"probs_{split}.pt")
 
-    def local_outputs(self, num_subdomains: int, split: str, kind: str = "probs") -> tuple[torch.Tensor, torch.Tensor]:
+    def local_outputs(
+        self, num_subdomains: int, split: str, kind: str = "probs", stage: str = "local"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Concatenated local outputs ``(n, N, K)`` of one split and their labels, checked for consistency.
 
         Args:
             num_subdomains: ``N``; every local net must have finished.
             split: One of :data:`SPLITS`.
             kind: ``probs`` or ``logits``.
+            stage: Whose per-index outputs: the local nets', or the members of an ensemble (``global_ensemble``:
+                ``RUN_DIR/<stage>/<i>/``), which a coarse DNN combines as it combines the local nets.
         """
         if kind not in ("probs", "logits"):
             raise ValueError(f"coarse.input must be 'probs' or 'logits', got {kind!r}.")
-        missing = self.missing_local(num_subdomains)
+        missing = [i for i in range(num_subdomains) if not self.is_done(stage, i)]
         if missing:
             raise FileNotFoundError(
-                f"local nets {missing} have not finished in {self.root}; run the local stage for them first "
-                f"(stage=local, or stage=all which skips the finished ones)."
+                f"{stage} nets {missing} have not finished in {self.root}; run stage={stage} for them first "
+                f"(or stage=all, which skips the finished ones)."
             )
         feats, labels = [], None
         for i in range(num_subdomains):
-            saved = self.load_probs("local", split, i)
+            saved = self.load_probs(stage, split, i)
             if labels is None:
                 labels = saved["labels"]
             elif saved["labels"].shape != labels.shape or not torch.equal(saved["labels"], labels):

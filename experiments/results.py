@@ -363,7 +363,8 @@ def _portable(command: str) -> str:
 
 def save_snapshot(run_dir: Path, snapshot: Path) -> None:
     """Copy what the page needs of a finished run directory to ``snapshot`` (``OUT/results/runs/<run>``), atomically:
-    a snapshot folder is whole or absent."""
+    a snapshot folder is whole or absent. Besides its files (:data:`SNAPSHOT_FILES`, the stages' meta.json and logs),
+    every method's per-image test predictions, compactly (``predictions_test.pt``: :mod:`ddcnn.report.predictions`)."""
     partial = snapshot.with_name(snapshot.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -377,6 +378,14 @@ def save_snapshot(run_dir: Path, snapshot: Path) -> None:
         if (run_dir / file).is_file():
             (partial / file).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(run_dir / file, partial / file)
+    from ddcnn.report.predictions import PREDICTIONS_FILE, write_compact_predictions
+
+    # Every method's per-image test predictions, compactly (paired tests over test images need them): written from the
+    # run's probs_test.pt files, or kept from a snapshot that was restored as the run directory.
+    if (run_dir / PREDICTIONS_FILE).is_file():
+        shutil.copy2(run_dir / PREDICTIONS_FILE, partial / PREDICTIONS_FILE)
+    elif (run_dir / "local").is_dir():
+        write_compact_predictions(run_dir, partial / PREDICTIONS_FILE)
     shutil.rmtree(snapshot, ignore_errors=True)
     partial.rename(snapshot)
 

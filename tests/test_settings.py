@@ -269,13 +269,75 @@ def test_a_run_directory_written_before_the_settings_existed_stays_valid(name, t
     recorded = json.loads((Path(__file__).parent / "fixtures" / "fingerprints_8de1352.json").read_text())[name]
     (tmp_path / "fingerprint.json").write_text(json.dumps({k: recorded[k] for k in ("fingerprint", "settings")}))
     then = compose([*recorded["overrides"], "coarse.input=probs"], run_dir=str(tmp_path))
-    identity = RunSettings.from_config(then).identity()
+    # data.split_seed's default then (0) is what the directory resumes with, whatever the seed (mnist_4x4: 3)
+    identity = RunSettings.from_config(then).in_run_dir(tmp_path).identity()
     assert identity.settings == recorded["settings"] and identity.fingerprint == recorded["fingerprint"]
+    then.data.split_seed = CHANGED_DEFAULTS["data.split_seed"][0]  # config.yaml records the split seed resolved
     assert identity.config_yaml == OmegaConf.to_yaml(then, resolve=True)  # config.yaml as it was written then
     assert RunDir(tmp_path).claim(identity) == recorded["fingerprint"]
     cfg = compose(recorded["overrides"], run_dir=str(tmp_path))
-    today = RunSettings.from_config(cfg).identity()
+    today = RunSettings.from_config(cfg).in_run_dir(tmp_path).identity()
     assert today.settings["coarse"]["input"] == CHANGED_DEFAULTS["coarse.input"][1]
     assert {**today.settings, "coarse": {**today.settings["coarse"], "input": "probs"}} == recorded["settings"]
     assert RunDir(tmp_path).claim(today) == today.fingerprint != recorded["fingerprint"]
     assert json.loads((tmp_path / "fingerprint.json").read_text())["fingerprint"] == recorded["fingerprint"]
+
+
+# --- data.split_seed: a data draw per seed -------------------------------------------------------
+def _draw(*overrides: str):
+    from ddcnn.context import load_data
+
+    return load_data(_settings("data.train_subset=300", "data.test_subset=100", *overrides))
+
+
+def test_each_seed_draws_its_own_training_subset_and_every_seed_the_same_test_images():
+    """``data.split_seed: null`` is the run's seed: seeds 0 and 1 train (and validate) on other images, the same
+    seed draws the same ones, and the test images are the same for every seed."""
+    import torch
+
+    zero, one, again = _draw("seed=0"), _draw("seed=1"), _draw("seed=0")
+    assert _settings("seed=1").data.split_seed == 1 and _settings().data.split_seed == 0
+    for split in ("train", "val"):
+        assert torch.equal(zero.stored[split], again.stored[split]) and torch.equal(zero.y[split], again.y[split])
+        assert not torch.equal(zero.stored[split], one.stored[split]), split
+    assert torch.equal(zero.stored["test"], one.stored["test"]) and torch.equal(zero.y["test"], one.y["test"])
+    # A split seed given draws as it says, whatever the seed: seed 1 with split_seed=0 is seed 0's draw.
+    fixed = _draw("seed=1", "data.split_seed=0")
+    assert torch.equal(fixed.stored["train"], zero.stored["train"])
+    with pytest.raises(ValueError, match="data.split_seed must be a whole number or null"):
+        _settings("data.split_seed=abc")
+
+
+def test_the_resolved_split_seed_is_recorded_in_config_yaml(tmp_path):
+    from ddcnn.rundir import RunDir
+
+    settings = RunSettings.from_config(compose(["seed=4"], run_dir=str(tmp_path)))
+    RunDir(tmp_path).claim(settings.identity())
+    recorded = RunDir(tmp_path).recorded_config()
+    assert recorded["data"]["split_seed"] == 4 and recorded["seed"] == 4
+    assert RunDir(tmp_path).recorded_setting("data.split_seed") == 4
+    # Resumed from the same command line: the same draw, the same fingerprint.
+    again = RunSettings.from_config(compose(["seed=4"], run_dir=str(tmp_path))).in_run_dir(tmp_path)
+    assert again.data.split_seed == 4 and RunDir(tmp_path).claim(again.identity()) == settings.identity().fingerprint
+
+
+def test_a_run_directory_of_the_old_split_seed_default_resumes_with_it(tmp_path, make_cfg):
+    """A run directory recorded when ``data.split_seed`` defaulted to 0 (here: seed 3, written as the old default wrote
+    it) resumes from the same command line under today's default with split seed 0: the data its finished stages
+    trained on, nothing retrained; a new directory of seed 3 draws seed 3's data."""
+    from ddcnn.pipeline import train
+    from ddcnn.rundir import RunDir
+
+    base = ("seed=3", "decomposition.grid=[1,2]", "methods.enabled.coarse_alt=false", "methods.enabled.stacker=false")
+    base += ("methods.enabled.coarse_val=false",)
+    old = tmp_path / "old"
+    train(make_cfg(*base, "data.split_seed=0", run_dir=old))
+    run = RunDir(old)
+    assert run.recorded_setting("data.split_seed") == 0
+    stamp = (run.stage_dir("local", 0) / "done").stat().st_mtime_ns
+    results = train(make_cfg(*base, run_dir=old))  # today's default: null
+    assert (run.stage_dir("local", 0) / "done").stat().st_mtime_ns == stamp  # resumed, nothing retrained
+    assert results["accuracy"]["cnn_dnn"] is not None
+    settings = RunSettings.from_config(make_cfg(*base, run_dir=old))
+    assert settings.data.split_seed == 3 and settings.in_run_dir(old).data.split_seed == 0
+    assert settings.in_run_dir(tmp_path / "new").data.split_seed == 3

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "PREPARED_KIND",
     "PREPARED_FORMAT",
+    "TEST_SUBSET_SEED",
     "MODES",
     "DataDoesNotFit",
     "PrepareSettings",
@@ -63,6 +64,9 @@ __all__ = [
 PREPARED_KIND = "prepared"
 # Part of every store key: bump it when the prepared files change for unchanged settings.
 PREPARED_FORMAT = 1
+# The seed of data.test_subset's draw, whatever data.split_seed: the same test images for every seed (the split seed
+# draws the training subset, validation and target splits only).
+TEST_SUBSET_SEED = 0
 MODES = ("auto", "memory", "mapped")
 DATA_FILE = "data.json"
 _CHUNK_BYTES = 16 << 20  # source bytes read per piece while preparing
@@ -110,8 +114,12 @@ class PrepareSettings:
 
     def depends(self) -> dict:
         """What the prepared copy depends on: the fields of this class, not those a subclass adds (``DataSettings``'
-        source, batch size, ...), and not ``normalize`` (applied when reading)."""
-        return {f.name: getattr(self, f.name) for f in fields(PrepareSettings) if f.name != "normalize"}
+        source, batch size, ...), and not ``normalize`` (applied when reading). A test subset drawn with
+        :data:`TEST_SUBSET_SEED` under another ``split_seed`` says so: it was drawn with the split seed before."""
+        out = {f.name: getattr(self, f.name) for f in fields(PrepareSettings) if f.name != "normalize"}
+        if self.test_subset is not None and self.split_seed != TEST_SUBSET_SEED:
+            out["test_subset_seed"] = TEST_SUBSET_SEED
+        return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -222,7 +230,8 @@ def _plan(splits: Splits, s: PrepareSettings) -> _Plan:
             src, rows = routes[split]
             part = groups[src][rows] if src in groups else None
             what = f"{where}: data.{split}_subset={n}"
-            routes[split] = (src, rows[_subset(labels[src][rows], int(n), s.split_seed, part, what)])
+            seed = s.split_seed if split == "train" else TEST_SUBSET_SEED  # one test subset for every seed
+            routes[split] = (src, rows[_subset(labels[src][rows], int(n), seed, part, what)])
     y = {split: np.asarray(labels[src][rows], dtype=np.int64) for split, (src, rows) in routes.items()}
     for split in SPLITS:
         if len(y[split]) == 0:
@@ -811,8 +820,9 @@ def prepare(
             is an error (models are built from the declaration before the data is read).
         image_size: Resize every image/volume to this spatial shape (bilinear/trilinear).
         val_fraction: Share of the training split held out (stratified) when the source has no validation split.
-        split_seed: Seed of that split and of the subsets; fixed so that every stage sees the same data.
-        train_subset, test_subset: Use only this many (stratified) samples, for quick benchmarks.
+        split_seed: Seed of that split and of the training subset; fixed so that every stage sees the same data.
+        train_subset, test_subset: Use only this many (stratified) samples, for quick benchmarks (the test subset
+            drawn with :data:`TEST_SUBSET_SEED`, the same for every split seed).
         normalize: Subtract the training mean and divide by the training std, per channel.
         float_storage: ``None`` (float32) or ``"float16"`` for values that are not integers.
         window: ``(low, high)`` intensity window applied before normalising.

@@ -276,9 +276,13 @@ def _ignored(key: str, extra: Sequence[str] = ()) -> bool:
 
 
 def _varying_settings(runs: Sequence[Run], ignore: Sequence[str] = ()) -> list[str]:
-    """Settings other than the grouping ones (and ``ignore``) whose values differ between ``runs``."""
+    """Settings other than the grouping ones (and ``ignore``) whose values differ between ``runs``. A split seed that
+    is every run's own seed (``data.split_seed: null``, recorded resolved: a data draw per seed) is one setting, not a
+    difference between the seeds of a configuration."""
     flat = [_flatten(r.config) for r in runs]
     keys = sorted({k for f in flat for k in f if not _ignored(k, ignore)})
+    if all(f.get("data.split_seed") == r.seed for f, r in zip(flat, runs, strict=True)):
+        keys = [k for k in keys if k != "data.split_seed"]
     return [k for k in keys if len({repr(f.get(k, "<unset>")) for f in flat}) > 1]
 
 

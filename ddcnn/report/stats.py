@@ -60,6 +60,11 @@ PAIRS = (
     ("CNN-DNN − global CNN", "cnn_dnn", "global", "global"),
     ("CNN-DNN − mean probability", "cnn_dnn", "mean_prob", "local"),
     ("global DDP − global CNN", "global_ddp", "global", "global"),
+    # decomposition or ensembling (docs/protocol.md): the ensemble of k global CNNs at equal one-device training time,
+    # combined as the local nets are, and the global CNN of the CNN-DNN's parameter count
+    ("CNN-DNN − ensemble of global CNNs (mean probability)", "cnn_dnn", "global_ensemble", "global_ensemble"),
+    ("CNN-DNN − ensemble of global CNNs (coarse DNN)", "cnn_dnn", "global_ensemble_coarse", "global_ensemble"),
+    ("CNN-DNN − global CNN of its parameter count", "cnn_dnn", "global_wide", "global_wide"),
     # where a run trained both coarse inputs (``coarse_alt``): the question of ``coarse.input``'s default
     ("coarse DNN on logits − on probabilities", "cnn_dnn_logits", "cnn_dnn_probs", "local"),
 )

@@ -21,12 +21,14 @@ configuration before these settings existed, so run directories written then sta
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ddcnn import registry
 from ddcnn.data.prepare import PrepareSettings
-from ddcnn.rundir import RunIdentity
+from ddcnn.rundir import CHANGED_DEFAULTS, RunDir, RunIdentity
 from ddcnn.settings.loop import LoopSettings, check_srun_ddp
 from ddcnn.settings.read import AUTO, Section, positive_int, yaml_default
 
@@ -43,6 +45,7 @@ __all__ = [
     "FineTuneSettings",
     "GlobalTransferSettings",
     "GlobalDdpSettings",
+    "GlobalEnsembleSettings",
     "ParallelSettings",
     "CurveSettings",
     "ReportSettings",
@@ -50,6 +53,8 @@ __all__ = [
     "STAGES",
     "yaml_default",
 ]
+
+log = logging.getLogger(__name__)
 
 # What ``stage`` may say besides ``all``: every stage of the registry, in run order, then the evaluation.
 STAGES = (*registry.STAGE_NAMES, "evaluate")
@@ -116,9 +121,12 @@ class DataSettings(PrepareSettings):
     memory: MemorySettings
     augment: dict | None
     extra: dict = field(default_factory=dict)
+    # data.split_seed was null: the run's seed, unless the run directory holds the old default (RunSettings.in_run_dir)
+    split_seed_from_seed: bool = False
 
     @classmethod
-    def read(cls, d: Section) -> DataSettings:
+    def read(cls, d: Section, seed: int = 0) -> DataSettings:
+        """The ``data`` section; ``seed`` (the run's) is the split seed where ``data.split_seed`` is null."""
         batch = positive_int(d("batch_size"), "data.batch_size")
         frac = d("val_fraction")
         if not isinstance(frac, int | float) or not 0 < frac < 1:
@@ -136,6 +144,12 @@ class DataSettings(PrepareSettings):
         dims = d("spatial_dims")
         if dims not in (2, 3):
             raise ValueError(f"data.spatial_dims must be 2 (images) or 3 (volumes), got {dims!r}.")
+        split_seed = d("split_seed")
+        if split_seed is not None and (isinstance(split_seed, bool) or not isinstance(split_seed, int)):
+            raise ValueError(
+                f"data.split_seed must be a whole number or null (null: the run's seed, a data draw per seed), got "
+                f"{split_seed!r}."
+            )
         m = d.sub("memory")
         memory = MemorySettings(str(m("mode")), float(m("auto_max_mb")), m("limit_gb"))
         m.done()
@@ -148,7 +162,8 @@ class DataSettings(PrepareSettings):
             image_size=_image_size(d("image_size"), int(dims)),
             val_fraction=float(frac),
             val_target_fraction=float(target),
-            split_seed=int(d("split_seed")),
+            split_seed=int(seed if split_seed is None else split_seed),
+            split_seed_from_seed=split_seed is None,
             train_subset=d("train_subset"),
             test_subset=d("test_subset"),
             normalize=bool(d("normalize")),
@@ -330,6 +345,24 @@ class GlobalDdpSettings:
         return cls(m("num_devices"))
 
 
+@dataclass(frozen=True)
+class GlobalEnsembleSettings:
+    """``methods.global_ensemble``: the number of global CNNs, ``k >= 2`` or ``auto`` (the CNN-DNN's one-device
+    training time over the global CNN's, rounded, at least 2: :func:`ddcnn.stages.global_ensemble.ensemble_size`)."""
+
+    k: int | str
+
+    @classmethod
+    def read(cls, m: Section) -> GlobalEnsembleSettings:
+        k = m("k")
+        if k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 2):
+            raise ValueError(
+                f"methods.global_ensemble.k must be a whole number >= 2 (an ensemble of one is the global CNN) or auto "
+                f"(the CNN-DNN's one-device training time over the global CNN's), got {k!r}."
+            )
+        return cls(k)
+
+
 _METHOD_CLASSES = {
     "stacker": StackerSettings,
     "local_oof": LocalOofSettings,
@@ -337,6 +370,7 @@ _METHOD_CLASSES = {
     "transfer": FineTuneSettings,
     "global_transfer": GlobalTransferSettings,
     "global_ddp": GlobalDdpSettings,
+    "global_ensemble": GlobalEnsembleSettings,
 }
 
 
@@ -351,6 +385,7 @@ class MethodsSettings:
     transfer: FineTuneSettings
     global_transfer: GlobalTransferSettings
     global_ddp: GlobalDdpSettings
+    global_ensemble: GlobalEnsembleSettings
 
     @classmethod
     def read(cls, m: Section) -> MethodsSettings:
@@ -541,7 +576,12 @@ class RunSettings:
         top = Section("", plain)
         loop = LoopSettings.read(plain)
         top.read += ["trainer", "engine", "optimizer", "scheduler"]
-        data = DataSettings.read(top.sub("data"))
+        seed = top("seed")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be a whole number, got {seed!r}.")
+        data = DataSettings.read(top.sub("data"), seed=int(seed))
+        if isinstance(plain.get("data"), dict):  # config.yaml and the fingerprint record the split seed resolved
+            plain["data"] = {**plain["data"], "split_seed": data.split_seed}
         methods = MethodsSettings.read(top.sub("methods"))
         if stage == "global_ddp" or methods.enabled["global_ddp"]:
             _check_ddp_devices(methods.global_ddp.num_devices, data.batch_size)
@@ -556,7 +596,7 @@ class RunSettings:
         out = cls(
             stage=stage,
             subdomain=_subdomain(top("subdomain")),
-            seed=int(top("seed")),
+            seed=int(seed),
             optimized_metric=str(top("optimized_metric")),
             force=bool(top("force")),
             run_generation=None if generation is None else str(generation),
@@ -586,6 +626,27 @@ class RunSettings:
         if data.in_channels == AUTO:
             data = dataclasses.replace(data, in_channels=int(in_channels))
         return self if data is self.data else dataclasses.replace(self, data=data)
+
+    def in_run_dir(self, run_dir: str | Path | None) -> RunSettings:
+        """These settings for resuming run directory ``run_dir``: where ``data.split_seed`` was null (the run's seed)
+        and the directory recorded the old default split seed (:data:`ddcnn.rundir.CHANGED_DEFAULTS`: 0, from before
+        the seed drew the data), the split seed that directory's stages trained on, so that it resumes on their data.
+        Otherwise these settings unchanged."""
+        old = CHANGED_DEFAULTS["data.split_seed"][0]
+        if run_dir is None or not self.data.split_seed_from_seed or self.data.split_seed == old:
+            return self
+        if RunDir(run_dir).recorded_setting("data.split_seed") != old:
+            return self
+        log.info(
+            "run directory %s was recorded with data.split_seed=%s (the default before it followed the seed): it "
+            "resumes with that draw; a new run directory draws the data of seed %s",
+            run_dir,
+            old,
+            self.seed,
+        )
+        data = dataclasses.replace(self.data, split_seed=int(old))
+        recorded = {**self.recorded, "data": {**(self.recorded.get("data") or {}), "split_seed": int(old)}}
+        return dataclasses.replace(self, data=data, recorded=recorded)
 
     def identity(self) -> RunIdentity:
         """What the run directory records of these settings (:meth:`ddcnn.rundir.RunDir.claim`): the configuration

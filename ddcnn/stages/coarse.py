@@ -92,16 +92,21 @@ _ROWS_PER_STEP_DIVISOR = 40
 _AUTO_EPOCHS = (5, 200)
 
 
-def coarse_inputs(ctx: Context, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The coarse DNN's data: local outputs ``(n, N, K)`` of every split and their labels, checked against the data."""
-    n = ctx.decomposition.num_subdomains
+def coarse_inputs(
+    ctx: Context, kind: str, source: str = "local", count: int | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The coarse DNN's data: local outputs ``(n, N, K)`` of every split and their labels, checked against the data.
+
+    ``source``/``count``: the ``count`` nets of another stage in their place (the members of ``global_ensemble``);
+    default the ``N`` local nets."""
+    n = ctx.decomposition.num_subdomains if count is None else int(count)
     x, y = {}, {}
     for split in (*SPLITS, TARGET_SPLIT) if TARGET_SPLIT in ctx.data.y else SPLITS:
-        x[split], y[split] = ctx.run.local_outputs(n, split, kind)
+        x[split], y[split] = ctx.run.local_outputs(n, split, kind, stage=source)
         if not torch.equal(y[split], ctx.data.y[split]):
             raise ValueError(
-                f"saved local {split} predictions do not belong to the current data (labels differ); rerun the local "
-                f"stage with force=true."
+                f"saved {source} {split} predictions do not belong to the current data (labels differ); rerun "
+                f"stage={source} with force=true."
             )
     return x, y
 
@@ -393,14 +398,14 @@ def _fit_linear_path(
 FIT_ON = ("in_sample", "out_of_fold", "val")
 
 
-def _fit_data(ctx: Context, kind: str, fit_on: str, seed: int):
+def _fit_data(ctx: Context, kind: str, fit_on: str, seed: int, source: str = "local", count: int | None = None):
     """The coarse DNN's fit (``train``) and selection (``val``) rows, and all local outputs (for predictions).
 
     ``in_sample``: the local nets' outputs on their own training images (the paper's fit), selected on validation;
     ``out_of_fold``: the training images' out-of-fold outputs (stage ``local_oof``), selected on validation;
     ``val``: the validation split's outputs, half to fit and half to select (stratified, fixed by ``seed``).
     """
-    x, y = coarse_inputs(ctx, kind)
+    x, y = coarse_inputs(ctx, kind, source, count)
     if fit_on == "in_sample":
         return x, y, x, y
     if fit_on == "out_of_fold":
@@ -437,12 +442,23 @@ def _fit_data(ctx: Context, kind: str, fit_on: str, seed: int):
     return fit_x, fit_y, x, y
 
 
-def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = None, fit_on: str = "in_sample") -> dict:
+def run(
+    ctx: Context,
+    device=None,
+    stage: str = "coarse",
+    kind: str | None = None,
+    fit_on: str = "in_sample",
+    source: str = "local",
+    count: int | None = None,
+    extra: dict | None = None,
+) -> dict:
     """Train the coarse DNN on the saved local probabilities (or logits: ``kind``, default ``coarse.input``).
 
     ``stage``, ``kind`` and ``fit_on`` (:data:`FIT_ON`) let another coarse DNN train into its own stage folder by
     exactly the same procedure and seed: on the other input (``coarse_alt``), on out-of-fold local outputs
-    (``coarse_oof``) or on the validation split's (``coarse_val``).
+    (``coarse_oof``) or on the validation split's (``coarse_val``); ``source`` and ``count`` on the outputs of
+    ``count`` nets of another stage in place of the local nets (``global_ensemble_coarse``: the members of
+    ``global_ensemble``), ``extra`` added to its ``meta.json``.
     """
     if fit_on not in FIT_ON:
         raise ValueError(f"fit_on must be one of {', '.join(FIT_ON)}, got {fit_on!r}.")
@@ -450,11 +466,11 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
         return done
     folder = ctx.run.make_stage_dir(stage)
     start = time.perf_counter()
-    n = ctx.decomposition.num_subdomains
+    n = ctx.decomposition.num_subdomains if count is None else int(count)
     coarse = ctx.settings.coarse
     kind = str(kind or coarse.input)
     seed = stage_seed(ctx, stage)
-    fit_x, fit_y, x, y = _fit_data(ctx, kind, fit_on, seed)
+    fit_x, fit_y, x, y = _fit_data(ctx, kind, fit_on, seed, source, count)
     torch.manual_seed(seed)
     spec = coarse_net_spec(coarse, kind)
     net = build_coarse_net(coarse, n, ctx.data.num_classes, spec=spec)
@@ -497,6 +513,7 @@ def run(ctx: Context, device=None, stage: str = "coarse", kind: str | None = Non
             coarse_net=spec,
             fit=fitted.report,
             **_convergence(fitted, coarse),
+            **(extra or {}),
         )
     log.info(
         "%s (on %s): test acc %.4f in %.1f s (kept: %s)",

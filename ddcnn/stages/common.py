@@ -66,7 +66,7 @@ def skip(ctx: Context, stage: str, subdomain: int | None = None) -> dict | None:
     second copy of the command, the final job of ``ddcnn-slurm``) already recomputed it. The caller holds the
     stage's lock, so the check and the clearing happen once per generation.
     """
-    name = stage if subdomain is None else f"local {subdomain}"
+    name = stage if subdomain is None else f"{stage} {subdomain}"
     force = ctx.settings.force
     if ctx.run.is_done(stage, subdomain):
         if not force:

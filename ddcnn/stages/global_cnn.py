@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+
+from torch import nn
 
 from ddcnn import registry
 from ddcnn.context import Context, build_global_net
@@ -35,19 +38,33 @@ def run(ctx: Context, device=None, stage: str = "global", num_devices: int = 1) 
     return train_stage(ctx, device, stage, num_devices, {})
 
 
-def train_stage(ctx: Context, device, stage: str, num_devices: int, extra: dict) -> dict:
-    """Train the global CNN into folder ``stage`` of the run directory (no store), ``extra`` added to its meta.json."""
+def train_stage(
+    ctx: Context,
+    device,
+    stage: str,
+    num_devices: int,
+    extra: dict,
+    member: int | None = None,
+    seed: int | None = None,
+    build: Callable[[], nn.Module] | None = None,
+) -> dict:
+    """Train the global CNN into folder ``stage`` of the run directory (no store), ``extra`` added to its meta.json.
+
+    ``member``: into the member's folder ``RUN_DIR/<stage>/<member>/`` (an ensemble of global CNNs); ``seed``: in place
+    of the stage's seed (its data order and initial weights); ``build``: the network, built after seeding, in place of
+    :func:`~ddcnn.context.build_global_net` (the widened global CNN).
+    """
     launcher = None
     if num_devices > 1:
         # One task per device: DDP across the tasks of this srun step (refused with the fix when they do not match).
         launcher = "srun" if check_srun_ddp(num_devices) is not None else "spawn"
-    folder = ctx.run.make_stage_dir(stage)
-    seed = stage_seed(ctx, stage)
+    folder = ctx.run.make_stage_dir(stage, member)
+    seed = stage_seed(ctx, stage) if seed is None else int(seed)
     batch = ctx.settings.data.batch_size
     dm = full_image_data(ctx, seed, batch // num_devices)
     start = time.perf_counter()
     seed_everything(seed)
-    net = build_global_net(ctx.settings, ctx.data)
+    net = build_global_net(ctx.settings, ctx.data) if build is None else build()
     callbacks = curve_callbacks(ctx, dm, device, ctx.settings.loop.max_epochs) if num_devices == 1 else []
     devices = num_devices if num_devices > 1 else None
     result = fit(
@@ -71,8 +88,14 @@ def train_stage(ctx: Context, device, stage: str, num_devices: int, extra: dict)
         if num_devices > 1
         else {}
     )
-    meta = finish_stage(ctx, stage, result.net, dm, device, seed, result, num_devices=num_devices, **ddp, **extra)
+    meta = finish_stage(
+        ctx, stage, result.net, dm, device, seed, result, subdomain=member, num_devices=num_devices, **ddp, **extra
+    )
     log.info(
-        "%s: test acc %.4f in %.1f s on %d device(s)", stage, meta["accuracy"]["test"], meta["time_s"], num_devices
+        "%s: test acc %.4f in %.1f s on %d device(s)",
+        stage if member is None else f"{stage} {member}",
+        meta["accuracy"]["test"],
+        meta["time_s"],
+        num_devices,
     )
     return meta

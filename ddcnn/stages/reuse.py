@@ -57,11 +57,12 @@ def device_kind(device) -> str:
     return dev.type
 
 
-def stage_depends(ctx: Context, stage: str, device) -> dict:
+def stage_depends(ctx: Context, stage: str, device, member: int | None = None) -> dict:
     """Everything a reusable stage's result depends on: every setting that changes results
     (:func:`ddcnn.rundir.result_settings`) but the decomposition's (:data:`DECOMPOSITION_KEYS`), with the network it
     trains in place of ``model`` / ``global_model``, the accuracy-versus-time curve settings (the curve travels with
-    the copy), the identity of the data's files, the device kind and the package's source hash."""
+    the copy), the identity of the data's files, the device kind and the package's source hash; for ``member`` ``i`` of
+    an ensemble (``global_ensemble``), its index (its seed follows from the run's seed and ``i``)."""
     if ctx.identity is None:
         raise RuntimeError("stage_depends needs the run's identity (ddcnn.context.build_context), a worker has none")
     settings = copy.deepcopy(ctx.identity.settings)
@@ -81,6 +82,8 @@ def stage_depends(ctx: Context, stage: str, device) -> dict:
     }
     if stage == "global_ddp":  # the devices it trains on (methods.global_ddp, dropped above with the methods)
         depends["num_devices"] = ctx.settings.methods.global_ddp.num_devices
+    if member is not None:
+        depends["member"] = int(member)
     return depends
 
 
@@ -91,10 +94,10 @@ def _replace(store: Store, entry: Entry) -> None:
         store.remove(now)
 
 
-def _copy_in(ctx: Context, stage: str, entry: Entry) -> dict:
+def _copy_in(ctx: Context, stage: str, entry: Entry, member: int | None = None) -> dict:
     """The stage's folder from ``entry``: files first, ``meta.json`` with ``reused_from``, the ``done`` marker last."""
-    folder = ctx.run.make_stage_dir(stage)
-    ctx.run.clear(stage)
+    folder = ctx.run.make_stage_dir(stage, member)
+    ctx.run.clear(stage, member)
     entry.copy_to(folder, exclude=("meta.json",))
     meta = json.loads(entry.file("meta.json").read_text())
     meta.pop("published", None)
@@ -106,30 +109,32 @@ def _copy_in(ctx: Context, stage: str, entry: Entry) -> dict:
         "host": entry.record.get("host"),
     }
     meta["generation"] = run_generation(ctx.settings.run_generation)
-    ctx.run.mark_done(stage, None, meta, required=(*PROB_FILES, "net.pt"), generation=meta["generation"])
+    ctx.run.mark_done(stage, member, meta, required=(*PROB_FILES, "net.pt"), generation=meta["generation"])
     log.info(
         "%s: reused the one trained for these settings by %s (store entry %s; store.reuse=false trains it here)",
-        stage,
+        stage if member is None else f"{stage} {member}",
         entry.info.get("run_dir", "an earlier run"),
         entry.path,
     )
     return meta
 
 
-def run(ctx: Context, stage: str, device, train: Callable[[dict], dict]) -> dict:
+def run(ctx: Context, stage: str, device, train: Callable[[dict], dict], member: int | None = None) -> dict:
     """Reuse stage ``stage`` from the store, or ``train`` it in the run directory and publish it.
 
     Args:
         ctx: The run.
-        stage: A reusable stage (its registry entry says so), not finished in this run.
+        stage: A reusable stage (its registry entry says so), not finished in this run; or, with ``member``, the stage
+            of an ensemble whose member ``member`` (``RUN_DIR/<stage>/<member>/``) is reusable.
         device: Where it would train.
         train: ``train(extra)`` trains the stage in the run directory, with ``extra`` in its ``meta.json``, and
             returns its metadata.
+        member: The index of an ensemble's member, whose result depends on nothing of the decomposition either.
     """
     if not ctx.settings.store.reuse:
         return train({})
     store = open_store(ctx.settings.store)
-    depends = stage_depends(ctx, stage, device)
+    depends = stage_depends(ctx, stage, device, member)
     key = store.key(stage, depends)
     generation = run_generation(ctx.settings.run_generation)
     found = store.open(stage, key)
@@ -140,7 +145,7 @@ def run(ctx: Context, stage: str, device, train: Callable[[dict], dict]) -> dict
 
     def build(folder: Path) -> dict:
         meta = trained["meta"] = train({"published": {"key": key, "entry": str(store.entry_dir(stage, key))}})
-        source = ctx.run.stage_dir(stage)
+        source = ctx.run.stage_dir(stage, member)
         for path in sorted(p for p in source.rglob("*") if p.is_file()):
             rel = path.relative_to(source)
             if rel.as_posix() in _NOT_PUBLISHED:
@@ -164,8 +169,8 @@ def run(ctx: Context, stage: str, device, train: Callable[[dict], dict]) -> dict
             return train({})
         log.warning("%s: trained, but not published to the store: %s", stage, err)
         meta = {k: v for k, v in trained["meta"].items() if k != "published"}
-        ctx.run.mark_done(stage, None, meta, required=(*PROB_FILES, "net.pt"), generation=meta.get("generation"))
+        ctx.run.mark_done(stage, member, meta, required=(*PROB_FILES, "net.pt"), generation=meta.get("generation"))
         return meta
     if "meta" in trained:
         return trained["meta"]
-    return _copy_in(ctx, stage, entry)
+    return _copy_in(ctx, stage, entry, member)

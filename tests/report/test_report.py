@@ -45,7 +45,8 @@ def sweep(tmp_path_factory):
     }
     for name, overrides in jobs.items():
         # The per-run figures and the export are another stage's business; the report needs results.json only.
-        settings = [*overrides, "++report.plots=false", "++report.export=false"]
+        # The ensemble (of methods=all) at 2 global CNNs, set in every run so that no setting splits the seeds' groups.
+        settings = [*overrides, "++report.plots=false", "++report.export=false", "methods.global_ensemble.k=2"]
         train(compose_config(settings, root / name))
         # Its 1-epoch trainings are too short to judge (unconverged, test_results.py checks that end to end); the
         # verdicts need converged baselines, so they are recorded as converged and the run evaluated again.
@@ -280,3 +281,19 @@ def test_the_speedup_to_the_fixed_target_compares_one_device_with_one_device(swe
     row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_logits")
     assert row["speedup_to_target_mean"] == pytest.approx(2.0) and row["target_reached"] == "1/2"
     assert "| 2.00x (1/2) |" in table_markdown([row])
+
+
+def test_a_split_seed_that_follows_the_seed_keeps_the_seeds_in_one_group():
+    """``data.split_seed: null`` records each run's own seed: one setting, not a difference between the seeds of a
+    configuration; runs of one fixed draw (the old default 0) are one group too, and a mix of the two is not."""
+    from pathlib import Path
+
+    from ddcnn.report.compare import Run, _varying_settings
+
+    def run(seed: int, split_seed: int) -> Run:
+        config = {"seed": seed, "data": {"split_seed": split_seed}}
+        return Run(Path(f"run{seed}"), {}, config, "digits", "vgg_tiny", (2, 2), (0, 0), seed)
+
+    assert _varying_settings([run(0, 0), run(1, 1), run(2, 2)]) == []
+    assert _varying_settings([run(0, 0), run(1, 0), run(2, 0)]) == []
+    assert _varying_settings([run(0, 0), run(1, 1), run(2, 0)]) == ["data.split_seed"]

@@ -34,9 +34,16 @@ OPTIONAL = (
     "transfer",
     "global_transfer",
     "global_ddp",
+    "global_ensemble",
+    "global_ensemble_coarse",
+    "global_wide",
 )
-# Stages that train no network by epochs (a convex solve, or a folder of fold trainings): no last.ckpt of their own.
-NO_CHECKPOINT = ("stacker", "local_oof")
+# Stages that train no network by epochs (a convex solve, or a folder of fold or member trainings): no last.ckpt of
+# their own.
+NO_CHECKPOINT = ("stacker", "local_oof", "global_ensemble")
+# methods=all at the size of these tests: an ensemble of 2 global CNNs (k=auto has its own test,
+# tests/stages/test_global_ensemble.py).
+ALL = ("methods=all", "methods.local_oof.folds=2", "methods.global_ensemble.k=2")
 N = 2  # sub-domains of the shared run
 
 
@@ -44,7 +51,7 @@ N = 2  # sub-domains of the shared run
 def finished(tmp_path_factory):
     """A tiny run with every method, and the state each optional stage handed to ``fit``."""
     run_dir = tmp_path_factory.mktemp("all_methods")
-    overrides = ["methods=all", "methods.local_oof.folds=2", "decomposition.grid=[1,2]"]
+    overrides = [*ALL, "decomposition.grid=[1,2]"]
     overrides += ["++report.plots=false", "++report.export=false"]
     cfg = compose_config(overrides, run_dir)
     started: dict[str, dict[str, torch.Tensor]] = {}
@@ -215,7 +222,7 @@ def test_methods_switched_on_later_train_only_the_new_stages(make_cfg):
     markers = [run.stage_dir("local", 0) / "done", run.stage_dir("coarse") / "done"]
     stamps = [m.stat().st_mtime_ns for m in markers]
     # methods.enabled does not change what any stage computes, so the same run directory accepts it.
-    results = train(make_cfg("decomposition.grid=[1,2]", "methods=all", "methods.local_oof.folds=2"))
+    results = train(make_cfg("decomposition.grid=[1,2]", *ALL))
     assert [m.stat().st_mtime_ns for m in markers] == stamps  # nothing retrained
     assert all(run.is_done(stage) for stage in OPTIONAL)
     assert all(results["accuracy"][key] is not None for key in METHODS)
