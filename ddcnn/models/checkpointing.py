@@ -37,6 +37,7 @@ __all__ = [
     "CheckpointRefused",
     "checkpoint_segments",
     "apply_checkpointing",
+    "checkpoint_runs",
     "remove_checkpointing",
     "is_checkpointed",
 ]
@@ -183,6 +184,20 @@ def apply_checkpointing(net: nn.Module) -> nn.Module:
     for seq, seg in _children(net, checkpoint_segments(net)):
         seq.forward = functools.partial(_checkpointed_forward, seq, seg)  # instance attribute: keys unchanged
     return net
+
+
+def checkpoint_runs(net: nn.Module) -> list[list[nn.Module]]:
+    """The modules of each run that :func:`apply_checkpointing` recomputes, in order (what the memory plan counts:
+    :func:`ddcnn.models.memory.plan_network`).
+
+    Raises:
+        CheckpointRefused: For a network that cannot be cut (:func:`checkpoint_segments`).
+    """
+    out = []
+    for seq, seg in _children(net, checkpoint_segments(net)):
+        modules = list(seq)
+        out += [modules[a:b] for (a, b), again in zip(seg.bounds, seg.recomputed, strict=True) if again and b > a]
+    return out
 
 
 def remove_checkpointing(net: nn.Module) -> nn.Module:
