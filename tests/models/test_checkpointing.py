@@ -126,3 +126,15 @@ def test_segments_and_refusal() -> None:
     with pytest.raises(CheckpointRefused, match=r"none of its top-level children.*a \(Linear\)"):
         apply_checkpointing(Code())
     assert remove_checkpointing(apply_checkpointing(seq)) is seq and not is_checkpointed(seq)
+
+
+def test_the_setting_is_read_checked_and_leaves_the_fingerprint(tmp_path: Path) -> None:
+    from ddcnn.settings import RunSettings
+    from tests.conftest import compose_config
+
+    plain = RunSettings.from_config(compose_config([], tmp_path / "a"))
+    cut = RunSettings.from_config(compose_config(["engine.activation_checkpointing=global"], tmp_path / "b"))
+    assert plain.loop.activation_checkpointing == "none" and cut.loop.activation_checkpointing == "global"
+    assert plain.identity().fingerprint == cut.identity().fingerprint  # same results: a run directory resumes
+    with pytest.raises(ValueError, match="engine.activation_checkpointing must be none, global .* got 'some'"):
+        RunSettings.from_config(compose_config(["engine.activation_checkpointing=some"], tmp_path / "c"))
