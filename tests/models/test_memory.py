@@ -90,3 +90,12 @@ def test_a_net_that_cannot_be_traced_is_planned_scaled_down() -> None:
     real = _real(net, (1, 256, 256), 2)
     # extrapolated in voxels from 64x64: the convolution's saves scale exactly, the head's are overstated
     assert real["activation_bytes"] <= plan.activation_bytes <= 1.25 * real["activation_bytes"]
+
+
+def test_mixed_precision_halves_the_activations_and_keeps_float32_weights() -> None:
+    net = vgg_tiny(spatial_dims=3, in_channels=1, num_classes=K, norm="batch")
+    full = plan_network(net, (1, 16, 16, 16), 2, num_classes=K)
+    half = plan_network(net, (1, 16, 16, 16), 2, precision="bf16-mixed", num_classes=K)
+    assert half.params_bytes == full.params_bytes and half.optimizer_bytes == full.optimizer_bytes
+    # half the saved activations, plus autocast's bf16 copy of the weights; the max pool's int64 indices stay
+    assert 0.5 * full.activation_bytes <= half.activation_bytes < 0.75 * full.activation_bytes
