@@ -258,7 +258,8 @@ def memory_plan(ctx: Context, nets: dict[str, nn.Module]) -> dict:
     """Plan one training step of the local net, the global CNN and the coarse DNN of ``nets`` at the configured batch,
     precision, optimizer, activation checkpointing and device (:func:`ddcnn.models.memory.plan_network`), log it as
     one block and refuse what does not fit the device's memory (a CUDA device's free memory; on the CPU the host's
-    available memory, :func:`ddcnn.data.memory.device_memory_bytes`).
+    available memory, :func:`ddcnn.data.memory.device_memory_bytes`), unless its stage has finished in the run
+    directory (and ``force`` is off): it trains no more.
 
     Returns:
         ``{"global" | "local" | "coarse": NetPlan.as_dict(), "device_memory_bytes", "device"}``
@@ -290,9 +291,15 @@ def memory_plan(ctx: Context, nets: dict[str, nn.Module]) -> dict:
     record = {role: plan.as_dict() for role, plan in plans.items()}
     record |= {"device_memory_bytes": available, "device": device}
     log.info("%s", _plan_block(record, s.loop.precision, s.data.batch_size))
+    # A network whose stage has finished trains no more (stage=evaluate of a run trained elsewhere), unless force=true
+    finished = {
+        "local": not ctx.run.missing_local(dec.num_subdomains),
+        "global": ctx.run.is_done("global"),
+        "coarse": ctx.run.is_done("coarse"),
+    }
     if available is not None:
         for role in ("local", "global", "coarse"):
-            if plans[role].peak_bytes > available:
+            if plans[role].peak_bytes > available and (s.force or not finished[role]):
                 raise ValueError(_does_not_fit(ctx, role, plans[role], available, device))
     return record
 

@@ -63,6 +63,11 @@ def test_a_local_net_that_does_not_fit_refuses_the_run(tmp_path: Path, monkeypat
     ):
         assert fix in message
     assert "0.20 GiB are available" in message
+    for i in range(ctx.decomposition.num_subdomains):  # finished local nets train no more: the run is not refused
+        (ctx.run.stage_dir("local", i)).mkdir(parents=True)
+        (ctx.run.stage_dir("local", i) / "done").write_text("")
+    with pytest.raises(ValueError, match="the global CNN does not fit"):
+        check_networks(ctx)
 
 
 def test_a_global_cnn_that_does_not_fit_is_refused_with_its_numbers(tmp_path: Path, monkeypatch) -> None:
