@@ -24,13 +24,17 @@ import torch
 from torch import nn
 
 from ddcnn.data.augment import Augment
+from ddcnn.data.memory import device_memory_bytes
 from ddcnn.data.prepare import Prepared, load_prepared
 from ddcnn.data.sources import NOT_IDENTITY
 from ddcnn.decomposition import Decomposition
-from ddcnn.io import load_run_file
+from ddcnn.io import atomic_write_json, load_run_file
 from ddcnn.models import external, pretrained
+from ddcnn.models.checkpointing import checkpoint_runs
 from ddcnn.models.cnn_dnn import CNNDNN
+from ddcnn.models.memory import MIB, NetPlan, meta_state, plan_network
 from ddcnn.rundir import RunDir, RunIdentity, file_sha256
+from ddcnn.runtime import resolve_device
 from ddcnn.settings import CoarseSettings, RunSettings, StoreSettings
 from ddcnn.store import Store, default_root
 
@@ -46,6 +50,8 @@ __all__ = [
     "build_context",
     "open_context",
     "check_networks",
+    "memory_plan",
+    "write_memory_plan",
     "build_augment",
     "subdomain_seed",
     "instantiate",
@@ -68,13 +74,15 @@ class Context:
 
     ``identity``: what the run directory records of the configuration (:class:`~ddcnn.rundir.RunIdentity`: the
     fingerprint the entry claims the directory with, the key of a reusable stage); ``None`` in a local-stage worker
-    process, which neither claims the directory nor reuses a stage."""
+    process, which neither claims the directory nor reuses a stage. ``memory_plan``: what :func:`check_networks`
+    planned (:func:`memory_plan`), written to ``memory_plan.json`` once the directory is claimed."""
 
     run: RunDir
     data: Prepared
     decomposition: Decomposition
     settings: RunSettings
     identity: RunIdentity | None = None
+    memory_plan: dict | None = None
 
 
 def open_store(store: StoreSettings) -> Store:
@@ -195,16 +203,25 @@ def build_context(
     ctx.identity = ctx.settings.identity()
     if claim:  # only a configuration that can run claims the run directory
         ctx.run.claim(ctx.identity)
+        write_memory_plan(ctx)
     return ctx
 
 
+def write_memory_plan(ctx: Context) -> None:
+    """``RUN_DIR/memory_plan.json``: the plan :func:`check_networks` made (nothing when it made none)."""
+    if ctx.memory_plan is not None:
+        atomic_write_json(ctx.run.root / "memory_plan.json", ctx.memory_plan)
+
+
 def check_networks(ctx: Context, weights: bool = True) -> None:
-    """Build the local, global and coarse networks once and run two samples through them.
+    """Build the local, global and coarse networks once, check them on inputs of their size and plan their memory.
 
     Catches a wrong model name or argument, a missing library, a pretrained weights file that does not fit
     (``weights``) and an input too small for a network before any stage writes anything, with a message that names
     the setting; for an input too small, the smallest size the network takes and settings that give it. A network
-    whose feature maps shrink to one pixel before its last downsampling stages runs, with a warning.
+    whose feature maps shrink to one pixel before its last downsampling stages runs, with a warning. The networks run
+    on meta tensors (shapes only: a 256³ volume costs what a small one does), then :func:`memory_plan` plans one
+    training step of each (``ctx.memory_plan``) and refuses a run whose networks do not fit the device.
     """
     settings, data, dec = ctx.settings, ctx.data, ctx.decomposition
     global_key = "global_model" if settings.global_model else "model"
@@ -212,10 +229,12 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
         ("model", "sub-domains", lambda: build_local_net(settings, data, weights=weights), dec.sub_shape),
         (global_key, "full images", lambda: build_global_net(settings, data, weights=weights), data.image_shape),
     ]
-    for key, what, build, spatial in checks:
+    nets = {}
+    for (key, what, build, spatial), role in zip(checks, ("local", "global"), strict=True):
         net = _built(ctx, key, build)
         _log_weights(key, net)
         _check_input_size(ctx, key, what, net, tuple(spatial))
+        nets[role] = net
     key, shape = "coarse.net", (2, dec.num_subdomains, data.num_classes)
     net = _built(ctx, key, lambda: build_coarse_net(ctx.settings.coarse, dec.num_subdomains, data.num_classes))
     try:
@@ -224,6 +243,123 @@ def check_networks(ctx: Context, weights: bool = True) -> None:
     except Exception as err:
         raise ValueError(f"the network of {key} fails on inputs of shape {shape[1:]}: {err}.") from err
     _check_output(key, out, data.num_classes)
+    nets["coarse"] = net
+    ctx.memory_plan = memory_plan(ctx, nets)
+
+
+# What each planned network is, the setting that names it, and where its training's batch comes from.
+_PLANNED = {"local": "one local net", "global": "the global CNN", "coarse": "the coarse DNN"}
+
+
+def _gib(nbytes: int | None) -> str:
+    return "unknown" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
+
+
+def memory_plan(ctx: Context, nets: dict[str, nn.Module]) -> dict:
+    """Plan one training step of the local net, the global CNN and the coarse DNN of ``nets`` at the configured batch,
+    precision, optimizer, activation checkpointing and device (:func:`ddcnn.models.memory.plan_network`), log it as
+    one block and refuse what does not fit the device's memory (a CUDA device's free memory; on the CPU the host's
+    available memory, :func:`ddcnn.data.memory.device_memory_bytes`), unless its stage has finished in the run
+    directory (and ``force`` is off): it trains no more.
+
+    Returns:
+        ``{"global" | "local" | "coarse": NetPlan.as_dict(), "device_memory_bytes", "device"}``
+        (``memory_plan.json``).
+
+    Raises:
+        ValueError: A network that does not fit, with its numbers and the fixes.
+    """
+    s, data, dec = ctx.settings, ctx.data, ctx.decomposition
+    device = resolve_device(s.device)
+    available = device_memory_bytes(device)
+    checkpointing = s.loop.activation_checkpointing
+    plans: dict[str, NetPlan] = {}
+    inputs = {
+        "local": ((data.in_channels, *dec.sub_shape), s.data.batch_size, s.loop.optimizer),
+        "global": ((data.in_channels, *data.image_shape), s.data.batch_size, s.loop.optimizer),
+    }
+    coarse_batch = (
+        s.coarse.batch_size if isinstance(s.coarse.batch_size, int) else max(1, len(data.y["train"]))
+    )  # auto: at most full batches
+    inputs["coarse"] = ((dec.num_subdomains, data.num_classes), coarse_batch, s.coarse.optimizer)
+    for role, (shape, batch, optimizer) in inputs.items():
+        cut = role == "global" and checkpointing in ("global", "all") or role == "local" and checkpointing == "all"
+        runs = checkpoint_runs(nets[role]) if cut else None  # a network that cannot be cut is refused here
+        plans[role] = plan_network(
+            nets[role], shape, batch, precision=s.loop.precision, optimizer=optimizer, runs=runs,
+            num_classes=data.num_classes,
+        )  # fmt: skip
+    record = {role: plan.as_dict() for role, plan in plans.items()}
+    record |= {"device_memory_bytes": available, "device": device}
+    log.info("%s", _plan_block(record, s.loop.precision, s.data.batch_size))
+    # A network whose stage has finished trains no more (stage=evaluate of a run trained elsewhere), unless force=true
+    finished = {
+        "local": not ctx.run.missing_local(dec.num_subdomains),
+        "global": ctx.run.is_done("global"),
+        "coarse": ctx.run.is_done("coarse"),
+    }
+    if available is not None:
+        for role in ("local", "global", "coarse"):
+            if plans[role].peak_bytes > available and (s.force or not finished[role]):
+                raise ValueError(_does_not_fit(ctx, role, plans[role], available, device))
+    return record
+
+
+def _plan_block(record: dict, precision: str, batch: int) -> str:
+    lines = [
+        f"memory plan of one training step on {record['device']} ({_gib(record['device_memory_bytes'])} available), "
+        f"{precision}, batch {batch} (MiB; RUN_DIR/memory_plan.json):",
+        f"  {'':7}{'params':>9}{'grads':>9}{'optim':>9}{'saved':>11}{'batch':>9}{'peak':>11}{'GFLOP':>10}  method",
+    ]
+    for role in ("local", "global", "coarse"):
+        p = record[role]
+        mib = [p[k] / MIB for k in ("params_bytes", "grads_bytes", "optimizer_bytes")]
+        lines.append(
+            f"  {role:7}{mib[0]:9.1f}{mib[1]:9.1f}{mib[2]:9.1f}{p['activation_bytes'] / MIB:11.1f}"
+            f"{p['batch_bytes'] / MIB:9.1f}{p['peak_bytes'] / MIB:11.1f}{p['flops_per_step'] / 1e9:10.2f}  "
+            f"{p['method']}{', checkpointed' if p['checkpointing'] else ''}"
+        )
+    return "\n".join(lines)
+
+
+def _does_not_fit(ctx: Context, role: str, plan: NetPlan, available: int, device: str) -> str:
+    s = ctx.settings
+    fixes = [f"a smaller data.batch_size (now {s.data.batch_size}; the saved activations scale with it)"]
+    if role == "coarse":
+        fixes = [f"a smaller coarse.batch_size (now {s.coarse.batch_size})"]
+    if s.loop.precision in ("32-true", "64-true") and role != "coarse":
+        fixes.append("trainer.precision=bf16-mixed (half the activations; on a GPU with bf16)")
+    if not plan.checkpointing and role != "coarse":
+        fixes.append(
+            f"engine.activation_checkpointing={'all' if role == 'local' else 'global'} (each stage keeps only its "
+            f"input for backward)"
+        )
+    if role == "local":
+        fixes.append("more sub-domains (decomposition.grid): smaller inputs for every local net")
+    else:
+        fixes.append("smaller images (data.image_size) or a smaller global_model")
+    if device == "cpu":
+        fixes.append("a GPU with more memory (device=cuda) or a machine with more")
+    what = {"local": "sub-domains", "global": "full images", "coarse": "local outputs"}[role]
+    baseline = (
+        " The global CNN is the baseline every result is compared with, so the run is refused rather than reported "
+        "without it."
+        if role == "global"
+        else ""
+    )
+    parts = {
+        "parameters": plan.params_bytes,
+        "gradients": plan.grads_bytes,
+        "optimizer state": plan.optimizer_bytes,
+        "activations saved for backward": plan.activation_bytes,
+        "batch": plan.batch_bytes,
+    }
+    numbers = ", ".join(f"{name} {nbytes / MIB:.1f} MiB" for name, nbytes in parts.items())
+    return (
+        f"{_PLANNED[role]} does not fit the memory of {device}: one training step on {what} needs "
+        f"{_gib(plan.peak_bytes)} ({numbers}; planned on {plan.method} tensors), and {_gib(available)} are "
+        f"available.{baseline} Fixes: {'; '.join(fixes)}."
+    )
 
 
 def _built(ctx: Context, key: str, build) -> nn.Module:
@@ -307,15 +443,35 @@ def _size_fixes(ctx: Context, key: str, smallest: int, local: bool) -> list[str]
     return fixes
 
 
+def _forward_shapes(net: nn.Module, state: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """``net`` (eval mode, no gradients) on zeros of ``shape`` with its parameters and buffers as meta tensors
+    (``state``): shapes only, whatever the size. A network that cannot run on meta tensors (an operation without a
+    meta kernel, Python that reads a value) runs for real, as ddcnn checked every network before it planned memory;
+    an input too small fails on meta tensors as it does for real."""
+    from torch.func import functional_call
+
+    with torch.no_grad():
+        try:
+            return functional_call(net.eval(), state, (torch.zeros(shape, device="meta"),))
+        except Exception as err:
+            meta_error = err
+        try:
+            out = net.eval()(torch.zeros(shape))
+        except Exception:
+            raise meta_error from None
+    log.info("%s runs on no meta tensors (%s): checked with a real forward", type(net).__name__, meta_error)
+    return out
+
+
 def _check_input_size(ctx: Context, key: str, what: str, net: nn.Module, spatial: tuple[int, ...]) -> None:
     """Run ``net`` on two zero samples of ``spatial``; refuse an input too small with the smallest size it takes and
     the settings that give it; warn when its feature maps collapse to one pixel before its last stages."""
     data = ctx.data
     channels, dims = data.in_channels, data.spatial_dims
     arch = external.describe_arch(_network_spec(_spec_of(ctx, key))[0])
+    state = meta_state(net)
     try:
-        with torch.no_grad():
-            out = net.eval()(torch.zeros(2, channels, *spatial))
+        out = _forward_shapes(net, state, (2, channels, *spatial))
     except Exception as err:
         size_key = (json.dumps(_network_spec(_spec_of(ctx, key))[0], sort_keys=True, default=str), dims, channels)
         smallest = external.smallest_input(net, dims, channels, key=size_key)
@@ -332,7 +488,7 @@ def _check_input_size(ctx: Context, key: str, what: str, net: nn.Module, spatial
             f"data.image_size) or another model/norm."
         ) from err
     _check_output(key, out, data.num_classes)
-    report = external.downsampling(net, (channels, *spatial))
+    report = external.downsampling(net, (channels, *spatial), state=state if out.is_meta else None)
     if report.collapsed:
         log.warning(
             "%s (%s): on %s of %s its feature maps shrink to one pixel before %d of its %d downsampling stages, which "

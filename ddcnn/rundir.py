@@ -93,6 +93,7 @@ NON_RESULT_KEYS = (
     "engine.device_data_fraction",
     "engine.compile",
     "engine.profile_steps",
+    "engine.activation_checkpointing",  # recomputes what it would have kept: bit-identical results (float64, CPU)
     "coarse.checkpoint_every",
     "coarse.num_threads",
     "optimized_metric",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-__all__ = ["rss_bytes", "peak_rss_bytes", "available_bytes"]
+__all__ = ["rss_bytes", "peak_rss_bytes", "available_bytes", "device_memory_bytes"]
 
 
 def _status_kib(field: str) -> int | None:
@@ -76,3 +76,19 @@ def available_bytes() -> int | None:
     container) has a lower limit; ``None`` when neither can be read."""
     values = [v for v in (_meminfo_available(), _cgroup_headroom()) if v is not None]
     return min(values) if values else None
+
+
+def device_memory_bytes(device: str) -> int | None:
+    """Memory a training on ``device`` may take: a CUDA device's free memory (``torch.cuda.mem_get_info``), the host's
+    :func:`available_bytes` for ``cpu``; ``None`` for another device or a CUDA device torch does not see."""
+    kind = str(device).split(":", 1)[0]
+    if kind == "cpu":
+        return available_bytes()
+    if kind != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)

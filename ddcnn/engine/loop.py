@@ -82,6 +82,7 @@ from ddcnn.engine.state import (
 )
 from ddcnn.engine.sync_norm import convert_batch_norm, has_batch_norm
 from ddcnn.io import atomic_torch_save, atomic_write_text, disk_errors
+from ddcnn.models.checkpointing import apply_checkpointing, remove_checkpointing
 from ddcnn.rundir import TARGET_SPLIT
 from ddcnn.settings.loop import LoopSettings, num_batches
 
@@ -175,6 +176,8 @@ class _Training:
         if fabric.world_size > 1 and has_batch_norm(net):
             # DDP normalises over the global batch, as the one-device run does: exact DDP (see ddcnn.engine.sync_norm).
             net = convert_batch_norm(net, fabric.device)
+        if self.settings.activation_checkpointing == "all":  # "global": the global CNN's stage hands it "all"
+            net = apply_checkpointing(net)
         if self.policy["channels_last"]:
             net = net.to(memory_format=memory_format(self.policy))
         self.module = net
@@ -675,6 +678,7 @@ class _Training:
             best = {"format": CHECKPOINT_FORMAT, "epoch": state.best_epoch, "monitor": s.monitor}
             atomic_torch_save({**best, "metric": state.best_metric, "net": state.best_net}, best_path)
         self.module.load_state_dict(state.best_net)
+        remove_checkpointing(self.module)  # the caller gets the network's own forward back
         if self.policy["channels_last"]:  # the caller gets the network in the layout it handed over
             self.module.to(memory_format=torch.contiguous_format)
         if s.precision == "64-true":  # and in the dtype it handed over (predictions, exports read it so)

@@ -42,10 +42,12 @@ import importlib
 import inspect
 import logging
 import math
+from collections.abc import Mapping
 from types import ModuleType
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from ddcnn.models.layers import conv_like
 
@@ -395,9 +397,14 @@ def _stride(module: nn.Module, spatial_dims: int) -> tuple[int, ...] | None:
     return values if len(values) == spatial_dims and max(values) > 1 else None
 
 
-def downsampling(net: nn.Module, shape: tuple[int, ...]) -> Downsampling:
+def downsampling(
+    net: nn.Module, shape: tuple[int, ...], state: Mapping[str, torch.Tensor] | None = None
+) -> Downsampling:
     """Run ``net`` once on zeros of ``(1, C, *spatial)`` = ``shape`` (eval mode, no gradients) and report its
-    downsampling stages: how many there are and how many of them receive a one-pixel input."""
+    downsampling stages: how many there are and how many of them receive a one-pixel input.
+
+    ``state``: parameters and buffers on meta tensors (:func:`ddcnn.models.memory.meta_state`) to run it with, shapes
+    only (:func:`torch.func.functional_call`), whatever the input's size."""
     spatial_dims = len(shape) - 1
     seen: dict[tuple, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
 
@@ -406,7 +413,7 @@ def downsampling(net: nn.Module, shape: tuple[int, ...]) -> Downsampling:
         x = inputs[0] if inputs else None
         if stride is None or not isinstance(x, torch.Tensor) or x.dim() != spatial_dims + 2:
             return
-        key = (x.data_ptr(), tuple(x.shape))  # one stage per input tensor: parallel strided layers count once
+        key = (x.untyped_storage()._cdata, tuple(x.shape))  # one stage per input: parallel strided layers count once
         size = tuple(int(s) for s in x.shape[2:])
         out = tuple(int(s) for s in output.shape[2:]) if isinstance(output, torch.Tensor) else size
         if key not in seen:
@@ -416,7 +423,10 @@ def downsampling(net: nn.Module, shape: tuple[int, ...]) -> Downsampling:
     was_training = net.training
     try:
         with torch.no_grad():
-            net.eval()(torch.zeros(1, *shape))
+            if state is None:
+                net.eval()(torch.zeros(1, *shape))
+            else:
+                functional_call(net.eval(), dict(state), (torch.zeros(1, *shape, device="meta"),))
     finally:
         net.train(was_training)
         for h in handles:

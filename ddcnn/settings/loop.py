@@ -23,7 +23,7 @@ Every key of ``conf/trainer`` and ``conf/engine`` changes what the loop does, or
   scheduler's patience at least 2 below ``engine.patience``;
 - the GPU policy (:mod:`ddcnn.engine.gpu`): ``engine.channels_last``, ``tf32``, ``cudnn_benchmark``,
   ``data_on_device`` (each ``auto``, ``true`` or ``false``), ``device_data_fraction``, and the opt-ins ``compile`` and
-  ``profile_steps``;
+  ``profile_steps``; ``engine.activation_checkpointing`` (``none``, ``global``, ``all``);
 - keys ddcnn does not read are refused with what to do: ``engine.loop`` (ddcnn has one loop: remove it),
   ``trainer.monitor`` and the other keys that live elsewhere (the key to use), any other Lightning ``Trainer``
   argument (the list of those implemented).
@@ -47,6 +47,7 @@ __all__ = [
     "MONITORS",
     "LAUNCHERS",
     "GPU_POLICY",
+    "CHECKPOINTING",
     "check_schedule",
     "schedule_kind",
     "default_min_epochs",
@@ -256,6 +257,14 @@ _profile_steps = _rule(
     "profile/trace.json), got {value!r}.",
     int,
 )
+# What engine.activation_checkpointing may say: which trainings recompute their activations in backward.
+CHECKPOINTING = ("none", "global", "all")
+_checkpointing = _rule(
+    lambda v: v in CHECKPOINTING,
+    "{name} must be none, global (only the global CNN's trainings recompute their stages' activations in backward) "
+    "or all (every CNN training: the local nets too), got {value!r}.",
+    str,
+)
 _optimizer = _rule(
     lambda v: isinstance(v, Mapping) or callable(v),
     "the {name} setting must be a Hydra node with _partial_: true (e.g. coarse.optimizer) or a callable, got "
@@ -326,6 +335,10 @@ class LoopSettings:
             write (``0``: every epoch); ``None``: every ``checkpoint_every`` epochs.
         channels_last, tf32, cudnn_benchmark, data_on_device: The GPU policy switches (``auto``, ``True``,
             ``False``; off for a Python caller), ``device_data_fraction``, ``compile``, ``profile_steps``.
+        activation_checkpointing: ``all``: the loop trains the network with its stages' activations recomputed in
+            backward (:mod:`ddcnn.models.checkpointing`; same results, less memory, more time); ``none`` and
+            ``global``: as it is. ``global`` is the run's setting for the global CNN alone: its stage hands its
+            trainings ``all``, and every other training reads ``global`` as ``none``.
         seed: Seeds the sample order and dropout of every epoch with the epoch (``None``: the data's seed).
         checkpoint_every: Epochs between checkpoints when ``checkpoint_every_s`` is ``None``.
         divergence_restarts: ``None``: no divergence check; ``0``: raise; ``R``: restart at most ``R`` times with the
@@ -371,6 +384,7 @@ class LoopSettings:
     device_data_fraction: float = _setting("engine.device_data_fraction", _fraction, default=0.5)
     compile: bool = _setting("engine.compile", _bool, default=False)
     profile_steps: int = _setting("engine.profile_steps", _profile_steps, default=0)
+    activation_checkpointing: str = _setting("engine.activation_checkpointing", _checkpointing, default="none")
     seed: int | None = _setting(None, _seed, default=None, resume="always")
     checkpoint_every: int = _setting(None, _positive, default=1)
     divergence_restarts: int | None = _setting(None, _restarts, default=None, resume="where_set")

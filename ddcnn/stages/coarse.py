@@ -202,6 +202,7 @@ def coarse_loop(
         num_devices=1,
         launcher=None,
         write_best=True,
+        activation_checkpointing="none",  # a small MLP on tensors: nothing to recompute
         **POLICY_OFF,
     )
 

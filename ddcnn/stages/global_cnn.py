@@ -67,6 +67,8 @@ def train_stage(
     net = build_global_net(ctx.settings, ctx.data) if build is None else build()
     callbacks = curve_callbacks(ctx, dm, device, ctx.settings.loop.max_epochs) if num_devices == 1 else []
     devices = num_devices if num_devices > 1 else None
+    # engine.activation_checkpointing=global: the global CNN's trainings recompute activations, no other training does
+    checkpointing = "all" if ctx.settings.loop.activation_checkpointing == "global" else None
     result = fit(
         ctx.settings,
         net,
@@ -78,6 +80,7 @@ def train_stage(
         device=device,
         num_devices=devices,
         launcher=launcher,
+        activation_checkpointing=checkpointing,
     )
     if result.global_rank != 0:  # a peer of rank 0 in DDP across srun tasks: rank 0 alone writes the artifacts
         return {"stage": stage, "global_rank": result.global_rank}

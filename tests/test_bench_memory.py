@@ -1,0 +1,31 @@
+"""bench/size_cost.py and bench/memory_plan.py in their --quick modes (planned only, or small sizes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import load_script
+
+
+def test_size_cost_flop_ratios_are_the_issues(tmp_path) -> None:
+    """#47's table, 3D vgg_small: 32³ at 2x2x2 is 8x the FLOPs of one local net without overlap, 4.6x with overlap 2
+    (17³ sub-domains that pooling rounds up); the local net keeps 3.2-4.4 MiB for backward against 26 MiB."""
+    bench = load_script("bench/size_cost.py", "size_cost")
+    rows = {
+        (r["spatial_dims"], r["size"], r["overlap"]): r
+        for r in bench.main(["--quick", "--out", str(tmp_path / "s.json")])
+    }
+    assert rows[3, 32, 0]["flop_ratio"] == pytest.approx(8.0, rel=0.01)
+    assert rows[3, 32, 2]["flop_ratio"] == pytest.approx(4.64, rel=0.01)
+    assert rows[3, 32, 0]["saved_global_mib"] == pytest.approx(25.9, rel=0.02)
+    assert rows[2, 64, 0]["flop_ratio"] == pytest.approx(4.0, rel=0.01)
+    assert (tmp_path / "s.json").is_file()
+
+
+@pytest.mark.slow
+def test_memory_plan_bench_meets_its_targets_on_small_nets() -> None:
+    result = load_script("bench/memory_plan.py", "memory_plan").main(["--quick", "--repeats", "1"])
+    assert all(r["within_target"] for r in result["plan_vs_measured"])
+    assert result["preflight"]["plan"]["global"]["method"] == "meta"
+    (cut,) = result["checkpointing"]
+    assert cut["planned_checkpointed_activation_bytes"] < cut["planned_activation_bytes"]
