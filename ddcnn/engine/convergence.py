@@ -247,22 +247,8 @@ def convergence(
             why = f"budget ended while the training loss still fell ({change:+.1%} over the last 3 epochs)"
     else:
         why = ""
-    drop = last_drop(history) if plateau else -1
-    if cause is None and stopped_by == "early_stopping" and patience and drop > 0 and epochs - drop < patience:
-        cause = "stopped_after_drop"
-        why = (
-            f"early stopping ended it {epochs - drop} epoch(s) after the learning rate dropped (epoch {drop}), fewer "
-            f"than patience={patience}"
-        )
-    if cause is None and best is not None and best <= EARLY_KEEP and epochs > best + 1:
-        after = [float(v) for v in val_losses[best:] if v is not None and math.isfinite(float(v))]
-        if _erratic(after):
-            small = val_se is not None and val_se > SMALL_SPLIT_SE
-            cause = "small_validation" if small else "erratic_validation"
-            why = (
-                f"kept epoch {best} of an erratic validation curve (its validation loss varies "
-                f"{max(after) / min(after):.1f}x from there on){se_note}"
-            )
+    if cause is None:
+        cause, why = _stop_causes(history, stopped_by, patience, plateau, best, val_losses, val_se, se_note)
     if cause is not None and why:
         reasons.append(why)
     else:
@@ -287,6 +273,38 @@ def convergence(
         "monitor": monitor,
         "plateau": bool(plateau),
     }
+
+
+def _stop_causes(
+    history: list[Mapping[str, Any]],
+    stopped_by: str,
+    patience: int | None,
+    plateau: bool,
+    best: int | None,
+    val_losses: list[Any],
+    val_se: float | None,
+    se_note: str,
+) -> tuple[str | None, str]:
+    """:func:`convergence`'s causes read from where a training stopped and what it kept: ``stopped_after_drop`` and
+    ``erratic_validation`` / ``small_validation``; ``(None, "")`` when neither applies."""
+    epochs = len(history)
+    drop = last_drop(history) if plateau else -1
+    if stopped_by == "early_stopping" and patience and drop > 0 and epochs - drop < patience:
+        why = (
+            f"early stopping ended it {epochs - drop} epoch(s) after the learning rate dropped (epoch {drop}), fewer "
+            f"than patience={patience}"
+        )
+        return "stopped_after_drop", why
+    if best is not None and best <= EARLY_KEEP and epochs > best + 1:
+        after = [float(v) for v in val_losses[best:] if v is not None and math.isfinite(float(v))]
+        if _erratic(after):
+            small = val_se is not None and val_se > SMALL_SPLIT_SE
+            why = (
+                f"kept epoch {best} of an erratic validation curve (its validation loss varies "
+                f"{max(after) / min(after):.1f}x from there on){se_note}"
+            )
+            return ("small_validation" if small else "erratic_validation"), why
+    return None, ""
 
 
 def _erratic(val_losses: Sequence[float]) -> bool:
