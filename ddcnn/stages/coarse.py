@@ -31,7 +31,7 @@ The CNN-DNN's accuracy-versus-time curve (``coarse/curve.json``, with ``report.c
 the local nets (:class:`ddcnn.stages.common.LocalSnapshots`) a coarse DNN is fit the same way on that epoch's local
 outputs; a point's time is the slowest local net's training clock at that epoch plus that coarse fit's time (the
 projected time on one device per local net), and the averaging combiner's points come with it. This is reporting
-work: it is not in the stage's ``time_s``. ddcnn's one training loop trains it (:func:`ddcnn.engine.loop.fit_tensors`,
+work: it is not in the stage's ``time_s``. ddcnn's one training loop trains it (:func:`ddcnn.engine.train.fit_tensors`,
 with the run's precision, clipping and batch limits; ``coarse.num_threads`` CPU threads); it resumes from ``last.ckpt``
 like the other stages, and its ``meta.json`` times include the training time of processes that were interrupted.
 """
@@ -141,7 +141,7 @@ def _scores(net: nn.Module, x: torch.Tensor, y: torch.Tensor, device) -> dict[st
 def _outscores(candidate: dict[str, float], incumbent: dict[str, float], monitor: str) -> bool:
     """Whether ``candidate``'s validation scores (``acc``, ``loss``) beat ``incumbent``'s: on ``val_acc`` the higher
     accuracy, ties to the lower loss; otherwise the lower loss. Picks between two finished fits; epochs within one
-    training are compared by :func:`ddcnn.engine.loop.improves`."""
+    training are compared by :func:`ddcnn.engine.convergence.improves`."""
     if monitor == "val_acc":
         return (candidate["acc"], -candidate["loss"]) > (incumbent["acc"], -incumbent["loss"])
     return candidate["loss"] < incumbent["loss"]

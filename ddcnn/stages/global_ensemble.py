@@ -30,7 +30,8 @@ import torch
 
 from ddcnn.context import Context, subdomain_seed
 from ddcnn.data.datamodule import TensorDataModule
-from ddcnn.engine.loop import EVAL_CHUNK, FitResult
+from ddcnn.engine.loop import FitResult
+from ddcnn.engine.train import EVAL_CHUNK
 from ddcnn.models.coarse import CoarseMLP
 from ddcnn.stages import reuse
 from ddcnn.stages.coarse import coarse_inputs

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddcnn.engine.loop import fit_tensors
+from ddcnn.engine.train import fit_tensors
 from ddcnn.models.checkpointing import (
     CheckpointRefused,
     apply_checkpointing,
