@@ -552,8 +552,8 @@ def check_schedule(
 
     - ``ReduceLROnPlateau`` takes the one improvement rule of the loop (:func:`ddcnn.engine.convergence.improves`):
       ``mode`` = ``monitor_mode``, ``threshold_mode="abs"``, ``threshold`` = ``min_delta``. The loop sets them; a
-      scheduler node that sets them otherwise is refused. With early stopping, ``patience`` >= the scheduler's patience + 2:
-      the training sees the lowered rate for at least two epochs before it may stop (one to drop, one to improve).
+      scheduler node that sets them otherwise is refused. With early stopping, ``patience`` >= the scheduler's patience
+      + 2: the training sees the lowered rate for at least two epochs before it may stop (one to drop, one to improve).
     - ``refuse_fixed``: with early stopping, a fixed-length schedule (cosine annealing, steps) is refused: stopping
       would cut it short, before its rate has come down.
 
