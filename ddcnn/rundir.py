@@ -188,13 +188,17 @@ def _differences(recorded: Mapping, settings: Mapping) -> dict[str, tuple[Any, A
     return out
 
 
-def _drop(container: dict, dotted: str) -> None:
+def _drop(container: dict, dotted: str, prune: bool = False) -> None:
+    """Remove ``dotted`` from ``container``; ``prune``: and the sections that this leaves empty (a method whose only
+    setting is at its neutral value is then absent, as before it existed)."""
     head, _, rest = dotted.partition(".")
     if head not in container:
         return
     if rest:
         if isinstance(container[head], dict):
-            _drop(container[head], rest)
+            _drop(container[head], rest, prune)
+            if prune and not container[head]:
+                del container[head]
     else:
         del container[head]
 
@@ -261,7 +265,7 @@ def result_settings(plain: Mapping) -> dict:
     flat = flatten(data)
     for key, neutral in NEUTRAL_SETTINGS.items():
         if key in flat and flat[key] == neutral:
-            _drop(data, key)
+            _drop(data, key, prune=True)
     for key, needs in INERT_WITHOUT.items():
         if key in flat and flat.get(needs) is None:
             _drop(data, key)

@@ -95,6 +95,8 @@ def prepare_settings(**given):
     from ddcnn.data.prepare import PrepareSettings
 
     base = OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / "data" / "_base.yaml"))
+    if base["split_seed"] is None:  # null: the run's seed, which is 0 by default (conf/config.yaml)
+        base["split_seed"] = 0
     names = [f.name for f in dataclasses.fields(PrepareSettings)]
     return PrepareSettings(**{name: given[name] if name in given else base[name] for name in names})
 

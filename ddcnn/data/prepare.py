@@ -107,6 +107,13 @@ class PrepareSettings:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
+        if isinstance(self.split_seed, bool) or not isinstance(self.split_seed, int):
+            # data.split_seed: null is the run's seed, resolved where the run's settings are read (DataSettings.read):
+            # a draw left to chance would give another split in every process that prepares the data
+            raise ValueError(
+                f"split_seed must be a whole number, got {self.split_seed!r} (data.split_seed=null means the run's "
+                f"seed: a script that builds PrepareSettings gives the seed itself)."
+            )
         put(self, "float_storage", check_float_storage(self.float_storage))
         put(self, "window", check_window(self.window))
         if self.image_size is not None:

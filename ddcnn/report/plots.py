@@ -95,7 +95,7 @@ def _colours(n: int) -> list:
     return [cmap(i % cmap.N) if n <= 20 else cmap(i / max(n - 1, 1)) for i in range(n)]
 
 
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "*", "p")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "*", "p", "H", "d", "8")
 
 
 def method_style(key: str) -> dict[str, Any]:

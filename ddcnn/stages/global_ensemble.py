@@ -110,9 +110,14 @@ def _members_convergence(metas: list[dict]) -> dict:
     converged = all(bool(m.get("converged")) for m in metas)
     if not converged and not reasons:
         reasons = [f"member {i}: not converged" for i, m in enumerate(metas) if not m.get("converged")]
+    # The members train as the global CNN does: the first unconverged one's cause and fix are the ensemble's.
+    first = next((rec for m, rec in zip(metas, records, strict=True) if not m.get("converged")), {})
+    advice = {"advice": first.get("advice") or "train the members to convergence"} if not converged else {}
     return {
         "converged": converged,
         "reasons": reasons,
+        "cause": first.get("cause") if not converged else None,
+        **advice,
         "epochs": max((int(rec.get("epochs") or 0) for rec in records), default=0),
         "min_epochs": max((int(rec.get("min_epochs") or 0) for rec in records), default=0),
         "stopped_by": "members",
