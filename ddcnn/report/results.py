@@ -333,20 +333,10 @@ def _unconverged_advice(results: Mapping[str, Any], stage: str | None) -> str:
 
 def _unconverged(results: Mapping[str, Any], stage: str | None) -> list[str]:
     """The trainings behind ``stage``'s row that did not converge, in words (``local net 2 (stopped at ...)``)."""
-    convergence = results.get("convergence") or {}
     out = []
-    for training in row_trainings(stage):
-        records = convergence.get(training)
-        if records is None:
-            continue
-        if training == "local" and isinstance(records, list):
-            named = [(f"local net {i}", r) for i, r in enumerate(records)]
-        else:
-            named = [(training if training != "global" else "global CNN", records)]
-        for what, record in named:
-            if record and record.get("converged") is False:
-                reasons = "; ".join(record.get("reasons") or [])
-                out.append(f"{what}" + (f" ({reasons})" if reasons else ""))
+    for what, record in _unconverged_records(results, stage):
+        reasons = "; ".join(record.get("reasons") or [])
+        out.append(f"{what}" + (f" ({reasons})" if reasons else ""))
     return out
 
 
