@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ddcnn.engine.convergence import NOT_FINITE_RETRIES, divergence_reason, early_stop_due, last_drop
+from ddcnn.engine.convergence import NOT_FINITE_RETRIES, divergence_reason, early_stop_due, last_drop, still_improving
 from ddcnn.engine.state import Diverged
 from ddcnn.settings.loop import LoopSettings, schedule_kind
 
@@ -61,17 +61,25 @@ def call(callbacks, hook: str, *args: Any) -> list[Any]:
 class EarlyStopping:
     """Ends a training once ``patience`` epochs have passed since the kept epoch and, under the plateau scheduler,
     since its last drop of the learning rate (the lowered rate gets ``patience`` epochs to improve), not before
-    ``least_epochs`` (:func:`~ddcnn.engine.convergence.early_stop_due`); the same on every rank (the monitored metric
-    is the all-reduced one). Its state, the epoch it stopped after, is ``TrainState.stopped_epoch``; the drops are
-    read from the training's history (its rows' ``lr``), which a resume restores."""
+    ``least_epochs`` (:func:`~ddcnn.engine.convergence.early_stop_due`), and not while the training still improves
+    (:func:`~ddcnn.engine.convergence.still_improving`: the 3-epoch mean of the monitored metric, or of the training
+    loss while the validation loss does not rise, by more than 1%): a stop the patience rule asks for then waits, up to
+    the budget, which the convergence test flags. The same on every rank (the monitored metric is the all-reduced
+    one). Its state, the epoch it stopped after, is ``TrainState.stopped_epoch``; the drops and the trends are read
+    from the training's history (its rows), which a resume restores."""
 
     def __init__(self, settings: LoopSettings) -> None:
         self.patience, self.least, self.max_epochs = settings.patience, settings.least_epochs, settings.max_epochs
+        self.monitor, self.mode = settings.monitor, settings.monitor_mode
         self.plateau = schedule_kind(settings.scheduler) == "plateau"
 
-    def due(self, epoch: int, best_epoch: int, history: Sequence[Mapping[str, Any]] = ()) -> bool:
+    def due(
+        self, epoch: int, best_epoch: int, history: Sequence[Mapping[str, Any]] = (), num_classes: int | None = None
+    ) -> bool:
         drop = last_drop(history) if self.plateau else -1
-        return early_stop_due(epoch, best_epoch, self.patience, self.least, self.max_epochs, drop)
+        if not early_stop_due(epoch, best_epoch, self.patience, self.least, self.max_epochs, drop):
+            return False
+        return still_improving(history, self.monitor, self.mode, num_classes) is None
 
 
 class CheckpointCadence:

@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "improves",
     "last_drop",
+    "still_improving",
     "early_stop_due",
     "binomial_se",
     "convergence",
@@ -137,6 +138,32 @@ def _series(history: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
     return [row.get(key) for row in history]
 
 
+def still_improving(
+    history: Sequence[Mapping[str, Any]], monitor: str | None, monitor_mode: str = "max", num_classes: int | None = None
+) -> str | None:
+    """What still improves at the end of ``history``, or ``None``: the monitored metric (the mean of its last 3 epochs
+    more than 1% better than the 3 before, in its direction), or the training loss (more than 1% lower, while the
+    validation loss did not rise by more than 1% and the training data are not fit almost exactly). Early stopping
+    does not end a training while this holds (:class:`~ddcnn.engine.callbacks.EarlyStopping`), and the convergence
+    test reads a stop at ``min_epochs`` with it as not converged (:func:`convergence`): one rule for both."""
+    if len(history) < JUDGE_EPOCHS:
+        return None
+    losses = _series(history, "train_loss")
+    change, val_change = _trend(losses), _trend(_series(history, "val_loss"))
+    monitor_change = _trend(_series(history, monitor)) if monitor else None
+    recent = [float(v) for v in losses[-LOSS_WINDOW:] if v is not None]
+    floor = LOSS_FLOOR * math.log(max(int(num_classes), 2)) if num_classes else 0.0
+    fit_exactly = bool(recent) and sum(recent) / len(recent) < floor
+    if monitor_change is not None and (
+        monitor_change > LOSS_STILL_FALLING if monitor_mode == "max" else monitor_change < -LOSS_STILL_FALLING
+    ):
+        return f"its {monitor} still improved ({monitor_change:+.1%} over the last 3 epochs)"
+    val_rises = val_change is not None and val_change > LOSS_STILL_FALLING
+    if change is not None and change < -LOSS_STILL_FALLING and not fit_exactly and not val_rises:
+        return f"its training loss still fell ({change:+.1%} over the last 3 epochs)"
+    return None
+
+
 def convergence(
     history: list[Mapping[str, Any]],
     stopped_by: str,
@@ -165,7 +192,8 @@ def convergence(
       training loss still fell (the mean of the 3 epochs before the collapse more than 1% below the 3 before them);
     - ``still_improving``: early stopping ended it at ``min_epochs`` while its monitored metric (3-epoch means, by more
       than 1% in its direction) or its training loss (by more than 1%, while the validation loss did not rise) still
-      improved; or the budget ended it with a scheduled rate (the plateau scheduler's too) above 10% of its start; or
+      improved (:func:`still_improving`; today's early stopping waits while it holds: this names older trainings);
+      or the budget ended it with a scheduled rate (the plateau scheduler's too) above 10% of its start; or
       at a constant rate with its training loss still falling by more than 1% (and above 1% of ``ln num_classes``);
     - ``overfitting``: one of those budget cases while its training loss fell and its validation loss rose (3-epoch
       means, by more than 1% each): more epochs are the wrong way;
@@ -204,9 +232,6 @@ def convergence(
     se_note = f" (validation split of {n_val} images: 1 binomial SE = {100 * val_se:.1f} points)" if val_se else ""
     loss_falls = change is not None and change < -LOSS_STILL_FALLING and not fit_exactly
     val_rises = val_change is not None and val_change > LOSS_STILL_FALLING
-    metric_improves = monitor_change is not None and (
-        monitor_change > LOSS_STILL_FALLING if monitor_mode == "max" else monitor_change < -LOSS_STILL_FALLING
-    )
     # only a rate that adapts can collapse: a fixed schedule (cosine annealing) is meant to end near 0, and the budget
     # rule below judges it by how far it decayed
     collapse = _collapse(lrs, losses, lr0, floor) if plateau else None
@@ -223,13 +248,13 @@ def convergence(
             f"rate collapsed: the learning rate fell to {ratio:.2g} of its start (below {LR_COLLAPSED:.0%}) at epoch "
             f"{epoch} while the training loss still fell ({falling:+.1%} over the 3 epochs before)"
         )
-    elif stopped_by == "early_stopping" and epochs == min_epochs and (metric_improves or loss_falls and not val_rises):
+    elif (
+        stopped_by == "early_stopping"
+        and epochs == min_epochs
+        and (what := still_improving(history, monitor, monitor_mode, num_classes))
+    ):
         cause = "still_improving"
-        what = (
-            f"its {monitor} still improved ({monitor_change:+.1%} over the last 3 epochs){se_note}"
-            if metric_improves
-            else f"its training loss still fell ({change:+.1%} over the last 3 epochs)"
-        )
+        what = f"{what}{se_note}" if what.startswith(f"its {monitor} ") else what
         why = f"early stopping ended it at min_epochs={min_epochs} while {what}"
     elif stopped_by == "budget" and (
         (scheduled and lr_ratio is not None and lr_ratio > LR_STILL_HIGH * (1 + 1e-9)) or (not scheduled and loss_falls)

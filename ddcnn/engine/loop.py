@@ -636,7 +636,7 @@ class _Training:
     def decide_stop(self, state: TrainState, epoch: int) -> None:
         """Early stopping after ``epoch`` (:class:`~ddcnn.engine.callbacks.EarlyStopping`)."""
         s = self.settings
-        if not self.early_stopping.due(epoch, state.best_epoch, state.history):
+        if not self.early_stopping.due(epoch, state.best_epoch, state.history, state.num_classes):
             return
         state.stopped_epoch = epoch
         if self.fabric.global_rank == 0:

@@ -423,10 +423,27 @@ def _replay(
             lowered, bad = max(lr * factor, floor), 0
             if lr - lowered > 1e-8:  # torch's eps: a rate at its floor does not drop
                 lr, dropped = lowered, epoch
-        if epoch - since >= patience:
+        if epoch - since >= patience and not _still_improving(history[: epoch + 1], monitor, mode):
             stop = epoch
             break
     return kept, stop, rates
+
+
+def _still_improving(rows: list[dict], monitor: str, mode: str) -> bool:
+    """Early stopping waits while the last 3 epochs' mean of the monitor beats the 3 before by more than 1%, or that of
+    the training loss falls by more than 1% while the validation loss's does not rise by more than 1%."""
+    if len(rows) < 3:
+        return False
+    w = min(3, len(rows) // 2)
+
+    def change(key):
+        before = sum(r[key] for r in rows[-2 * w : -w]) / w
+        return (sum(r[key] for r in rows[-w:]) / w - before) / abs(before)
+
+    metric = change(monitor)
+    if (metric > 0.01) if mode == "max" else (metric < -0.01):
+        return True
+    return change("train_loss") < -0.01 and change("val_loss") <= 0.01
 
 
 def test_selection_early_stopping_and_the_plateau_scheduler_share_one_improvement_rule(tmp_path):
@@ -452,9 +469,13 @@ def test_selection_early_stopping_and_the_plateau_scheduler_share_one_improvemen
             assert len(set(rates)) > 1  # and the rate dropped though that epoch was better
         else:
             assert result.best_epoch == values.index(min(values))
-    # with min_delta = 1 no epoch ever improves on the first: it is kept, and the fit stops `patience` epochs later
+    # with min_delta = 1 no epoch ever improves on the first: it is kept, and the fit stops `patience` epochs later,
+    # or, while it still improves (its training loss falling by more than 1% between 3-epoch means), once it does not
     result = _fit(tmp_path / "one", patience=2, min_delta=1.0, max_epochs=30)
-    assert result.best_epoch == 0 and result.stopped_epoch == 2 and len(result.history) == 3
+    history = result.history
+    waited = [e for e in range(2, len(history)) if not _still_improving(history[: e + 1], "val_acc", "max")]
+    assert result.best_epoch == 0 and result.stopped_epoch == waited[0] == len(history) - 1
+    assert waited[0] > 2  # this toy fit still improves when the patience has run out
     with pytest.raises(ValueError, match="min_delta must be >= 0"):
         _fit(tmp_path / "bad", min_delta=-0.1)
 
