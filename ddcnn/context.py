@@ -104,7 +104,8 @@ def _accepts(target: str, name: str) -> bool:
 def load_data(settings: RunSettings) -> Prepared:
     """The prepared splits of ``data.source``, in memory or memory-mapped from the store as ``data.memory`` says
     (same numbers in every stage and process; see :mod:`ddcnn.data.prepare`), with ``data.val_target_fraction`` of
-    the validation split carved out as the held-out target split."""
+    the validation split (or, ``data.val_target_from: train``, of the training split) carved out as the held-out
+    target split."""
     d = settings.data
     target = str(d.source.get("_target_", ""))
     extra = {"lazy": True} if _accepts(target, "lazy") else {}
@@ -121,7 +122,7 @@ def load_data(settings: RunSettings) -> Prepared:
         stage_to=settings.store.stage_to,
     )
     fraction = d.val_target_fraction
-    return data.carve_val_target(fraction, d.split_seed) if fraction > 0 else data
+    return data.carve_val_target(fraction, d.split_seed, d.val_target_from) if fraction > 0 else data
 
 
 def open_context(

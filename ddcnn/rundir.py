@@ -205,7 +205,12 @@ def _drop(container: dict, dotted: str, prune: bool = False) -> None:
 
 # Settings added after run directories were first recorded, with the value that behaves as before they existed: at
 # that value they are left out of the fingerprint, so existing run directories (and the store's keys) stay valid.
-NEUTRAL_SETTINGS = {"engine.min_delta": 0.0, "data.val_target_fraction": 0.0, "methods.global_ensemble.k": "auto"}
+NEUTRAL_SETTINGS = {
+    "engine.min_delta": 0.0,
+    "data.val_target_fraction": 0.0,
+    "data.val_target_from": "val",
+    "methods.global_ensemble.k": "auto",
+}
 # Settings that change nothing while another one is null (setting -> the one it needs): left out of the fingerprint
 # then, whatever their value (engine.min_epochs only delays early stopping, which engine.patience=null switches off).
 INERT_WITHOUT = {"engine.min_epochs": "engine.patience"}

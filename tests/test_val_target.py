@@ -35,6 +35,35 @@ def test_the_target_split_is_a_stratified_part_of_validation_that_leaves_it(make
         assert torch.equal(carved.stored[split], whole.stored[split]) and torch.equal(carved.y[split], whole.y[split])
 
 
+def test_where_validation_is_too_small_the_target_split_is_carved_from_training(make_cfg):
+    """data.val_target_from=train: the target split is a stratified share of the training split, which keeps the rest;
+    validation and test are untouched, and the fingerprint tells the two sources apart (val, the default, leaves it
+    as it was)."""
+    whole = load_data(RunSettings.from_config(make_cfg()))
+    carved = load_data(RunSettings.from_config(make_cfg("data.val_target_fraction=0.2", "data.val_target_from=train")))
+    n_train, n_target = len(carved.y["train"]), len(carved.y["val_target"])
+    assert n_train + n_target == len(whole.y["train"]) and n_target == pytest.approx(
+        0.2 * len(whole.y["train"]), abs=10
+    )
+    assert carved.info["n_train"] == n_train and carved.info["val_target_from"] == "train"
+    key = lambda x: sorted(map(tuple, x.flatten(1).tolist()))  # noqa: E731
+    assert key(torch.cat([carved.stored["train"], carved.stored["val_target"]])) == key(whole.stored["train"])
+    for split in ("val", "test"):
+        assert torch.equal(carved.stored[split], whole.stored[split]) and torch.equal(carved.y[split], whole.y[split])
+    prints = {
+        source: fingerprint(
+            RunSettings.from_config(make_cfg("data.val_target_fraction=0.2", f"data.val_target_from={source}"))
+            .identity()
+            .settings
+        )
+        for source in ("val", "train")
+    }
+    plain = fingerprint(RunSettings.from_config(make_cfg("data.val_target_fraction=0.2")).identity().settings)
+    assert prints["val"] == plain != prints["train"]
+    with pytest.raises(ValueError, match="data.val_target_from must be one of val, train"):
+        RunSettings.from_config(make_cfg("data.val_target_fraction=0.2", "data.val_target_from=test"))
+
+
 def test_mapped_data_keep_the_carved_splits_in_a_worker(make_cfg):
     data = load_data(RunSettings.from_config(make_cfg("data.val_target_fraction=0.5", "data.memory.mode=mapped")))
     assert data.holding == "mapped"

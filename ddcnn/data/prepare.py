@@ -648,29 +648,34 @@ class Prepared:
             **{k: v for k, v in self.info.items() if k.startswith("rss_") or k in ("prepare_s", "built")},
         }
 
-    def carve_val_target(self, fraction: float, seed: int) -> Prepared:
-        """These data with ``fraction`` of the validation split (stratified, fixed by ``seed``) moved into a fourth
-        split, ``val_target``, that no choice sees (``data.val_target_fraction``; ``docs/protocol.md`` §3): every
-        training, selection and fit reads the rest as ``val``. Both parts are held in this process's memory (a copy
-        of the validation rows, also of mapped data)."""
-        groups = self.groups["val"] if self.groups else None
-        what = f"data.val_target_fraction={fraction}: the target split of the {len(self.y['val'])} validation samples"
-        keep, held = stratified_split(self.y["val"].numpy(), float(fraction), int(seed), groups, what)
+    def carve_val_target(self, fraction: float, seed: int, source: str = "val") -> Prepared:
+        """These data with ``fraction`` of the ``source`` split (``val``, or ``train`` where validation is too small
+        to halve; stratified, patient groups kept whole, fixed by ``seed``) moved into a fourth split,
+        ``val_target``, that no choice sees (``data.val_target_fraction``, ``data.val_target_from``;
+        ``docs/protocol.md`` §3): every training, selection and fit reads the rest as ``source``. Both parts are held
+        in this process's memory (a copy of the source rows, also of mapped data)."""
+        if source not in ("val", "train"):
+            raise ValueError(f"data.val_target_from must be val or train, got {source!r}.")
+        groups = self.groups[source] if self.groups else None
+        n = len(self.y[source])
+        name = "validation" if source == "val" else "training"
+        what = f"data.val_target_fraction={fraction}: the target split of the {n} {name} samples"
+        keep, held = stratified_split(self.y[source].numpy(), float(fraction), int(seed), groups, what)
         if not len(keep) or not len(held):
             raise ValueError(
-                f"data.val_target_fraction={fraction} leaves {len(keep)} validation and {len(held)} target sample(s) "
-                f"of {len(self.y['val'])}; each part needs at least one: lower it, or raise data.val_fraction."
+                f"data.val_target_fraction={fraction} leaves {len(keep)} {name} and {len(held)} target sample(s) "
+                f"of {n}; each part needs at least one: lower it, or raise data.val_fraction."
             )
         out = copy.copy(self)
-        val, labels = self.stored["val"], self.y["val"]
+        rows, labels = self.stored[source], self.y[source]
         keep_t, held_t = torch.from_numpy(keep), torch.from_numpy(held)
-        out.stored = {**self.stored, "val": val[keep_t].clone(), "val_target": val[held_t].clone()}
-        out.y = {**self.y, "val": labels[keep_t].clone(), "val_target": labels[held_t].clone()}
-        out._maps = {s: m for s, m in self._maps.items() if s != "val"}
+        out.stored = {**self.stored, source: rows[keep_t].clone(), "val_target": rows[held_t].clone()}
+        out.y = {**self.y, source: labels[keep_t].clone(), "val_target": labels[held_t].clone()}
+        out._maps = {s: m for s, m in self._maps.items() if s != source}
         out._normalizers, out._float = {}, {}
-        out.info = {**self.info, "n_val": len(keep), "n_val_target": len(held)}
+        out.info = {**self.info, f"n_{source}": len(keep), "n_val_target": len(held), "val_target_from": source}
         if groups is not None:
-            out.groups = {**self.groups, "val": groups[keep], "val_target": groups[held]}
+            out.groups = {**self.groups, source: groups[keep], "val_target": groups[held]}
         return out
 
     # --- processes ---
