@@ -107,6 +107,10 @@ class MemorySettings:
     limit_gb: float | None
 
 
+# Where data.val_target_fraction carves the target split from.
+VAL_TARGET_FROM = ("val", "train")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataSettings(PrepareSettings):
     """``data``: the source and its preparation. The preparation's fields and their checks are
@@ -117,6 +121,7 @@ class DataSettings(PrepareSettings):
     name: str
     source: dict
     val_target_fraction: float
+    val_target_from: str
     batch_size: int
     memory: MemorySettings
     augment: dict | None
@@ -138,6 +143,12 @@ class DataSettings(PrepareSettings):
             raise ValueError(
                 f"data.val_target_fraction must lie in [0, 1) (the share of the validation split kept for the fixed "
                 f"targets of docs/protocol.md; 0 = none), got {target!r}."
+            )
+        target_from = d("val_target_from")
+        if target_from not in VAL_TARGET_FROM:
+            raise ValueError(
+                f"data.val_target_from must be one of {', '.join(VAL_TARGET_FROM)} (the split the target split of "
+                f"data.val_target_fraction is carved from), got {target_from!r}."
             )
         num_classes = positive_int(d("num_classes"), "data.num_classes", auto=True)
         in_channels = positive_int(d("in_channels"), "data.in_channels", auto=True)
@@ -162,6 +173,7 @@ class DataSettings(PrepareSettings):
             image_size=_image_size(d("image_size"), int(dims)),
             val_fraction=float(frac),
             val_target_fraction=float(target),
+            val_target_from=str(target_from),
             split_seed=int(seed if split_seed is None else split_seed),
             split_seed_from_seed=split_seed is None,
             train_subset=d("train_subset"),
@@ -450,22 +462,44 @@ class ParallelSettings:
         return out
 
 
+# ``report.curves.points: all``: a point at every epoch, the test split evaluated at as many epochs as the default
+# count gives (spread geometrically, the last always), so a time to a target is read at every epoch while the test
+# split, which only reports, costs what it costs at the default.
+ALL_EPOCHS = "all"
+TEST_POINTS_WITH_ALL = 6
+
+
 @dataclass(frozen=True)
 class CurveSettings:
-    """``report.curves``: accuracy-versus-training-time curves (snapshot ``points`` per training)."""
+    """``report.curves``: accuracy-versus-training-time curves (snapshot ``points`` per training, or ``all``: every
+    epoch on the target split, the test split at :data:`TEST_POINTS_WITH_ALL` of them)."""
 
     enabled: bool
-    points: int
+    points: int | str
     max_train_rows: int
+
+    @property
+    def every_epoch(self) -> bool:
+        return self.points == ALL_EPOCHS
+
+    @property
+    def test_points(self) -> int:
+        """How many epochs the test split is evaluated at (spread as the points are)."""
+        return TEST_POINTS_WITH_ALL if self.every_epoch else int(self.points)
 
     @classmethod
     def read(cls, c: Section) -> CurveSettings:
-        out = cls(bool(c("enabled")), int(c("points") or 0), int(c("max_train_rows") or 0))
-        if out.points < 0 or out.max_train_rows < 0:
+        enabled, points, rows = bool(c("enabled")), c("points"), c("max_train_rows")
+        if isinstance(points, str) and points.strip().lower() == ALL_EPOCHS:
+            points = ALL_EPOCHS
+        elif isinstance(points, bool) or not isinstance(points, int | type(None)) or (points or 0) < 0:
             raise ValueError(
-                f"report.curves.points and max_train_rows must be >= 0, got points={out.points}, "
-                f"max_train_rows={out.max_train_rows}."
+                f"report.curves.points must be a whole number >= 0 (the epochs with a point) or '{ALL_EPOCHS}' (every "
+                f"epoch on the target split, the test split at {TEST_POINTS_WITH_ALL} of them), got {points!r}."
             )
+        out = cls(enabled, points if points == ALL_EPOCHS else int(points or 0), int(rows or 0))
+        if out.max_train_rows < 0:
+            raise ValueError(f"report.curves.max_train_rows must be >= 0, got {out.max_train_rows}.")
         c.done()
         return out
 

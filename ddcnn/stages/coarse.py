@@ -527,20 +527,51 @@ def run(
     return meta
 
 
+# A local net that early stopping ended before a curve epoch: its final outputs (the kept weights' ``probs_*.pt``)
+# and its whole training clock stand for it at that epoch, as they do in the final CNN-DNN.
+_FINISHED = "finished"
+
+
 def _snapshot_files(ctx: Context) -> dict[int, list]:
-    """``{epoch: [snapshot file of local net i, ...]}`` for the epochs every local net has a snapshot of."""
+    """``{epoch: [what local net i holds at that epoch, ...]}`` for every epoch some local net has a snapshot of: its
+    snapshot file, or :data:`_FINISHED` where the net had stopped before that epoch (its final outputs stand in), or
+    ``None`` where it has no snapshot there although it trained on (the epoch is then left out)."""
     n = ctx.decomposition.num_subdomains
     per_net = []
     for i in range(n):
         folder = ctx.run.stage_dir("local", i) / SNAPSHOT_DIR
         per_net.append({int(f.stem.split("_")[1]): f for f in folder.glob("epoch_*.pt")} if folder.is_dir() else {})
-    common = set.intersection(*(set(d) for d in per_net)) if per_net else set()
-    return {e: [d[e] for d in per_net] for e in sorted(common)}
+    if not per_net or not all(per_net):
+        return {}
+    epochs = sorted(set().union(*(set(d) for d in per_net)))
+    out = {}
+    for e in epochs:
+        held = [d.get(e, _FINISHED if e > max(d) else None) for d in per_net]
+        if None in held:
+            log.warning("coarse curve: a local net has no snapshot of epoch %d although it trained on; skipped", e)
+            continue
+        if any(h is not _FINISHED for h in held):  # an epoch after every net stopped is the final CNN-DNN's point
+            out[e] = held
+    return out
+
+
+def _final_snapshot(ctx: Context, subdomain: int, rows: torch.Tensor) -> dict:
+    """A finished local net as a snapshot: its saved outputs of every split (the training rows ``rows`` of them) and
+    its training clock at its end (``fit_time_s``)."""
+    folder = ctx.run.stage_dir("local", subdomain)
+    logits = {}
+    for split in (*SPLITS, TARGET_SPLIT):
+        path = folder / f"probs_{split}.pt"
+        if path.is_file():
+            saved = load_run_file(path)["logits"]
+            logits[split] = saved[rows] if split == "train" else saved
+    return {"time_s": float(ctx.run.meta("local", subdomain)["fit_time_s"]), "train_rows": rows, "logits": logits}
 
 
 def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
     """The CNN-DNN's and the averaging combiner's accuracy-versus-time curve from the local nets' snapshots (module
-    doc), or ``None`` when the local nets kept none."""
+    doc), or ``None`` when the local nets kept none. A point's test accuracy is there where every net's outputs of
+    that epoch include the test split (``report.curves.points: all`` evaluates it at a few epochs only)."""
     files = _snapshot_files(ctx)
     if not files:
         return None
@@ -548,8 +579,9 @@ def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
     n, k = ctx.decomposition.num_subdomains, ctx.data.num_classes
     points, averaging = [], []
     for epoch, paths in files.items():
-        snaps = [load_run_file(p) for p in paths]
-        rows = snaps[0]["train_rows"]
+        live = [load_run_file(p) for p in paths if p is not _FINISHED]
+        rows = live[0]["train_rows"]
+        snaps = [load_run_file(p) if p is not _FINISHED else _final_snapshot(ctx, i, rows) for i, p in enumerate(paths)]
         if any(not torch.equal(s["train_rows"], rows) for s in snaps):
             log.warning("coarse curve: the local nets' snapshots of epoch %d hold other training rows; skipped", epoch)
             continue
@@ -566,7 +598,8 @@ def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
         with tempfile.TemporaryDirectory() as folder:
             fitted = fit_coarse(net, x, y, folder, coarse, seed=seed, loop=ctx.settings.loop)
         coarse_s = time.perf_counter() - fit_start
-        val, test = _scores(fitted.net, x["val"], y["val"], "cpu"), _scores(fitted.net, x["test"], y["test"], "cpu")
+        val = _scores(fitted.net, x["val"], y["val"], "cpu")
+        test = _scores(fitted.net, x["test"], y["test"], "cpu") if "test" in x else {"acc": None, "loss": None}
         base = {"epoch": epoch, "local_max_s": max(times), "local_total_s": sum(times), "train_rows": len(rows)}
         target = {}
         if TARGET_SPLIT in x and TARGET_SPLIT in y:  # measured for the fixed targets, never chosen on
@@ -586,18 +619,18 @@ def cnn_dnn_curve(ctx: Context, kind: str, seed: int) -> dict | None:
             }
         )
         mean_val = _averaging_scores(x["val"], y["val"], kind)
-        mean_test = _averaging_scores(x["test"], y["test"], kind)
+        mean_test = _averaging_scores(x["test"], y["test"], kind) if "test" in x else {"acc": None}
         if target:
             target = {"val_target_acc": _averaging_scores(x[TARGET_SPLIT], y[TARGET_SPLIT], kind)["acc"]}
         averaging.append(
             {**base, "time_s": max(times), "val_acc": mean_val["acc"], "test_acc": mean_test["acc"], **target}
         )
         log.info(
-            "coarse curve: epoch %d, slowest local net %.1f s + coarse DNN %.1f s: val acc %.4f, test acc %.4f",
+            "coarse curve: epoch %d, slowest local net %.1f s + coarse DNN %.1f s: val acc %.4f%s",
             epoch,
             max(times),
             coarse_s,
             val["acc"],
-            test["acc"],
+            "" if test["acc"] is None else f", test acc {test['acc']:.4f}",
         )
     return {"input": kind, "cnn_dnn": points, "mean_prob": averaging}

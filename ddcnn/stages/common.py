@@ -40,6 +40,7 @@ __all__ = [
     "train_full_images",
     "curve_callbacks",
     "snapshot_epochs",
+    "curve_epochs",
     "snapshot_train_rows",
     "TestCurve",
     "LocalSnapshots",
@@ -223,6 +224,14 @@ def snapshot_epochs(max_epochs: int, points: int) -> list[int]:
     return sorted({max(1, round(max_epochs ** (i / (points - 1)))) for i in range(points)} | {max_epochs})
 
 
+def curve_epochs(curves, max_epochs: int) -> tuple[list[int], list[int]]:
+    """The epochs of a training's curve points and, among them, those that evaluate the test split
+    (``report.curves``, :class:`~ddcnn.settings.run.CurveSettings`): both :func:`snapshot_epochs` at ``points``, or
+    with ``points: all`` every epoch and the test split at ``test_points`` of them."""
+    test = snapshot_epochs(max_epochs, curves.test_points)
+    return (list(range(1, max_epochs + 1)) if curves.every_epoch else test), test
+
+
 def snapshot_train_rows(n_train: int, max_rows: int, seed: int) -> torch.Tensor:
     """The training rows whose local outputs a snapshot keeps: all, or a fixed random subset of ``max_rows`` (the
     same in every local net: it depends on the data's size and split seed only), sorted."""
@@ -267,21 +276,31 @@ class TestCurve:
 
 class LocalSnapshots(TestCurve):
     """:class:`TestCurve` that also keeps a local net's logits at each snapshot epoch (``snapshots/epoch_<e>.pt``:
-    the training rows of :func:`snapshot_train_rows`, the validation and test splits, in float16, and the training
-    clock): the coarse stage fits a coarse DNN on each to draw the CNN-DNN's curve."""
+    the training rows of :func:`snapshot_train_rows`, the validation and target splits and, at the ``test_epochs``
+    among them (default: all), the test split, in float16, and the training clock): the coarse stage fits a coarse
+    DNN on each to draw the CNN-DNN's curve."""
 
-    def __init__(self, dm: Batches, device, epochs: list[int], folder: Path, train_rows: torch.Tensor):
-        super().__init__(dm, device, epochs)
+    def __init__(
+        self,
+        dm: Batches,
+        device,
+        epochs: list[int],
+        folder: Path,
+        train_rows: torch.Tensor,
+        test_epochs: list[int] | None = None,
+    ):
+        super().__init__(dm, device, epochs if test_epochs is None else test_epochs)
+        self.snapshot_epochs = set(epochs)
         self.folder, self.train_rows = Path(folder) / SNAPSHOT_DIR, train_rows
 
     def on_validation_end(self, epoch: int, row: dict, net: nn.Module) -> dict | None:
-        if epoch + 1 not in self.epochs:
+        if epoch + 1 not in self.snapshot_epochs:
             return None
-        test, metrics = self._test(net)
+        test, metrics = self._test(net) if epoch + 1 in self.epochs else (None, None)
         logits = {
             "train": _logits(net, self.dm, "train", self.train_rows, self.device),
             "val": _logits(net, self.dm, "val", torch.arange(self.dm.size("val")), self.device),
-            "test": test,
+            **({"test": test} if test is not None else {}),
         }
         if TARGET_SPLIT in data_splits(self.dm):
             logits[TARGET_SPLIT] = _logits(
@@ -300,7 +319,7 @@ class LocalSnapshots(TestCurve):
 def curve_callbacks(ctx: Context, dm: Batches, device, max_epochs: int) -> list[TestCurve]:
     """The loop callbacks of a full-image training's accuracy-versus-time curve (none where curves are off)."""
     curves = ctx.settings.report.curves
-    return [TestCurve(dm, device, snapshot_epochs(max_epochs, curves.points))] if curves.enabled else []
+    return [TestCurve(dm, device, curve_epochs(curves, max_epochs)[1])] if curves.enabled else []
 
 
 def train_full_images(

@@ -10,9 +10,9 @@ from ddcnn.data.datamodule import PreparedBatches
 from ddcnn.engine.train import fit, seed_everything
 from ddcnn.stages.common import (
     LocalSnapshots,
+    curve_epochs,
     finish_stage,
     skip,
-    snapshot_epochs,
     snapshot_train_rows,
 )
 
@@ -44,9 +44,9 @@ def run(ctx: Context, device=None, subdomain: int = 0) -> dict:
     curves = ctx.settings.report.curves
     callbacks = []
     if curves.enabled:  # the local outputs at a few epochs: the CNN-DNN's accuracy-versus-time curve
-        epochs = snapshot_epochs(ctx.settings.loop.max_epochs, curves.points)
+        epochs, test_epochs = curve_epochs(curves, ctx.settings.loop.max_epochs)
         rows = snapshot_train_rows(len(ctx.data.y["train"]), curves.max_train_rows, ctx.settings.data.split_seed)
-        callbacks.append(LocalSnapshots(dm, device, epochs, folder, rows))
+        callbacks.append(LocalSnapshots(dm, device, epochs, folder, rows, test_epochs))
     result = fit(ctx.settings, net, dm, folder, start, callbacks, seed=seed, device=device)
     meta = finish_stage(
         ctx,

@@ -213,7 +213,8 @@ def test_patience_stops_every_training_of_a_run_and_the_cnn_dnn_curve_ends_where
     make_cfg, caplog
 ):
     """engine.patience is one early-stopping rule for the local nets, the global CNN and the optional methods; the
-    CNN-DNN's curve has the snapshot epochs every local net reached, then the final CNN-DNN. Every stage's meta.json
+    CNN-DNN's curve has the snapshot epochs some local net reached (a net stopped before one stands there with its
+    final outputs), then the final CNN-DNN. Every stage's meta.json
     says whether it converged: a training early stopping ended after fewer than 3 epochs did not (too short to judge),
     and the log says so with what to try."""
     # Monitoring the training loss for its *largest* value: the best epoch is an early one and the stop comes soon.
@@ -255,8 +256,8 @@ def test_patience_stops_every_training_of_a_run_and_the_cnn_dnn_curve_ends_where
     coarse = json.loads((run.stage_dir("coarse") / "meta.json").read_text())
     assert isinstance(coarse["converged"], bool) and {*CONVERGENCE_KEYS} <= set(coarse["convergence"])
     curve = json.loads((run.stage_dir("coarse") / CURVE_FILE).read_text())["cnn_dnn"]
-    reached_by_all = min(stop for (stage, _), stop in stops.items() if stage == "local") + 1
-    assert [p["epoch"] for p in curve] == list(range(1, reached_by_all + 1))
+    reached_by_one = max(stop for (stage, _), stop in stops.items() if stage == "local") + 1
+    assert [p["epoch"] for p in curve] == list(range(1, reached_by_one + 1))
     assert results["speedup_at_equal_accuracy"] is not None
     # Without it, the same run trains every epoch.
     plain = make_cfg("trainer.max_epochs=2", "stage=local", "subdomain=0", run_dir=Path(cfg.paths.run_dir) / "plain")
@@ -264,6 +265,54 @@ def test_patience_stops_every_training_of_a_run_and_the_cnn_dnn_curve_ends_where
     meta = json.loads((RunDir(plain.paths.run_dir).stage_dir("local", 0) / "meta.json").read_text())
     assert "stopped_epoch" not in meta and meta["convergence"]["stopped_by"] == "budget"
     assert meta["converged"] is False and meta["convergence"]["epochs"] == 2  # too short to judge
+
+
+def test_curve_points_all_read_the_target_split_every_epoch_and_the_test_split_at_a_few(make_cfg):
+    """report.curves.points=all: every training and the CNN-DNN (a coarse fit on each epoch's local outputs) have a
+    val_target accuracy at every epoch, the test split only at the default count's epochs; a local net stopped before
+    an epoch stands there with its final outputs and its whole training clock."""
+    from ddcnn.stages.common import snapshot_epochs
+
+    cfg = make_cfg(
+        "trainer.max_epochs=8",
+        "engine.patience=null",
+        "report.curves.enabled=true",
+        "report.curves.points=all",
+        "data.val_target_fraction=0.5",
+    )
+    train(cfg)
+    run = RunDir(cfg.paths.run_dir)
+    tested = snapshot_epochs(8, 6)
+    assert tested == [1, 2, 3, 5, 8]
+    with (run.stage_dir("global") / "logs" / "metrics.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 8 and all(r["val_target_acc"] for r in rows)
+    assert [int(r["epoch"]) + 1 for r in rows if r.get("test_acc")] == tested
+    snaps = sorted((run.stage_dir("local", 0) / "snapshots").glob("epoch_*.pt"))
+    assert len(snaps) == 8
+    with_test = [int(f.stem.split("_")[1]) for f in snaps if "test" in torch.load(f, weights_only=True)["logits"]]
+    assert with_test == tested
+    curve = json.loads((run.stage_dir("coarse") / CURVE_FILE).read_text())["cnn_dnn"]
+    assert [p["epoch"] for p in curve] == list(range(1, 9))
+    assert all(p["val_target_acc"] is not None for p in curve)
+    assert [p["epoch"] for p in curve if p["test_acc"] is not None] == tested
+
+
+def test_the_cnn_dnn_curve_stands_a_stopped_local_net_in_with_its_final_outputs(make_cfg):
+    """A local net that stopped before an epoch another still trained: its final outputs and its whole training clock
+    stand in for it at that epoch."""
+    from ddcnn.context import build_context
+    from ddcnn.stages.coarse import _FINISHED, _snapshot_files
+
+    cfg = make_cfg("trainer.max_epochs=3", "report.curves.enabled=true", "report.curves.points=all", "stage=local")
+    train(cfg)
+    run = RunDir(cfg.paths.run_dir)
+    (run.stage_dir("local", 1) / "snapshots" / "epoch_0003.pt").unlink()  # as if net 1 had stopped after epoch 2
+    ctx = build_context(cfg, claim=False)
+    files = _snapshot_files(ctx)
+    assert sorted(files) == [1, 2, 3] and files[3][1] is _FINISHED and files[2][1] is not _FINISHED
+    (run.stage_dir("local", 2) / "snapshots" / "epoch_0002.pt").unlink()  # a gap: net 2 trained on after it
+    assert sorted(_snapshot_files(ctx)) == [1, 3]
 
 
 def test_checkpoint_every_s_sets_when_last_ckpt_is_written(make_cfg, tmp_path):
