@@ -187,6 +187,21 @@ class Run:
         return str(self.overlap[0]) if len(set(self.overlap)) == 1 else "x".join(map(str, self.overlap))
 
 
+def _resolved_ensemble_size(path: Path, recorded: dict) -> dict:
+    """``recorded`` (a run's config.yaml) with ``methods.global_ensemble.k: auto`` replaced by the ``k`` it chose (its
+    ``global_ensemble/meta.json``): a run that chose 3 and one told 3 are one configuration (a page fixes ``k`` by one
+    run's ``auto``)."""
+    methods = recorded.get("methods") or {}
+    ensemble = methods.get("global_ensemble") or {}
+    meta = Path(path) / "global_ensemble" / "meta.json"
+    if ensemble.get("k") != "auto" or not meta.is_file():
+        return recorded
+    k = json.loads(meta.read_text()).get("k")
+    if k is None:
+        return recorded
+    return {**recorded, "methods": {**methods, "global_ensemble": {**ensemble, "k": int(k)}}}
+
+
 def load_run(path: str | Path) -> Run:
     """A run directory with ``results.json`` (the evaluate stage ran) and ``config.yaml``.
 
@@ -202,7 +217,7 @@ def load_run(path: str | Path) -> Run:
             f"stage finished (stage=all, or stage=evaluate afterwards)."
         )
     results = json.loads(results_file.read_text())
-    config = RunDir(path).recorded_config()
+    config = _resolved_ensemble_size(path, RunDir(path).recorded_config())
     dec = results["decomposition"]
     model = config.get("model") or {}
     return Run(

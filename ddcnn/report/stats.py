@@ -41,6 +41,8 @@ __all__ = [
     "BASELINE_NOT_CONVERGED",
     "t_quantile_975",
     "paired_difference",
+    "two_level_bootstrap",
+    "holm_verdict",
     "verdict",
     "all_converged",
     "EQUIVALENT",
@@ -215,6 +217,69 @@ def paired_bootstrap(
     tail = 100 * (1 - level) / 2
     low, high = np.percentile(means, [tail, 100 - tail])
     return float(low), float(high)
+
+
+def two_level_bootstrap(
+    differences: np.ndarray,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+    level: float = 0.95,
+    chunk: int = 250,
+) -> dict:
+    """The paired difference of two methods over seeds and test images together (``docs/protocol.md`` section 5a):
+    each resample draws the seeds with replacement and, once, the test images with replacement (the same image draw
+    for every seed: every seed is scored on the same images, so their sampling error is shared); its statistic is the
+    mean over the drawn seeds of each seed's mean difference on the drawn images.
+
+    Args:
+        differences: ``(seeds, images)``: per seed and test image, method minus baseline (for an accuracy: +1, 0 or
+            -1; averaged over a dataset's configurations first where the comparison pools them).
+        resamples, seed, level: Bootstrap resamples, the seed of NumPy's generator, the interval's coverage.
+        chunk: Resamples drawn at once (their image counts are ``chunk x images`` integers).
+
+    Returns:
+        ``{"difference", "low", "high", "p", "seeds", "images", "resamples", "seed"}``: the observed mean difference,
+        the percentile interval, the two-sided p (twice the smaller share of resamples at or beyond 0 on either side,
+        at least ``1 / resamples``), all as fractions (``x 100`` for points).
+
+    Raises:
+        ValueError: Without a seed or an image.
+    """
+    d = np.asarray(differences, dtype=np.float64)
+    if d.ndim != 2 or d.shape[0] < 1 or d.shape[1] < 1:
+        raise ValueError(f"a two-level bootstrap needs (seeds, images) differences, got shape {d.shape}.")
+    n_seeds, n_images = d.shape
+    rng = np.random.default_rng(seed)
+    stats = np.empty(int(resamples))
+    for start in range(0, int(resamples), chunk):
+        r = min(chunk, int(resamples) - start)
+        images = rng.multinomial(n_images, np.full(n_images, 1.0 / n_images), size=r)  # (r, images): counts
+        seeds = rng.multinomial(n_seeds, np.full(n_seeds, 1.0 / n_seeds), size=r)  # (r, seeds)
+        per_seed = (images @ d.T) / n_images  # (r, seeds): each seed's difference on this resample's images
+        stats[start : start + r] = (seeds * per_seed).sum(axis=1) / n_seeds
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(stats, [tail, 100 - tail])
+    p = min(1.0, 2 * min(float(np.mean(stats <= 0)), float(np.mean(stats >= 0))))
+    return {
+        "difference": float(d.mean()),
+        "low": float(low),
+        "high": float(high),
+        "p": max(p, 1.0 / int(resamples)),
+        "seeds": n_seeds,
+        "images": n_images,
+        "resamples": int(resamples),
+        "seed": int(seed),
+    }
+
+
+def holm_verdict(low: float | None, high: float | None, p_adjusted: float | None, margin: float, alpha: float = 0.05):
+    """A Holm-adjusted verdict (``docs/protocol.md`` section 5a): ``better`` / ``worse`` only when the adjusted p is
+    at most ``alpha`` and the interval excludes 0; ``equivalent`` when the interval lies inside ``(-margin, margin)``;
+    ``not distinguishable`` otherwise."""
+    verdict = margin_verdict(low, high, margin)
+    if verdict in (BETTER, WORSE) and (p_adjusted is None or p_adjusted > alpha):
+        return EQUIVALENT if -margin < low and high < margin else NOT_DISTINGUISHABLE
+    return verdict
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from ddcnn.report.stats import (
@@ -154,3 +155,54 @@ def test_one_runs_difference_over_its_test_images():
     a, b = _outcomes(30, 28, 9800, 142)
     near = image_paired_difference(a, b)
     assert -0.5 < near["low"] < 0 < near["high"] < 0.5 and near["verdict"] == EQUIVALENT
+
+
+def test_two_level_bootstrap_matches_its_exact_distribution_on_two_seeds_and_two_images():
+    """2 seeds x 2 images: a resample draws one of 4 ordered seed pairs and one of 4 ordered image pairs, 16 equally
+    likely outcomes, enumerated here by hand; the bootstrap's shares of each statistic match them."""
+    from itertools import product
+
+    from ddcnn.report.stats import two_level_bootstrap
+
+    d = np.array([[1.0, 0.0], [0.0, -1.0]])  # seed 0: +1 on image 0; seed 1: -1 on image 1
+    exact = []
+    for seeds, images in product(product(range(2), repeat=2), product(range(2), repeat=2)):
+        exact.append(np.mean([np.mean([d[s, i] for i in images]) for s in seeds]))
+    out = two_level_bootstrap(d, resamples=40_000, seed=1)
+    assert out["difference"] == pytest.approx(0.0) and out["seeds"] == 2 and out["images"] == 2
+    # the exact distribution: P(stat <= 0) and P(stat >= 0), the two-sided p is twice the smaller
+    p_exact = 2 * min(np.mean(np.array(exact) <= 0), np.mean(np.array(exact) >= 0))
+    assert out["p"] == pytest.approx(min(1.0, p_exact), abs=0.02)
+    quantiles = np.percentile(exact, [2.5, 97.5], method="inverted_cdf")  # of the exact distribution
+    assert (out["low"], out["high"]) == tuple(quantiles)
+
+
+def test_two_level_bootstrap_carries_both_the_image_and_the_seed_noise():
+    """Identical seeds: the image level alone, as wide as the one-level paired bootstrap; seeds that differ by a
+    constant on every image: the seed level alone (no image noise), as wide as the bootstrap of the seed means."""
+    from ddcnn.report.stats import paired_bootstrap, two_level_bootstrap
+
+    rng = np.random.default_rng(0)
+    a, b = rng.random(4000) < 0.9, rng.random(4000) < 0.88
+    same = np.stack([a.astype(float) - b] * 5)
+    out = two_level_bootstrap(same, resamples=4000)
+    low, high = paired_bootstrap(a, b, resamples=4000)
+    assert out["high"] - out["low"] == pytest.approx(high - low, rel=0.1)
+    shifts = np.array([0.01, 0.03, -0.02, 0.0, 0.02])
+    flat = np.repeat(shifts[:, None], 1000, axis=1)
+    out = two_level_bootstrap(flat, resamples=4000)
+    means = [rng.choice(shifts, 5).mean() for _ in range(4000)]
+    assert out["high"] - out["low"] == pytest.approx(np.percentile(means, 97.5) - np.percentile(means, 2.5), rel=0.15)
+    assert out["difference"] == pytest.approx(shifts.mean())
+    with pytest.raises(ValueError, match=r"\(seeds, images\)"):
+        two_level_bootstrap(np.zeros(5))
+
+
+def test_a_holm_verdict_needs_the_adjusted_p_and_equivalence_the_margin():
+    from ddcnn.report.stats import holm_verdict
+
+    assert holm_verdict(0.2, 1.0, 0.01, 0.5) == "better"
+    assert holm_verdict(0.2, 1.0, 0.2, 0.5) == "not distinguishable"  # its interval excludes 0, its adjusted p not
+    assert holm_verdict(0.1, 0.4, 0.2, 0.5) == "equivalent"  # inside the margin
+    assert holm_verdict(-1.2, -0.3, 0.001, 0.5) == "worse"
+    assert holm_verdict(-0.3, 0.8, 0.5, 0.5) == "not distinguishable"
