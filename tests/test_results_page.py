@@ -14,7 +14,11 @@ from ddcnn.report.compare import load_run
 from tests.conftest import REPO, load_script
 
 # The paired comparisons of the page: label -> the training whose convergence is its baseline's.
-PAIRED = {"CNN-DNN − global CNN": "global", "CNN-DNN − mean probability": "local"}
+PAIRED = {
+    "CNN-DNN − global CNN": "global",
+    "CNN-DNN − mean probability": "local",
+    "CNN-DNN − ensemble of global CNNs (mean probability)": "global_ensemble",
+}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,7 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
     assert sorted(manifest["runs"]) == ["digits/2x2_o0_s0", "digits/2x2_o2_s0"]
     for name, entry in manifest["runs"].items():
         assert entry["fingerprint"] == json.loads((workdir / name / "fingerprint.json").read_text())["fingerprint"]
-        assert entry["methods"]["cnn_dnn_probs"]["accuracy"] > 0
+        assert entry["methods"]["cnn_dnn_logits"]["accuracy"] > 0
     # the timing run trained the global CNN, the other run (accuracy phase) copied it from the store
     reused = ["reused_from" in json.loads((workdir / n / "global" / "meta.json").read_text()) for n in manifest["runs"]]
     assert sorted(reused) == [False, True]
@@ -83,7 +87,12 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
         for n in manifest["runs"]
     )
     # the paired differences over the two configurations (overlap 0 and 2) too
-    assert kinds == ["glance", "paired", "pooled", "report", "auc"] + (["devices"] if projected else [])
+    # first the primary verdicts of docs/protocol.md section 5a: Holm-adjusted, one family, each comparison once
+    assert kinds == ["primary", "glance", "paired", "pooled", "report", "auc"] + (["devices"] if projected else [])
+    assert "## Primary verdicts" in page and "| Holm-adjusted p |" in page
+    primary = results.primary_rows(workdir, sorted(manifest["runs"]))
+    assert [row["comparison"] for row in primary] == [what for what, *_ in results.PRIMARY]
+    assert all(row["p_holm"] >= row["p"] for row in primary)
     # the runs' own clock: from the first run's start to the last one's end
     assert "| training dates | 2 runs trained from " in page
     # each run's snapshot carries where each of its trainings stopped, and its epochs
@@ -94,7 +103,7 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
             assert (snap / stage / "meta.json").read_bytes() == (workdir / name / stage / "meta.json").read_bytes()
         assert (snap / "global" / "logs" / "metrics.csv").read_text().startswith("epoch")
     # the CNN-DNN's accuracy of the first run, as the report rounds it, is on the page
-    accuracy = manifest["runs"]["digits/2x2_o0_s0"]["methods"]["cnn_dnn_probs"]["accuracy"]
+    accuracy = manifest["runs"]["digits/2x2_o0_s0"]["methods"]["cnn_dnn_logits"]["accuracy"]
     assert f"| {100 * accuracy:.2f} |" in page
     # checked against the original run directories and against the committed snapshot alike
     assert results.check_manifest(page, manifest, workdir) == []
@@ -106,7 +115,7 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
 def test_check_fails_when_a_figure_on_the_page_is_altered(results, tiny):
     out, workdir = tiny
     page, manifest = _page_and_manifest(out)
-    line = next(line for line in page.splitlines() if "CNN-DNN (coarse DNN on probs)" in line)
+    line = next(line for line in page.splitlines() if "CNN-DNN (coarse DNN on logits)" in line)
     cell = re.search(r"\| (\d+\.\d\d) \|", line)
     altered_value = f"{float(cell.group(1)) + 0.01:.2f}"
     altered = page.replace(line, line.replace(cell.group(0), f"| {altered_value} |", 1))
@@ -128,8 +137,8 @@ def test_the_glance_table_pairs_the_cnn_dnn_with_averaging_by_seed(results, tiny
     for row, name in zip(rows, ["digits/2x2_o0_s0", "digits/2x2_o2_s0"], strict=True):
         assert row in page
         methods = manifest["runs"][name]["methods"]
-        lead = 100 * (methods["cnn_dnn_probs"]["accuracy"] - methods["mean_prob"]["accuracy"])
-        behind = 100 * (methods["cnn_dnn_probs"]["accuracy"] - methods["global"]["accuracy"])
+        lead = 100 * (methods["cnn_dnn_logits"]["accuracy"] - methods["mean_prob"]["accuracy"])
+        behind = 100 * (methods["cnn_dnn_logits"]["accuracy"] - methods["global"]["accuracy"])
         # one seed: the lead and no verdict, because one seed gives no interval or because the baseline (one epoch)
         # did not converge, as the run recorded it
         run = load_run(workdir / name)
@@ -152,12 +161,16 @@ def test_the_page_carries_the_reports_paired_differences_and_check_verifies_them
     assert paired["lines"] == [line for line in report.splitlines() if line.startswith("|")]
     assert "| difference | seeds | mean ± std (points) | 95% interval (points) | verdict |" in paired["lines"][0]
     rows = paired["lines"][2:]
-    # per overlap, the CNN-DNN against the global CNN and the mean probability (the tiny page has no DDP), one seed
+    # per overlap, the CNN-DNN against the global CNN, the mean probability and the ensemble of global CNNs whose k
+    # the first run chose (the tiny page has no DDP), one seed
+    ensemble = "CNN-DNN − ensemble of global CNNs (mean probability)"
     assert [r.split(" | ")[2:4] for r in rows] == [
         ["0", "CNN-DNN − global CNN"],
         ["0", "CNN-DNN − mean probability"],
+        ["0", ensemble],
         ["2", "CNN-DNN − global CNN"],
         ["2", "CNN-DNN − mean probability"],
+        ["2", ensemble],
     ]
     for r in rows:  # one seed: no interval; no verdict either against a baseline that did not converge
         run = load_run(workdir / f"digits/2x2_o{r.split(' | ')[2]}_s0")
@@ -348,9 +361,9 @@ def test_check_fails_when_a_run_wrote_other_figures(results, tiny, tmp_path):
     shutil.copytree(out / "results" / "runs", root)
     results_file = root / "digits" / "2x2_o2_s0" / "results.json"
     data = json.loads(results_file.read_text())
-    row = next(r for r in data["methods"] if r["key"] == "cnn_dnn_probs")
+    row = next(r for r in data["methods"] if r["key"] == "cnn_dnn_logits")
     row["accuracy"] = 1.0 - row["accuracy"]
-    data["flags"] = [{"method": "cnn_dnn_probs", "kind": "chance", "message": "at chance", "try": "lower the lr"}]
+    data["flags"] = [{"method": "cnn_dnn_logits", "kind": "chance", "message": "at chance", "try": "lower the lr"}]
     results_file.write_text(json.dumps(data))
     problems = results.check_manifest(page, manifest, root)
     assert any("SHA-256" in p for p in problems)
@@ -501,15 +514,19 @@ def test_timing_runs_come_first_per_seed_alone(results):
     assert [phase for phase, _ in order] == ["timing", "accuracy"] * 2
     timing, accuracy = order[0][1], order[1][1]
     # the first run of each dataset trains its global CNN and DDP (the others copy them from the store)
-    assert [s.name for s in timing] == ["mnist/2x2_o0_s0", "fashion_mnist/2x2_o0_s0", "adrenal3d/2x2x2_s0"]
+    first = ["mnist/2x2_o0_s0", "fashion_mnist/2x2_o0_s0", "adrenal3d/2x2x2_s0", "mnist_10k/2x2_o0_s0"]
+    assert [s.name for s in timing] == first
     assert len(accuracy) == 6 and all(s.seed == 0 for s in accuracy)
+    # and it fixes the ensemble's k for the dataset: auto there, the number it chose everywhere else
+    assert [results.k_source(d).name for d in results.plan(args)] == first
     assert sorted(s.name for _, runs in order for s in runs) == sorted(s.name for s in specs)
 
 
 def test_the_recipe_shares_one_threshold_and_keeps_the_cosine_schedule_whole(results):
     args = results._resolve(results._parser().parse_args([]))
     assert args.seeds == [0, 1, 2, 3, 4] and args.min_epochs == 8 and args.train_subset == results.TRAIN_SUBSET
-    mnist, _, adrenal = results.plan(args)
+    mnist, _, adrenal, large = results.plan(args)
+    assert large.seeds == (0, 1, 2) and "data.train_subset=10000" in large.overrides and large.grids == ("2x2",)
     (scheduler,) = [o for o in mnist.overrides if o.startswith("scheduler=")]
     assert "threshold:0.002,threshold_mode:abs" in scheduler and "patience:0" in scheduler
     assert "engine.min_delta=0.002" in mnist.overrides and "engine.patience=2" in mnist.overrides
@@ -648,12 +665,12 @@ def test_the_estimate_uses_only_seeds_with_every_planned_run(results, tmp_path):
     assert cost["adrenal3d"] == pytest.approx(seeds * 500.0)  # one run per seed planned: every seed is whole
     assert cost["fashion_mnist"] is None  # no run at all
     text = results.estimate_text(root, args)
-    assert "no estimate yet, the page's runs hold no seed with every run of fashion_mnist (an interim page)" in text
-    args.datasets = [key for key in args.datasets if key != "fashion_mnist"]  # the rest has an estimate
+    assert "no estimate yet, the page's runs hold no seed with every run of fashion_mnist, mnist_10k" in text
+    args.datasets = [key for key in args.datasets if key not in ("fashion_mnist", "mnist_10k")]  # the rest has one
     assert f"about {cost['mnist'] + cost['adrenal3d']:.0f} s CPU" in results.estimate_text(root, args)
-    assert "6.2 CPU-hours, within the 10 allowed" in results.estimate_text(root, args)
-    args.seeds = list(range(10))  # twice the seeds: over
-    assert "12.3 CPU-hours, over the 10 allowed" in results.estimate_text(root, args)
+    assert "6.2 CPU-hours, within the 14 allowed" in results.estimate_text(root, args)
+    args.seeds = list(range(17))  # 17 seeds: over
+    assert "21.0 CPU-hours, over the 14 allowed" in results.estimate_text(root, args)
 
 
 def test_the_cpu_of_a_process_tree_counts_its_ended_and_running_children(results):
