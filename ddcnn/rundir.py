@@ -209,11 +209,12 @@ NEUTRAL_SETTINGS = {
     "engine.min_delta": 0.0,
     "data.val_target_fraction": 0.0,
     "data.val_target_from": "val",
+    "engine.min_steps": 0,
     "methods.global_ensemble.k": "auto",
 }
 # Settings that change nothing while another one is null (setting -> the one it needs): left out of the fingerprint
 # then, whatever their value (engine.min_epochs only delays early stopping, which engine.patience=null switches off).
-INERT_WITHOUT = {"engine.min_epochs": "engine.patience"}
+INERT_WITHOUT = {"engine.min_epochs": "engine.patience", "engine.min_steps": "engine.patience"}
 
 _SHA256: dict[tuple, str] = {}
 
@@ -414,17 +415,21 @@ class RunDir:
         path = self.root / "config.yaml"
         return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else {}
 
-    def recorded_setting(self, key: str) -> Any:
-        """The value of setting ``key`` (dotted) in the directory's ``fingerprint.json`` (the settings that change
-        results, as the run that claimed it recorded them); ``None`` when the directory has no record or no such key."""
+    def recorded_settings(self) -> dict | None:
+        """The settings that change results as the run that claimed the directory recorded them
+        (``fingerprint.json``); ``None`` when the directory has no (readable) record."""
         path = self.root / "fingerprint.json"
         if not path.is_file():
             return None
         try:
-            settings = json.loads(path.read_text()).get("settings") or {}
+            return json.loads(path.read_text()).get("settings") or {}
         except ValueError:
             return None
-        return flatten(settings).get(key)
+
+    def recorded_setting(self, key: str) -> Any:
+        """The value of setting ``key`` (dotted) in :meth:`recorded_settings`; ``None`` when the directory has no
+        record or no such key."""
+        return flatten(self.recorded_settings() or {}).get(key)
 
     def is_done(self, stage: str, subdomain: int | None = None, generation: str | None = None) -> bool:
         """Whether the stage's ``done`` marker exists (with ``generation``: and holds that run generation)."""

@@ -265,7 +265,9 @@ def test_a_run_directory_written_before_the_settings_existed_stays_valid(name, t
     (probs), and claims the directory to resume it from the same command line under today's default (logits)."""
     import json
 
-    from ddcnn.rundir import CHANGED_DEFAULTS, RunDir
+    from ddcnn.rundir import CHANGED_DEFAULTS, RunDir, flatten
+    from ddcnn.settings.read import yaml_default
+    from ddcnn.settings.run import OLD_RECIPE, RECORD_ABSENT_MEANS
 
     recorded = json.loads((Path(__file__).parent / "fixtures" / "fingerprints_8de1352.json").read_text())[name]
     (tmp_path / "fingerprint.json").write_text(json.dumps({k: recorded[k] for k in ("fingerprint", "settings")}))
@@ -274,6 +276,11 @@ def test_a_run_directory_written_before_the_settings_existed_stays_valid(name, t
     identity = RunSettings.from_config(then).in_run_dir(tmp_path).identity()
     assert identity.settings == recorded["settings"] and identity.fingerprint == recorded["fingerprint"]
     then.data.split_seed = CHANGED_DEFAULTS["data.split_seed"][0]  # config.yaml records the split seed resolved
+    then_settings = flatten(recorded["settings"])
+    for key, old in OLD_RECIPE.items():  # and the recipe it resumes with: that time's defaults (issue #45)
+        at_old = then_settings.get(key, RECORD_ABSENT_MEANS.get(key)) == old
+        if at_old and OmegaConf.select(then, key) == yaml_default(key):
+            OmegaConf.update(then, key, old, force_add=True)
     assert identity.config_yaml == OmegaConf.to_yaml(then, resolve=True)  # config.yaml as it was written then
     assert RunDir(tmp_path).claim(identity) == recorded["fingerprint"]
     cfg = compose(recorded["overrides"], run_dir=str(tmp_path))

@@ -61,15 +61,18 @@ def call(callbacks, hook: str, *args: Any) -> list[Any]:
 class EarlyStopping:
     """Ends a training once ``patience`` epochs have passed since the kept epoch and, under the plateau scheduler,
     since its last drop of the learning rate (the lowered rate gets ``patience`` epochs to improve), not before
-    ``least_epochs`` (:func:`~ddcnn.engine.convergence.early_stop_due`), and not while the training still improves
+    ``least_epochs`` (:func:`~ddcnn.engine.convergence.early_stop_due`) nor ``min_steps`` optimizer steps (the
+    ``step`` of the last row); a stop that those held back (its patience ran out before, or on, ``min_epochs``) also
+    waits while the training still improves
     (:func:`~ddcnn.engine.convergence.still_improving`: the 3-epoch mean of the monitored metric, or of the training
-    loss while the validation loss does not rise, by more than 1%): a stop the patience rule asks for then waits, up to
-    the budget, which the convergence test flags. The same on every rank (the monitored metric is the all-reduced
+    loss while the validation loss does not rise, by more than 1%), up to the budget, which the convergence test
+    flags. The same on every rank (the monitored metric is the all-reduced
     one). Its state, the epoch it stopped after, is ``TrainState.stopped_epoch``; the drops and the trends are read
     from the training's history (its rows), which a resume restores."""
 
     def __init__(self, settings: LoopSettings) -> None:
         self.patience, self.least, self.max_epochs = settings.patience, settings.least_epochs, settings.max_epochs
+        self.least_steps = settings.min_steps
         self.monitor, self.mode = settings.monitor, settings.monitor_mode
         self.plateau = schedule_kind(settings.scheduler) == "plateau"
 
@@ -79,6 +82,13 @@ class EarlyStopping:
         drop = last_drop(history) if self.plateau else -1
         if not early_stop_due(epoch, best_epoch, self.patience, self.least, self.max_epochs, drop):
             return False
+        if self.least_steps and history and int(history[-1].get("step") or 0) < self.least_steps:
+            return False  # too few optimizer steps yet (engine.min_steps), however many epochs
+        since = max(best_epoch, drop - 1)
+        if epoch - since == self.patience and epoch + 1 > self.least:
+            return True  # the patience ran out now, by itself: the monitored metric stopped improving
+        # a stop that min_epochs or min_steps held back (or that falls on min_epochs) waits while the training still
+        # improves: the convergence test's "still improving at min_epochs"
         return still_improving(history, self.monitor, self.mode, num_classes) is None
 
 

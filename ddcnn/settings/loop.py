@@ -239,6 +239,12 @@ _min_epochs = _rule(
     "the training's epochs, rounded up), got {value!r}.",
     _or_none(int),
 )
+_min_steps = _rule(
+    lambda v: v is None or _is_whole(v, 0),
+    "{name} must be a whole number of optimizer steps >= 0 (early stopping never ends a training before it; 0 = no "
+    "such floor), got {value!r}.",
+    lambda v: 0 if v is None else int(v),
+)
 _seconds = _rule(
     lambda v: v is None or (_is_real(v) and v >= 0),
     "{name} must be >= 0 (0: after every epoch), got {value!r}.",
@@ -271,7 +277,20 @@ _optimizer = _rule(
     "{value!r}.",
     lambda v: plain_spec(v),
 )
-_scheduler = _rule(lambda v: True, "", lambda v: plain_spec(v) if v else None)
+# ``scheduler: plateau`` (the run's default, conf/config.yaml): a string, so that a node given on the command line or
+# in an experiment replaces it whole (a default node would be merged with it key by key).
+PLATEAU_DEFAULT = {
+    "_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau",
+    "_partial_": True,
+    "factor": 0.5,
+    "patience": 2,
+}
+_scheduler = _rule(
+    lambda v: not isinstance(v, str) or v == "plateau",
+    "{name} must be a Hydra _partial_ node of a scheduler, null (a constant rate) or plateau "
+    "(ReduceLROnPlateau(factor=0.5, patience=2)), got {value!r}.",
+    lambda v: dict(PLATEAU_DEFAULT) if v == "plateau" else plain_spec(v) if v else None,
+)
 _seed = _rule(
     lambda v: v is None or _is_whole(v, -(2**63)),
     "{name} must be a whole number (or null: the data's seed), got {value!r}.",
@@ -330,6 +349,8 @@ class LoopSettings:
         patience: Early stopping once this many epochs passed since the kept one (``None``: all epochs).
         min_delta: An improvement is one by more than this (absolute, the monitor's units).
         min_epochs: Early stopping never ends a training before this many epochs (``None``: half of ``max_epochs``).
+        min_steps: Nor before this many optimizer steps (on a few hundred images an epoch is a few steps: too few for
+            the batch-norm statistics and the rate to settle; ``0``: no such floor).
         num_devices: DDP ranks (1: one device).
         checkpoint_every_s: Write ``last.ckpt`` after the first epoch that ends this many seconds after the last
             write (``0``: every epoch); ``None``: every ``checkpoint_every`` epochs.
@@ -375,6 +396,7 @@ class LoopSettings:
     patience: int | None = _setting("engine.patience", _patience, default=None, resume="where_set")
     min_delta: float = _setting("engine.min_delta", _min_delta, default=0.0, resume="where_set")
     min_epochs: int | None = _setting("engine.min_epochs", _min_epochs, default=0, resume="where_set")
+    min_steps: int = _setting("engine.min_steps", _min_steps, default=0, resume="where_set")
     num_devices: int = _setting("engine.num_devices", _positive, default=1, null_is_default=True)
     checkpoint_every_s: float | None = _setting("engine.checkpoint_every_s", _seconds, default=None)
     channels_last: str | bool = _setting("engine.channels_last", _switch, default=False)

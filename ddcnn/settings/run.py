@@ -20,15 +20,17 @@ configuration before these settings existed, so run directories written then sta
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddcnn import registry
 from ddcnn.data.prepare import PrepareSettings
-from ddcnn.rundir import CHANGED_DEFAULTS, RunDir, RunIdentity
+from ddcnn.rundir import CHANGED_DEFAULTS, RunDir, RunIdentity, flatten
 from ddcnn.settings.loop import LoopSettings, check_srun_ddp
 from ddcnn.settings.read import AUTO, Section, positive_int, yaml_default
 
@@ -552,6 +554,32 @@ class StoreSettings:
 
 
 # --- the run -------------------------------------------------------------------------------------
+# The default training recipe before issue #45 (a constant rate, every epoch of a 15-epoch budget, the kept epoch by
+# validation accuracy; engine.min_steps did not exist): a run directory recorded with it resumes with it
+# (RunSettings.in_run_dir), so that its unfinished stages train as its finished ones did; a new one gets today's.
+OLD_RECIPE: dict[str, Any] = {
+    "trainer.max_epochs": 15,
+    "engine.monitor": "val_acc",
+    "engine.monitor_mode": "max",
+    "engine.patience": None,
+    "engine.min_epochs": None,
+    "engine.min_steps": 0,
+    "scheduler": None,
+}
+# What a record without the key held: min_epochs is left out while patience is null (INERT_WITHOUT), min_steps at 0
+# (NEUTRAL_SETTINGS), the scheduler's null kept.
+RECORD_ABSENT_MEANS: dict[str, Any] = {"engine.min_epochs": None, "engine.min_steps": 0}
+
+
+def _nested(plain: Mapping, dotted: str) -> Any:
+    node: Any = plain
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """One run's settings, checked: built once from the composed configuration at the entry
@@ -662,10 +690,50 @@ class RunSettings:
         return self if data is self.data else dataclasses.replace(self, data=data)
 
     def in_run_dir(self, run_dir: str | Path | None) -> RunSettings:
-        """These settings for resuming run directory ``run_dir``: where ``data.split_seed`` was null (the run's seed)
-        and the directory recorded the old default split seed (:data:`ddcnn.rundir.CHANGED_DEFAULTS`: 0, from before
-        the seed drew the data), the split seed that directory's stages trained on, so that it resumes on their data.
-        Otherwise these settings unchanged."""
+        """These settings for resuming run directory ``run_dir``: each setting of the training recipe at today's
+        default where the directory recorded the default before it (:data:`OLD_RECIPE`) takes the recorded one, and
+        where ``data.split_seed`` was null (the run's seed) and the directory recorded the old default split seed
+        (:data:`ddcnn.rundir.CHANGED_DEFAULTS`: 0, from before the seed drew the data), the split seed that
+        directory's stages trained on: so that it resumes as its finished stages trained, on their data. Otherwise
+        these settings unchanged."""
+        settings = self._with_old_recipe(run_dir)
+        return settings._with_old_split_seed(run_dir)
+
+    def _with_old_recipe(self, run_dir: str | Path | None) -> RunSettings:
+        """:meth:`in_run_dir`'s recipe part: the settings of :data:`OLD_RECIPE` that are at today's YAML default here
+        and at the old default in ``run_dir``'s record take the old value (logged once)."""
+        record = RunDir(run_dir).recorded_settings() if run_dir is not None else None
+        if not record:
+            return self
+        then, now = flatten(record), flatten(self.recorded)
+        older = {}
+        for key, old in OLD_RECIPE.items():
+            new = yaml_default(key)
+            current = _nested(self.recorded, key) if key == "scheduler" else now.get(key)
+            recorded = _nested(record, key) if key == "scheduler" else then.get(key, RECORD_ABSENT_MEANS.get(key))
+            if current == new != old and recorded == old:
+                older[key] = old
+        if not older:
+            return self
+        log.info(
+            "run directory %s was recorded with the default training recipe before issue #45 (%s): it resumes with "
+            "it; a new run directory trains with today's (conf/engine/default.yaml)",
+            run_dir,
+            ", ".join(f"{k}={v}" for k, v in older.items()),
+        )
+        plain = copy.deepcopy(self.recorded)
+        if self.data.split_seed_from_seed:  # recorded resolved; read again as given (null: the run's seed)
+            plain["data"]["split_seed"] = None
+        for key, value in older.items():
+            *parents, leaf = key.split(".")
+            node = plain
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        return RunSettings.from_config(plain)
+
+    def _with_old_split_seed(self, run_dir: str | Path | None) -> RunSettings:
+        """:meth:`in_run_dir`'s split-seed part."""
         old = CHANGED_DEFAULTS["data.split_seed"][0]
         if run_dir is None or not self.data.split_seed_from_seed or self.data.split_seed == old:
             return self

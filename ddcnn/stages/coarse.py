@@ -193,6 +193,7 @@ def coarse_loop(
         monitor_mode="max" if coarse.monitor == "val_acc" else "min",
         patience=coarse.patience,
         min_epochs=0,
+        min_steps=0,
         min_delta=0.0,
         checkpoint_every=int(every),
         checkpoint_every_s=None,

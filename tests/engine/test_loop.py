@@ -404,7 +404,15 @@ def test_the_plateau_scheduler_counts_an_improvement_as_selection_does():
 
 
 def _replay(
-    history: list[dict], monitor: str, mode: str, min_delta: float, patience: int, factor: float, waits: int, floor=0.0
+    history: list[dict],
+    monitor: str,
+    mode: str,
+    min_delta: float,
+    patience: int,
+    factor: float,
+    waits: int,
+    floor=0.0,
+    least=0,
 ):
     """The improvement rule replayed over a fit's history: the kept epoch, the stop and the learning rates it gives."""
     from ddcnn.engine.convergence import improves
@@ -423,7 +431,13 @@ def _replay(
             lowered, bad = max(lr * factor, floor), 0
             if lr - lowered > 1e-8:  # torch's eps: a rate at its floor does not drop
                 lr, dropped = lowered, epoch
-        if epoch - since >= patience and not _still_improving(history[: epoch + 1], monitor, mode):
+        # a stop the patience reaches by itself ends the training; one that min_epochs held back waits while the
+        # training still improves
+        due = epoch - since >= patience and epoch + 1 >= least
+        if due and (
+            (epoch - since == patience and epoch + 1 > least)
+            or not _still_improving(history[: epoch + 1], monitor, mode)
+        ):
             stop = epoch
             break
     return kept, stop, rates
@@ -469,13 +483,16 @@ def test_selection_early_stopping_and_the_plateau_scheduler_share_one_improvemen
             assert len(set(rates)) > 1  # and the rate dropped though that epoch was better
         else:
             assert result.best_epoch == values.index(min(values))
-    # with min_delta = 1 no epoch ever improves on the first: it is kept, and the fit stops `patience` epochs later,
-    # or, while it still improves (its training loss falling by more than 1% between 3-epoch means), once it does not
+    # with min_delta = 1 no epoch ever improves on the first: it is kept, and the fit stops `patience` epochs later
     result = _fit(tmp_path / "one", patience=2, min_delta=1.0, max_epochs=30)
+    assert result.best_epoch == 0 and result.stopped_epoch == 2 and len(result.history) == 3
+    # held back by min_epochs, the stop waits while the training still improves (its training loss falling by more
+    # than 1% between 3-epoch means), and comes once it does not
+    result = _fit(tmp_path / "held", patience=2, min_delta=1.0, max_epochs=30, min_epochs=5)
     history = result.history
-    waited = [e for e in range(2, len(history)) if not _still_improving(history[: e + 1], "val_acc", "max")]
+    waited = [e for e in range(4, len(history)) if not _still_improving(history[: e + 1], "val_acc", "max")]
     assert result.best_epoch == 0 and result.stopped_epoch == waited[0] == len(history) - 1
-    assert waited[0] > 2  # this toy fit still improves when the patience has run out
+    assert waited[0] > 4  # this toy fit still improves when min_epochs lets the stop come
     with pytest.raises(ValueError, match="min_delta must be >= 0"):
         _fit(tmp_path / "bad", min_delta=-0.1)
 

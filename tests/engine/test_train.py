@@ -120,7 +120,7 @@ def test_every_key_of_the_trainer_and_engine_configs_is_one_the_loop_implements(
         ("+trainer.gradient_clip_algorithm=max", "'norm' .* or 'value'"),
         ("trainer.limit_train_batches=0", "trains nothing"),
         ("trainer.limit_val_batches=1.5", "as a fraction must be in"),
-        ("trainer.limit_val_batches=0", r"skips validation, so engine.monitor=val_acc .* engine.monitor=train_loss"),
+        ("trainer.limit_val_batches=0", r"skips validation, so engine.monitor=val_loss .* engine.monitor=train_loss"),
         ("+trainer.accumulate_grad_batches=0", "accumulate_grad_batches must be a positive whole number"),
         ("engine.monitor=acc", "engine.monitor must be one of"),
         ("engine.monitor_mode=up", "engine.monitor_mode must be 'max' or 'min'"),
@@ -129,12 +129,15 @@ def test_every_key_of_the_trainer_and_engine_configs_is_one_the_loop_implements(
         ("engine.patience=true", "engine.patience must be a whole number"),
         ("engine.min_delta=-0.01", r"engine.min_delta must be >= 0 .* in engine.monitor.s units"),
         ("engine.min_epochs=-1", r"engine.min_epochs must be a whole number of epochs >= 0 .* or null \(half"),
-        ("engine.patience=2 engine.min_epochs=3", r"engine.min_epochs=3 is more than trainer.max_epochs=1"),
+        (
+            "engine.patience=2 engine.min_epochs=3 scheduler=null",
+            r"engine.min_epochs=3 is more than trainer.max_epochs=1",
+        ),
         # a fixed-length schedule is never cut short
         (f"engine.patience=2 {COSINE_NODE}", r"cut a fixed-length .* Drop engine.patience .* scheduler=\{_target_:"),
         # the plateau scheduler waits at least 2 epochs less than early stopping, and counts improvements alike
         (f"engine.patience=2 {PLATEAU_NODE}", r"engine.patience=2 with scheduler.patience=1: .* engine.patience>=3"),
-        (f"{PLATEAU_NODE[:-1]},mode:min}}", r"scheduler.mode='min': .* engine.monitor_mode"),
+        (f"{PLATEAU_NODE[:-1]},mode:max}}", r"scheduler.mode='max': .* engine.monitor_mode"),
         (f"engine.min_delta=0.01 {PLATEAU_NODE[:-1]},threshold:0.001}}", r"scheduler.threshold=0.001: .* Remove"),
     ],
 )
@@ -223,6 +226,8 @@ def test_patience_stops_every_training_of_a_run_and_the_cnn_dnn_curve_ends_where
         "trainer.max_epochs=6",
         "engine.patience=1",
         "engine.min_epochs=1",
+        "scheduler=null",  # a constant rate: a patience of 1 is below the default plateau schedule's 2 + 2
+        "engine.min_steps=0",  # 4 steps an epoch here: the default floor of 200 steps would hold every stop back
         "engine.monitor=train_loss",
         "engine.monitor_mode=max",
         "report.curves.enabled=true",
@@ -670,13 +675,14 @@ def test_min_epochs_stays_out_of_the_fingerprint_while_early_stopping_is_off(mak
     valid. With early stopping it is."""
     from ddcnn.rundir import fingerprint
 
-    plain = RunSettings.from_config(make_cfg()).identity().settings
-    assert "min_epochs" not in plain["engine"] and "patience" in plain["engine"]
-    assert fingerprint(RunSettings.from_config(make_cfg("engine.min_epochs=4")).identity().settings) == fingerprint(
-        plain
-    )
+    plain = RunSettings.from_config(make_cfg("engine.patience=null")).identity().settings
+    assert "min_epochs" not in plain["engine"] and "min_steps" not in plain["engine"] and "patience" in plain["engine"]
+    inert = make_cfg("engine.patience=null", "engine.min_epochs=4", "engine.min_steps=50")
+    assert fingerprint(RunSettings.from_config(inert).identity().settings) == fingerprint(plain)
     stopping = [
-        RunSettings.from_config(make_cfg("engine.patience=3", "trainer.max_epochs=8", f"engine.min_epochs={m}"))
+        RunSettings.from_config(
+            make_cfg("engine.patience=3", "scheduler=null", "trainer.max_epochs=8", f"engine.min_epochs={m}")
+        )
         .identity()
         .settings
         for m in ("null", 2, 4)

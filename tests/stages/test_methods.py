@@ -235,7 +235,12 @@ def test_cosine_schedule_anneals_over_each_stages_own_epochs():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     assert scheduler_factory(cfg.scheduler, 5)(opt).T_max == 5  # a local net or the global CNN
     assert scheduler_factory(cfg.scheduler, 40)(opt).T_max == 40  # the coarse DNN: its own coarse.max_epochs
-    assert scheduler_factory(compose_config().get("scheduler"), 5) is None
+    # the default (scheduler: plateau) is ReduceLROnPlateau(factor=0.5, patience=2), read by the loop's settings
+    default = RunSettings.from_config(compose_config()).loop.scheduler
+    plateau = scheduler_factory(default, 5)(opt)
+    assert isinstance(plateau, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    assert (plateau.factor, plateau.patience) == (0.5, 2)
+    assert scheduler_factory(RunSettings.from_config(compose_config(["scheduler=null"])).loop.scheduler, 5) is None
 
 
 def test_every_registered_stage_gives_a_results_row_with_accuracy_time_and_speedup(finished):

@@ -32,7 +32,9 @@ MATTERS = [
     "optimizer.lr=0.01",
     "trainer.max_epochs=2",
     "trainer.precision=bf16-mixed",
-    "engine.patience=2",
+    "engine.patience=6",
+    "engine.min_epochs=1",
+    "engine.min_steps=10",
     "data.batch_size=16",
     "data.train_subset=200",
     "+data.augment.flip_axes=[1]",
@@ -51,7 +53,6 @@ DOES_NOT_MATTER = [
     "force=true",
     "store.stage_to=/tmp/elsewhere",
     "+global_model=${model}",  # the same network, named as the global one
-    "engine.min_epochs=3",  # it only delays early stopping, which engine.patience=null switches off
 ]
 
 
