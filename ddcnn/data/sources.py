@@ -269,7 +269,11 @@ def image_folder(
         background: Grey level 0..255 under transparent pixels and around padded images.
         on_bad_file: ``error`` or ``skip`` unreadable and truncated files.
         duplicates: ``report`` or ``drop`` identical images.
-        in_channels: 1, 3 or ``auto`` (3 when some image is in colour), from ``data.in_channels``.
+        in_channels: 1, 3 or ``auto``, from ``data.in_channels``: ``auto`` reads the majority's channels, 3 when at
+            least half of the images are in colour (a tie keeps colour), else 1; an image is colour when two of its
+            channels differ beyond a tolerance somewhere, so an RGB file with equal channels is grey
+            (:func:`ddcnn.data.images.decide_channels` says it fully). The counts and the decision are logged and
+            recorded (``Splits.report["channels"]``).
     """
     from ddcnn.data.images import BAD_FILE_POLICIES, DUPLICATE_POLICIES, RESIZE_MODES, read_folder
 
@@ -292,6 +296,7 @@ def image_folder(
             f"data.source.grayscale must be true, false or null (follow data.in_channels), got {grayscale!r}."
         )
     channels = None if in_channels == "auto" else int(in_channels)
+    set_by = None if channels is None else f"data.in_channels={channels}"
     if grayscale is not None:
         wanted = 1 if grayscale else 3
         if channels is not None and channels != wanted:
@@ -299,7 +304,7 @@ def image_folder(
                 f"data.source.grayscale={str(grayscale).lower()} reads {wanted} channel(s) but data.in_channels="
                 f"{channels}; set one of them (data.source.grayscale=null follows data.in_channels)."
             )
-        channels = wanted
+        channels, set_by = wanted, f"data.source.grayscale={str(grayscale).lower()}"
     if isinstance(image_size, int):
         image_size = (image_size, image_size)
     if image_size is not None and (len(image_size) != 2 or min(int(v) for v in image_size) < 1):
@@ -309,6 +314,7 @@ def image_folder(
         image_size=image_size,
         resize_mode=resize_mode,
         in_channels=channels,
+        channels_set_by=set_by,
         background=background,
         on_bad_file=on_bad_file,
         duplicates=duplicates,
@@ -541,4 +547,10 @@ def source_identity(spec: dict) -> dict:
             paths.append(path)
         elif path.is_dir():
             paths += _visible_files(path)
-    return {"files": _files_digest(paths)} if paths else {}
+    if not paths:
+        return {}
+    if target.endswith(".image_folder"):
+        from ddcnn.data.images import CHANNEL_RULE
+
+        return {"channel_rule": CHANNEL_RULE, "files": _files_digest(paths)}
+    return {"files": _files_digest(paths)}
