@@ -25,9 +25,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ __all__ = [
     "read_image",
     "FolderImages",
     "read_folder",
+    "class_map_override",
 ]
 
 RESIZE_MODES = ("stretch", "pad", "center_crop")
@@ -250,20 +252,48 @@ def _visible_files(folder: Path) -> list[Path]:
     return sorted(out, key=lambda p: p.relative_to(folder).parts)
 
 
-def _layout(root: Path) -> tuple[dict[str, Path], list[str]]:
-    """``({split: folder}, class_names)``: a published split (``train/``, ``val|valid/``, ``test/`` of class folders)
-    or class folders (one ``train`` holding them all)."""
+def _layout(root: Path, class_map: Mapping[str, str] | None = None) -> tuple[dict[str, Path], list[str], dict]:
+    """``({split: folder}, class_names, members)``: a published split (``train/``, ``val|valid/``, ``test/`` of class
+    folders) or class folders (one ``train`` holding them all). A class is a folder's name as ``class_map`` maps it
+    (itself when the map does not name it); ``members[split][label]`` are the folder names that make class ``label``
+    in ``split`` (several when the map sends several folders to one class)."""
     dirs = _visible_dirs(root)
     named = {d: s for d in dirs for s, names in SPLIT_FOLDERS.items() if d.name.lower() in names}
     if not named:
-        classes = [d.name for d in dirs]
-        if len(classes) < 2:
+        if len(dirs) < 2:
             raise ValueError(
-                f"image folder {root} has {len(classes)} class sub-folder(s); a classifier needs at least 2. Put the "
+                f"image folder {root} has {len(dirs)} class sub-folder(s); a classifier needs at least 2. Put the "
                 f"images of each class in their own sub-folder (ROOT/<class>/...), or a published split as "
                 f"ROOT/train/<class>/..., ROOT/test/<class>/... (and optionally ROOT/val/<class>/...)."
             )
-        return {"train": root}, classes
+        folders = {"train": root}
+    else:
+        folders = _split_folders(root, dirs, named)
+    names = {s: [d.name for d in _visible_dirs(f)] for s, f in folders.items()}
+    class_map = dict(class_map or {})
+    unknown = sorted(set(class_map) - {n for ns in names.values() for n in ns})
+    if unknown:
+        present = "; ".join(f"{_slash(root, folders[s])}: {_names(ns)}" for s, ns in names.items())
+        raise ValueError(
+            f"data.source.class_map names folder(s) that {root} does not hold: {_names(unknown)}. Its keys are "
+            f"class folder names as they are on disk ({present}); correct or remove those entries."
+        )
+    classes = {s: sorted({class_map.get(n, n) for n in ns}) for s, ns in names.items()}
+    reference = classes["train"]
+    if any(c != reference for c in classes.values()):
+        raise ValueError(_class_mismatch(root, folders, names, classes, class_map))
+    if len(reference) < 2:
+        where = f"{folders['train'].name}/ has" if len(folders) > 1 or folders["train"] != root else "has"
+        raise ValueError(
+            f"image folder {root}: {where} {len(reference)} class(es); a classifier needs at least 2."
+            + (" data.source.class_map sends every folder to one class." if class_map else "")
+        )
+    members = {s: [[n for n in ns if class_map.get(n, n) == c] for c in reference] for s, ns in names.items()}
+    return folders, reference, members
+
+
+def _split_folders(root: Path, dirs: list[Path], named: dict[Path, str]) -> dict[str, Path]:
+    """The split folders of a published split, in :data:`SPLIT_FOLDERS` order, checked."""
     others = [d.name for d in dirs if d not in named]
     if others:
         raise ValueError(
@@ -284,23 +314,145 @@ def _layout(root: Path) -> tuple[dict[str, Path], list[str]]:
             f"image folder {root} has the split folders {', '.join(d.name for d in named)} but no train/ folder; a "
             f"published split needs ROOT/train/<class>/... (validation and test are carved from it when absent)."
         )
-    folders = {s: folders[s] for s in SPLIT_FOLDERS if s in folders}
-    classes = {s: [d.name for d in _visible_dirs(f)] for s, f in folders.items()}
-    reference = classes["train"]
-    for split, names in classes.items():
-        if names != reference:
-            missing, extra = sorted(set(reference) - set(names)), sorted(set(names) - set(reference))
-            raise ValueError(
-                f"image folder {root}: the class folders of {folders[split].name}/ differ from those of "
-                f"{folders['train'].name}/ (missing there: {missing or 'none'}; not in train: {extra or 'none'}). "
-                f"Every split needs the same class folders, so that a label means the same class in each."
+    return {s: folders[s] for s in SPLIT_FOLDERS if s in folders}
+
+
+def _slash(root: Path, folder: Path) -> str:
+    return "ROOT/" if folder == root else f"{folder.name}/"
+
+
+def _alnum(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def _same_class(a: str, b: str) -> bool:
+    """Whether two folder names plausibly name one class: equal up to case and non-alphanumerics (``Normal`` and
+    ``normal``, ``large.cell`` and ``large_cell``), or one begins the other up to a non-alphanumeric character
+    (``adenocarcinoma`` and ``adenocarcinoma_left.lower.lobe_T2_N0_M0_Ib``; not ``cat`` and ``category``)."""
+    if _alnum(a) and _alnum(a) == _alnum(b):
+        return True
+    short, long = sorted((a.lower(), b.lower()), key=len)
+    return len(short) < len(long) and long.startswith(short) and not long[len(short)].isalnum()
+
+
+def _pairs(missing: list[str], extra: list[str]) -> list[tuple[str, str]]:
+    """The ``(missing, extra)`` names that pair one to one by :func:`_same_class` (a name with two candidates pairs
+    with none: a guess between them would be a coin toss)."""
+    out = []
+    for m in missing:
+        candidates = [e for e in extra if _same_class(m, e)]
+        if len(candidates) == 1 and sum(_same_class(o, candidates[0]) for o in missing) == 1:
+            out.append((m, candidates[0]))
+    return out
+
+
+def _effective(class_map: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in class_map.items() if k != v}
+
+
+# Hydra's override grammar (hydra/grammar/OverrideLexer.g4): a dict key is unquoted, made of ASCII letters, digits and
+# these characters, or of the ones escaped with a backslash; a key that reads as a number, true, false or null is not
+# a name (only a plain whole number comes back as its text: data.source.class_map's check reads it as one).
+_HYDRA_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-/+.$%*@?|")
+_HYDRA_ESCAPED = frozenset("\\()[]{}:=, \t")
+_HYDRA_NOT_NAMES = re.compile(r"[+-]?(\d[\d_]*\.?[\d_]*(e[+-]?\d+)?|\.\d+(e[+-]?\d+)?|inf|nan|true|false|null)", re.I)
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-.]*")
+
+
+def _hydra_key(name: str) -> str | None:
+    """``name`` as Hydra's override grammar reads it back as a dict key, or ``None`` where it cannot."""
+    if "${" in name or any(ch not in _HYDRA_KEY_CHARS and ch not in _HYDRA_ESCAPED for ch in name):
+        return None
+    if _HYDRA_NOT_NAMES.fullmatch(name) and not re.fullmatch(r"0|[1-9]\d*", name):
+        return None
+    return "".join(f"\\{ch}" if ch in _HYDRA_ESCAPED else ch for ch in name)
+
+
+def _hydra_value(name: str) -> str | None:
+    """``name`` as a Hydra override value that reads back as this text (quoted unless a plain name)."""
+    if _PLAIN_NAME.fullmatch(name) and not _HYDRA_NOT_NAMES.fullmatch(name):
+        return name
+    if any(ch in name for ch in '"\\') or "${" in name or not name.isprintable():
+        return None
+    return f'"{name}"'
+
+
+def class_map_override(class_map: Mapping[str, str]) -> str | None:
+    """The command-line setting ``data.source.class_map={folder: class, ...}`` of ``class_map``, quoted for a POSIX
+    shell, or ``None`` when a name cannot be typed in a Hydra override (non-ASCII letters, quotes)."""
+    import shlex
+
+    items = []
+    for folder, name in _effective(class_map).items():
+        key, value = _hydra_key(folder), _hydra_value(name)
+        if key is None or value is None:
+            return None
+        items.append(f"{key}: {value}")
+    return shlex.quote(f"data.source.class_map={{{', '.join(items)}}}")
+
+
+def _class_mismatch(root: Path, folders: dict, names: dict, classes: dict, class_map: dict) -> str:
+    """The refusal of splits whose classes differ: what is missing where, and the ``data.source.class_map`` setting
+    that pairs the names it can pair (:func:`_pairs`; a pair's shorter name becomes the class, on a tie train's)."""
+    train, train_at = set(classes["train"]), _slash(root, folders["train"])
+    group = {c: c for s in classes for c in classes[s]}  # union-find over class names: paired names, one class
+
+    def find(c: str) -> str:
+        while group[c] != c:
+            c = group[c]
+        return c
+
+    differences, unpaired = [], []
+    for split, have in classes.items():
+        where = _slash(root, folders[split])
+        missing, extra = sorted(train - set(have)), sorted(set(have) - train)
+        differences += [f"missing in {where}: {_names(missing)}"] if missing else []
+        differences += [f"in {where} but not in {train_at}: {_names(extra)}"] if extra else []
+        pairs = _pairs(missing, extra)
+        for m, e in pairs:
+            group[find(e)] = find(m)
+        paired = {n for p in pairs for n in p}
+        unpaired += [f"{m} (missing in {where})" for m in missing if m not in paired]
+        unpaired += [f"{e} (in {where} only)" for e in extra if e not in paired]
+    members = defaultdict(set)
+    for c in group:
+        members[find(c)].add(c)
+    chosen = {c: min(ms, key=lambda n: (len(n), n not in train, n)) for ms in members.values() for c in ms}
+    suggested = dict(class_map)
+    for folder in {n for ns in names.values() for n in ns}:
+        now = class_map.get(folder, folder)
+        if chosen[now] != now:
+            suggested[folder] = chosen[now]
+    suggested = dict(sorted(suggested.items()))
+    text = (
+        f"image folder {root}: the splits' class folders differ ({'; '.join(differences)}), so a label would not "
+        f"mean the same class in each."
+    )
+    if _effective(suggested) != _effective(class_map):
+        setting = class_map_override(suggested)
+        if setting is None:
+            shown = _names([f"{k} -> {v}" for k, v in _effective(suggested).items()])
+            text += (
+                f" The names pair up ({shown}), but some cannot be typed in a Hydra override (its grammar reads "
+                f"ASCII names, and reads true, null or 1e3 as no name): rename the folders to match."
             )
-    if len(reference) < 2:
-        raise ValueError(
-            f"image folder {root}: {folders['train'].name}/ has {len(reference)} class sub-folder(s); a classifier "
-            f"needs at least 2."
+        else:
+            text += (
+                " The names pair up (equal up to case and punctuation, or one begins the other): to read each pair "
+                "as one class, add this setting (data.source.class_map maps a folder name to its class in every "
+                f"split), or rename the folders to match:\n    {setting}\n"
+            )
+    if unpaired:
+        text += (
+            f"{'' if text.endswith(chr(10)) else ' '}No partner found for {_names(unpaired)}: rename or remove those "
+            f"folders, or map them with data.source.class_map={{folder: class, ...}} (applied in every split)."
         )
-    return folders, reference
+    return text.rstrip("\n")
+
+
+def _names(items: list[str]) -> str:
+    more = f" and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
+    return ", ".join(items[:SHOWN]) + more
 
 
 def _image_suffixes() -> set[str]:
@@ -365,6 +517,7 @@ def read_folder(
     resize_mode: str = "stretch",
     in_channels: int | None = None,
     channels_set_by: str | None = None,
+    class_map: Mapping[str, str] | None = None,
     background: int = 0,
     on_bad_file: str = "error",
     duplicates: str = "report",
@@ -382,6 +535,8 @@ def read_folder(
         in_channels: 1 (grey) or 3 (RGB); ``None``: decided by the images (:func:`decide_channels`).
         channels_set_by: The setting that gave ``in_channels``, as the report names it (default
             ``data.in_channels=<in_channels>``).
+        class_map: Folder name -> class name, applied in every split before the splits' classes are compared
+            (``data.source.class_map``); a folder it does not name is its own class.
         background: Grey level (0..255) under transparent pixels and around padded images.
         on_bad_file: ``error``: one error naming every unreadable file; ``skip``: leave them out, counted.
         duplicates: ``report``: count identical images (same decoded pixels); ``drop``: also remove them (see
@@ -396,14 +551,14 @@ def read_folder(
             f"(ROOT/<class>/...) or a published split (ROOT/train/<class>/..., ROOT/test/<class>/...)."
         )
     started = time.perf_counter()
-    folders, class_names = _layout(root)
-    files, outside = _list_files(folders, class_names)
+    folders, class_names, members = _layout(root, class_map)
+    files, outside = _list_files(folders, members)
     size = tuple(int(v) for v in image_size) if image_size is not None else None
     claimed = _image_suffixes()  # also loads PIL's plugins once, before the threads use them
     n_workers = workers or min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     with ThreadPoolExecutor(max_workers=n_workers) as pool:
         files = list(pool.map(lambda f: _decode(f, size, resize_mode, in_channels, background, claimed), files))
-    images = _check_read(root, folders, class_names, files, on_bad_file, size)
+    images = _check_read(root, folders, members, files, on_bad_file, size)
     colour = sum(f.colour for f in images)
     decided = decide_channels(len(images) - colour, colour, in_channels, channels_set_by)
     channels = decided["in_channels"]
@@ -445,18 +600,18 @@ def read_folder(
     return FolderImages(class_names, splits, report)
 
 
-def _list_files(folders: dict[str, Path], class_names: list[str]) -> tuple[list[_File], list[Path]]:
+def _list_files(folders: dict[str, Path], members: dict[str, list[list[str]]]) -> tuple[list[_File], list[Path]]:
     """Every visible file below each class folder of each split, and the files beside the class folders."""
     files: list[_File] = []
     outside: list[Path] = []
     for split, folder in folders.items():
         outside += sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
-        for label, name in enumerate(class_names):
-            files += [_File(p, split, label) for p in _visible_files(folder / name)]
+        for label, names in enumerate(members[split]):
+            files += [_File(p, split, label) for name in names for p in _visible_files(folder / name)]
     return files, outside
 
 
-def _check_read(root: Path, folders: dict, class_names: list[str], files: list[_File], on_bad_file: str, size):
+def _check_read(root: Path, folders: dict, members: dict, files: list[_File], on_bad_file: str, size):
     """The images read; unreadable files (unless skipped), an empty class folder or mixed sizes without a target
     size are errors that name the files and the fix."""
     bad = [f for f in files if f.kind == "bad"]
@@ -469,11 +624,10 @@ def _check_read(root: Path, folders: dict, class_names: list[str], files: list[_
     images = [f for f in files if f.kind == "image"]
     present = {(f.split, f.label) for f in images}
     for split, folder in folders.items():
-        for label, name in enumerate(class_names):
+        for label, names in enumerate(members[split]):
             if (split, label) not in present:
-                raise ValueError(
-                    f"class folder {folder / name} holds no readable images; add some or remove the folder."
-                )
+                where = " and ".join(str(folder / name) for name in names)
+                raise ValueError(f"class folder {where} holds no readable images; add some or remove the folder.")
     if size is None:
         shapes = defaultdict(list)
         for f in images:

@@ -237,7 +237,7 @@ def test_class_folders_colour_bad_and_non_image_files(tmp_path):
 def test_bad_layouts_are_explained(tmp_path):
     root = messy_folder(tmp_path / "a", per_class=(2, 1, 1))
     (root / "valid" / "class 3").rename(root / "valid" / "class three")
-    with pytest.raises(ValueError, match=r"class folders of valid/ differ.*missing there: \['class 3'\]"):
+    with pytest.raises(ValueError, match=r"missing in valid/: class 3; in valid/ but not in train/: class three"):
         image_folder(root, image_size=(16, 16))
     mixed = messy_folder(tmp_path / "b", per_class=(2, 1, 1))
     (mixed / "extra").mkdir()
@@ -462,3 +462,68 @@ def test_a_folder_prepared_under_another_channel_rule_is_prepared_again(tmp_path
     monkeypatch.setattr(images, "CHANNEL_RULE", "3 channels as soon as one image is in colour")
     load_prepared(source, spec, settings, mode="mapped", store=store, progress=False)
     assert len(reads) == 2
+
+
+# --- data.source.class_map: class folders named differently in each split ----------------------------------------
+
+
+def _renamed_split(root: Path, test_names: list[str]) -> Path:
+    """A published split whose test/ names the class folders of train/ as another release of the data did."""
+    train = ["adenocarcinoma_left.lower.lobe_T2_N0_M0_Ib", "normal", "squamous cell (left hilum)"]
+    for split, names in (("train", train), ("test", test_names)):
+        for c, name in enumerate(names):
+            (root / split / name).mkdir(parents=True)
+            for k in range(3):
+                Image.fromarray(_pattern(c, 12, 12, 100 * c + 10 * len(split) + k)).save(
+                    root / split / name / f"{k}.png"
+                )
+    return root
+
+
+def test_a_renamed_test_split_is_refused_with_the_class_map_that_reads_it(make_cfg, tmp_path):
+    """The refusal prints the setting to type (shell-quoted, Hydra-escaped); typed, the real configuration reads the
+    folder with one class per pair, named by the shorter name."""
+    import shlex
+
+    from ddcnn.context import load_data
+    from ddcnn.settings import RunSettings
+
+    root = _renamed_split(tmp_path / "chest", ["adenocarcinoma", "NORMAL", "squamous cell"])
+    with pytest.raises(ValueError) as err:
+        image_folder(root, image_size=(12, 12))
+    message = str(err.value)
+    assert (
+        "missing in test/: adenocarcinoma_left.lower.lobe_T2_N0_M0_Ib, normal, squamous cell (left hilum); in test/ "
+        "but not in train/: NORMAL, adenocarcinoma, squamous cell" in message
+    )
+    setting = message.splitlines()[1].strip()
+    assert setting == (
+        "'data.source.class_map={NORMAL: normal, adenocarcinoma_left.lower.lobe_T2_N0_M0_Ib: adenocarcinoma, "
+        'squamous\\ cell\\ \\(left\\ hilum\\): "squamous cell"}\''
+    )
+    [override] = shlex.split(setting)  # what a shell hands to ddcnn-train
+    cfg = make_cfg("data=image_folder", f"data.root={root}", "data.image_size=12", override)
+    data = load_data(RunSettings.from_config(cfg))
+    assert data.class_names == ["adenocarcinoma", "normal", "squamous cell"]
+    assert data.info["class_counts"]["test"] == {"adenocarcinoma": 3, "normal": 3, "squamous cell": 3}
+
+
+def test_class_map_names_what_it_cannot_pair_and_refuses_unknown_folders(tmp_path):
+    root = _renamed_split(tmp_path / "chest", ["adenocarcinoma", "healthy", "squamous cell"])
+    with pytest.raises(ValueError) as err:
+        image_folder(root, image_size=(12, 12))
+    message = str(err.value)
+    assert "\n    'data.source.class_map={adenocarcinoma_left.lower.lobe_T2_N0_M0_Ib: adenocarcinoma, " in message
+    assert "No partner found for normal (missing in test/), healthy (in test/ only): rename or remove" in message
+    given = {"adenocarcinoma_left.lower.lobe_T2_N0_M0_Ib": "adenocarcinoma", "healthy": "normal"}
+    with pytest.raises(ValueError) as err:  # the setting printed holds what was given, and the pair still needed
+        image_folder(root, image_size=(12, 12), class_map=given)
+    assert "{adenocarcinoma_left.lower.lobe_T2_N0_M0_Ib: adenocarcinoma, healthy: normal, squamous\\ " in str(err.value)
+    given["squamous cell (left hilum)"] = "squamous cell"
+    assert image_folder(root, image_size=(12, 12), class_map=given).class_names == [
+        "adenocarcinoma", "normal", "squamous cell"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"class_map names folder\(s\) that .* does not hold: helthy\. Its keys"):
+        image_folder(root, image_size=(12, 12), class_map={**given, "helthy": "normal"})
+    with pytest.raises(ValueError, match="data.source.class_map must map folder names to class names"):
+        image_folder(root, image_size=(12, 12), class_map=["healthy"])
