@@ -139,6 +139,7 @@ ADDED_DEFAULTS: dict[str, Any] = {
     "data.source.background": 0,
     "data.source.on_bad_file": "error",
     "data.source.duplicates": "report",
+    "data.source.class_map": None,
 }
 # Defaults that changed: a record with the old default matches a configuration with the new one (key -> (old, new)).
 # The coarse DNN's recipe: a finished coarse stage stays finished, and its meta.json records how it was

@@ -7,7 +7,7 @@ dataset gets an error saying where to put the files.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -251,6 +251,7 @@ def image_folder(
     on_bad_file: str = "error",
     duplicates: str = "report",
     in_channels: int | str = "auto",
+    class_map: Mapping[str, str] | None = None,
 ) -> Splits:
     """A folder of images as it comes: one sub-folder per class, or a published split of such folders.
 
@@ -269,7 +270,14 @@ def image_folder(
         background: Grey level 0..255 under transparent pixels and around padded images.
         on_bad_file: ``error`` or ``skip`` unreadable and truncated files.
         duplicates: ``report`` or ``drop`` identical images.
-        in_channels: 1, 3 or ``auto`` (3 when some image is in colour), from ``data.in_channels``.
+        in_channels: 1, 3 or ``auto``, from ``data.in_channels``: ``auto`` reads the majority's channels, 3 when at
+            least half of the images are in colour (a tie keeps colour), else 1; an image is colour when two of its
+            channels differ beyond a tolerance somewhere, so an RGB file with equal channels is grey
+            (:func:`ddcnn.data.images.decide_channels` says it fully). The counts and the decision are logged and
+            recorded (``Splits.report["channels"]``).
+        class_map: ``data.source.class_map``: folder name -> class name, applied in every split before the splits'
+            classes are compared (a published split whose ``test/`` names its class folders differently from
+            ``train/``); ``None``: every folder is its class.
     """
     from ddcnn.data.images import BAD_FILE_POLICIES, DUPLICATE_POLICIES, RESIZE_MODES, read_folder
 
@@ -292,6 +300,7 @@ def image_folder(
             f"data.source.grayscale must be true, false or null (follow data.in_channels), got {grayscale!r}."
         )
     channels = None if in_channels == "auto" else int(in_channels)
+    set_by = None if channels is None else f"data.in_channels={channels}"
     if grayscale is not None:
         wanted = 1 if grayscale else 3
         if channels is not None and channels != wanted:
@@ -299,7 +308,8 @@ def image_folder(
                 f"data.source.grayscale={str(grayscale).lower()} reads {wanted} channel(s) but data.in_channels="
                 f"{channels}; set one of them (data.source.grayscale=null follows data.in_channels)."
             )
-        channels = wanted
+        channels, set_by = wanted, f"data.source.grayscale={str(grayscale).lower()}"
+    class_map = _class_map(class_map)
     if isinstance(image_size, int):
         image_size = (image_size, image_size)
     if image_size is not None and (len(image_size) != 2 or min(int(v) for v in image_size) < 1):
@@ -309,6 +319,8 @@ def image_folder(
         image_size=image_size,
         resize_mode=resize_mode,
         in_channels=channels,
+        channels_set_by=set_by,
+        class_map=class_map,
         background=background,
         on_bad_file=on_bad_file,
         duplicates=duplicates,
@@ -329,6 +341,31 @@ def image_folder(
         classes_listed=True,
         report=found.report,
     )
+
+
+def _class_map(class_map: Mapping | None) -> dict[str, str] | None:
+    """``data.source.class_map`` checked: folder names (text; a whole number, as Hydra reads a folder named ``1``, is
+    its text) to non-empty class names. Folder names it holds that the folder lacks are refused where it is read."""
+    if class_map is None:
+        return None
+    if not isinstance(class_map, Mapping):
+        raise ValueError(
+            f"data.source.class_map must map folder names to class names, e.g. 'data.source.class_map="
+            f"{{adenocarcinoma_left.lower.lobe: adenocarcinoma}}', or be null; got {class_map!r}."
+        )
+
+    def name(value, what: str) -> str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(
+                f"data.source.class_map: {what} {value!r} is not a name. Hydra reads true, false, null and numbers "
+                f'such as 1.5 or 1e3 as values, not names: in a YAML file quote it ("true": ...), or rename the '
+                f"folder."
+            )
+        return value
+
+    return {name(k, "the folder name"): name(v, f"the class name of {k!r}") for k, v in class_map.items()}
 
 
 def nifti(
@@ -541,4 +578,10 @@ def source_identity(spec: dict) -> dict:
             paths.append(path)
         elif path.is_dir():
             paths += _visible_files(path)
-    return {"files": _files_digest(paths)} if paths else {}
+    if not paths:
+        return {}
+    if target.endswith(".image_folder"):
+        from ddcnn.data.images import CHANNEL_RULE
+
+        return {"channel_rule": CHANNEL_RULE, "files": _files_digest(paths)}
+    return {"files": _files_digest(paths)}

@@ -195,9 +195,10 @@ def test_published_split_is_used_as_given_and_reports_duplicates(tmp_path):
 
 @pytest.mark.parametrize("resize_mode", ["stretch", "pad"])
 def test_predict_reads_a_file_as_training_did(tmp_path, resize_mode):
-    """A colour folder: grey images are repeated into RGB, colour ones kept; ddcnn-predict's reader gives the same."""
+    """A folder read in colour: grey images are repeated into RGB, colour ones kept; ddcnn-predict's reader gives the
+    same."""
     root = messy_folder(tmp_path / "data", per_class=(2, 1, 2), colour=True)
-    splits = image_folder(root, image_size=(24, 20), resize_mode=resize_mode)
+    splits = image_folder(root, image_size=(24, 20), resize_mode=resize_mode, in_channels=3)
     assert splits.in_channels == 3
     test_files = [p for c in range(4) for p in sorted((root / "test" / f"class {c}").glob("*.png"))]
     for k, path in enumerate(test_files):
@@ -208,8 +209,8 @@ def test_predict_reads_a_file_as_training_did(tmp_path, resize_mode):
 
 def test_class_folders_colour_bad_and_non_image_files(tmp_path):
     root = messy_folder(tmp_path / "data", splits=(), per_class=(4, 0, 2), colour=True)
-    found = read_folder(root, image_size=(24, 32), test_fraction=0.3, seed=0)
-    assert found.report["in_channels"] == 3 and found.report["colour_images"] == 2  # auto: a colour image and its copy
+    found = read_folder(root, image_size=(24, 32), test_fraction=0.3, seed=0, in_channels=3)
+    assert found.report["in_channels"] == 3 and found.report["colour_images"] == 2  # a colour image and its copy
     assert found.splits["train"][0].shape[1:] == (3, 24, 32) and "val" not in found.splits
     assert sorted(set(found.splits["test"][1].tolist())) == [0, 1, 2, 3]
     forced = image_folder(root, image_size=(24, 32), in_channels=1)
@@ -236,7 +237,7 @@ def test_class_folders_colour_bad_and_non_image_files(tmp_path):
 def test_bad_layouts_are_explained(tmp_path):
     root = messy_folder(tmp_path / "a", per_class=(2, 1, 1))
     (root / "valid" / "class 3").rename(root / "valid" / "class three")
-    with pytest.raises(ValueError, match=r"class folders of valid/ differ.*missing there: \['class 3'\]"):
+    with pytest.raises(ValueError, match=r"missing in valid/: class 3; in valid/ but not in train/: class three"):
         image_folder(root, image_size=(16, 16))
     mixed = messy_folder(tmp_path / "b", per_class=(2, 1, 1))
     (mixed / "extra").mkdir()
@@ -276,6 +277,7 @@ def test_published_folder_trains_with_nothing_else_typed(make_cfg, tmp_path):
     assert data["class_counts"]["test"]["class 0"] == 4  # 3 + the leaked copy
     assert data["report"]["duplicates"]["test_also_in_train_or_val"] == 1
     assert data["report"]["split_folders"]["val"] == "valid"
+    assert data["report"]["channels"]["decision"] == "47 grey, 0 colour: read as 1 channel"  # the counts, recorded
     assert results["data"]["n_train"] == 26
     recorded = json.loads((tmp_path / "run" / "fingerprint.json").read_text())["settings"]["data"]
     assert recorded["num_classes"] == 4 and recorded["in_channels"] == 1  # what ran, not "auto"
@@ -371,3 +373,157 @@ def test_enlarging_every_image_is_warned_with_its_cost(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="ddcnn.data.images"):
         image_folder(root, image_size=(28, 28))
     assert "enlarged" not in caplog.text
+
+
+# --- channels: the majority decides ------------------------------------------------------------------------------
+
+
+def _mixed_folder(root: Path, grey: int, colour: int, equal_rgb: int = 0) -> dict[str, list[Path]]:
+    """Two class folders of ``grey`` grey slices (``equal_rgb`` of them stored as RGB with R = G = B) and ``colour``
+    slices carrying a red watermark, alternating between the classes; the paths of each kind."""
+    paths: dict[str, list[Path]] = {"grey": [], "colour": []}
+    for k in range(grey + colour):
+        folder = root / f"class {k % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        x = _pattern(k % 2, 24, 24, seed=k)
+        path = folder / f"slice {k:02d}.png"
+        rgb = np.stack([x, x, x], axis=-1)
+        if k < colour:
+            rgb[2:6, 2:10] = (220, 30, 30)  # the watermark
+            Image.fromarray(rgb, "RGB").save(path)
+        else:
+            Image.fromarray(rgb, "RGB").save(path) if k - colour < equal_rgb else Image.fromarray(x).save(path)
+        paths["colour" if k < colour else "grey"].append(path)
+    return paths
+
+
+@pytest.mark.parametrize(
+    ("grey", "colour", "channels", "why"),
+    [
+        (7, 3, 1, "most are grey; data.in_channels=3 keeps colour"),
+        (3, 7, 3, "most are colour; data.in_channels=1 reads every image as grey"),
+        (5, 5, 3, "a tie keeps colour; data.in_channels=1 reads every image as grey"),
+    ],
+)
+def test_channels_follow_the_majority_of_the_images(tmp_path, caplog, grey, colour, channels, why):
+    """``data.in_channels: auto`` reads the majority's channels, with the counts logged once and recorded; two of the
+    grey slices are RGB files with equal channels, which count as grey (as colour, 7/3 would be a 5/5 tie: RGB)."""
+    import logging
+
+    paths = _mixed_folder(tmp_path / "slices", grey, colour, equal_rgb=2)
+    with caplog.at_level(logging.INFO, logger="ddcnn.data.images"):
+        splits = image_folder(tmp_path / "slices", image_size=(16, 16), test_fraction=0.3)
+    assert splits.in_channels == channels
+    decision = f"{grey} grey, {colour} colour: read as {channels} channel{'s' if channels == 3 else ''} ({why})"
+    assert splits.report["channels"] == {
+        "grey": grey, "colour": colour, "in_channels": channels, "rule": "majority", "decision": decision
+    }  # fmt: skip
+    assert caplog.text.count(decision) == 1
+    # Every file is in the arrays as ddcnn-predict reads it with that channel count: a colour slice read as 1 channel
+    # is its grey made before resizing, taken from the one decoding pass.
+    rows = {row.tobytes() for x in (splits.x_train, splits.x_test) for row in x}
+    assert len(rows) == grey + colour
+    for path in paths["grey"] + paths["colour"]:
+        assert read_image(path, channels, (16, 16)).tobytes() in rows, path
+
+
+def test_a_channel_count_set_overrides_the_majority(tmp_path):
+    _mixed_folder(tmp_path / "grey", 7, 3)
+    three = image_folder(tmp_path / "grey", image_size=(16, 16), in_channels=3)
+    assert three.in_channels == 3 and three.report["channels"]["rule"] == "data.in_channels=3"
+    assert three.report["channels"]["decision"] == "7 grey, 3 colour: read as 3 channels (data.in_channels=3)"
+    _mixed_folder(tmp_path / "colour", 3, 7)
+    one = image_folder(tmp_path / "colour", image_size=(16, 16), grayscale=True)
+    assert one.in_channels == 1
+    assert one.report["channels"]["decision"] == "3 grey, 7 colour: read as 1 channel (data.source.grayscale=true)"
+
+
+def test_a_folder_prepared_under_another_channel_rule_is_prepared_again(tmp_path, monkeypatch):
+    """The store key of a prepared folder holds the rule that decides ``auto`` channels: an entry prepared under
+    another rule (before: RGB as soon as one image was in colour) is not mapped with its other channel count."""
+    from ddcnn.data import images
+    from ddcnn.data.prepare import load_prepared
+    from ddcnn.store import Store
+
+    root = tmp_path / "slices"
+    _mixed_folder(root, 7, 3)
+    spec = {"_target_": "ddcnn.data.sources.image_folder", "root": str(root), "image_size": [16, 16]}
+    settings = prepare_settings(num_classes="auto", in_channels="auto", spatial_dims=2, image_size=(16, 16))
+    store, reads = Store(tmp_path / "store"), []
+
+    def source():
+        reads.append(1)
+        return image_folder(root, image_size=(16, 16))
+
+    first = load_prepared(source, spec, settings, mode="mapped", store=store, progress=False)
+    assert first.in_channels == 1 and first.info["report"]["channels"]["colour"] == 3  # recorded with the data
+    load_prepared(source, spec, settings, mode="mapped", store=store, progress=False)
+    assert len(reads) == 1
+    monkeypatch.setattr(images, "CHANNEL_RULE", "3 channels as soon as one image is in colour")
+    load_prepared(source, spec, settings, mode="mapped", store=store, progress=False)
+    assert len(reads) == 2
+
+
+# --- data.source.class_map: class folders named differently in each split ----------------------------------------
+
+
+def _renamed_split(root: Path, test_names: list[str]) -> Path:
+    """A published split whose test/ names the class folders of train/ as another release of the data did."""
+    train = ["adenocarcinoma_left.lower.lobe_T2_N0_M0_Ib", "normal", "squamous cell (left hilum)"]
+    for split, names in (("train", train), ("test", test_names)):
+        for c, name in enumerate(names):
+            (root / split / name).mkdir(parents=True)
+            for k in range(3):
+                Image.fromarray(_pattern(c, 12, 12, 100 * c + 10 * len(split) + k)).save(
+                    root / split / name / f"{k}.png"
+                )
+    return root
+
+
+def test_a_renamed_test_split_is_refused_with_the_class_map_that_reads_it(make_cfg, tmp_path):
+    """The refusal prints the setting to type (shell-quoted, Hydra-escaped); typed, the real configuration reads the
+    folder with one class per pair, named by the shorter name."""
+    import shlex
+
+    from ddcnn.context import load_data
+    from ddcnn.settings import RunSettings
+
+    root = _renamed_split(tmp_path / "chest", ["adenocarcinoma", "NORMAL", "squamous cell"])
+    with pytest.raises(ValueError) as err:
+        image_folder(root, image_size=(12, 12))
+    message = str(err.value)
+    assert (
+        "missing in test/: adenocarcinoma_left.lower.lobe_T2_N0_M0_Ib, normal, squamous cell (left hilum); in test/ "
+        "but not in train/: NORMAL, adenocarcinoma, squamous cell" in message
+    )
+    setting = message.splitlines()[1].strip()
+    assert setting == (
+        "'data.source.class_map={NORMAL: normal, adenocarcinoma_left.lower.lobe_T2_N0_M0_Ib: adenocarcinoma, "
+        'squamous\\ cell\\ \\(left\\ hilum\\): "squamous cell"}\''
+    )
+    [override] = shlex.split(setting)  # what a shell hands to ddcnn-train
+    cfg = make_cfg("data=image_folder", f"data.root={root}", "data.image_size=12", override)
+    data = load_data(RunSettings.from_config(cfg))
+    assert data.class_names == ["adenocarcinoma", "normal", "squamous cell"]
+    assert data.info["class_counts"]["test"] == {"adenocarcinoma": 3, "normal": 3, "squamous cell": 3}
+
+
+def test_class_map_names_what_it_cannot_pair_and_refuses_unknown_folders(tmp_path):
+    root = _renamed_split(tmp_path / "chest", ["adenocarcinoma", "healthy", "squamous cell"])
+    with pytest.raises(ValueError) as err:
+        image_folder(root, image_size=(12, 12))
+    message = str(err.value)
+    assert "\n    'data.source.class_map={adenocarcinoma_left.lower.lobe_T2_N0_M0_Ib: adenocarcinoma, " in message
+    assert "No partner found for normal (missing in test/), healthy (in test/ only): rename or remove" in message
+    given = {"adenocarcinoma_left.lower.lobe_T2_N0_M0_Ib": "adenocarcinoma", "healthy": "normal"}
+    with pytest.raises(ValueError) as err:  # the setting printed holds what was given, and the pair still needed
+        image_folder(root, image_size=(12, 12), class_map=given)
+    assert "{adenocarcinoma_left.lower.lobe_T2_N0_M0_Ib: adenocarcinoma, healthy: normal, squamous\\ " in str(err.value)
+    given["squamous cell (left hilum)"] = "squamous cell"
+    assert image_folder(root, image_size=(12, 12), class_map=given).class_names == [
+        "adenocarcinoma", "normal", "squamous cell"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"class_map names folder\(s\) that .* does not hold: helthy\. Its keys"):
+        image_folder(root, image_size=(12, 12), class_map={**given, "helthy": "normal"})
+    with pytest.raises(ValueError, match="data.source.class_map must map folder names to class names"):
+        image_folder(root, image_size=(12, 12), class_map=["healthy"])
