@@ -5,7 +5,7 @@ Layout (sub-domain index ``i`` as in :mod:`ddcnn.decomposition`, zero-padded to 
     RUN_DIR/
       config.yaml           resolved configuration of the first run in this directory
       fingerprint.json      the settings that change results, and their hash
-      local/i/              last.ckpt (with the best weights so far), probs_{train,val,test}.pt, net.pt, meta.json, done
+      local/00/, 01, ...    last.ckpt (with the best weights so far), probs_{train,val,test}.pt, net.pt, meta.json, done
       coarse/               the same files for the coarse DNN
       global/               the same files for the global CNN
       results.json, results.md
