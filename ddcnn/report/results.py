@@ -431,11 +431,15 @@ def _percent(value: float) -> str:
     return f"{100 * value:.1f}%"
 
 
-def _learning(results: Mapping[str, Any], figures: Mapping[str, Any] | None, test_acc: float) -> dict:
+def _learning(
+    results: Mapping[str, Any], figures: Mapping[str, Any] | None, test_acc: float, rate: float, n_test: int
+) -> dict:
     """Whether a training at chance on test did not learn or does not generalise, from its training accuracy
     (``figures``: :func:`training_accuracy`): ``did not learn`` only when every recorded training accuracy is within
     noise of the training split's majority-class rate too; else ``does not generalise``, with the gap in points
-    (training minus test accuracy); ``unknown`` when no training accuracy was recorded.
+    (training minus test accuracy); ``unknown`` when no training accuracy was recorded. The training split's
+    majority-class rate and size (``results["train_majority_rate"]``, ``data.n_train``) decide; a results dict without
+    them (an older ddcnn's) is judged by the test split's ``rate`` and ``n_test``.
 
     Returns:
         ``{"state", "text", "train_accuracy", "gap_points"}``; ``text`` is what ``results.md`` prints.
@@ -449,21 +453,22 @@ def _learning(results: Mapping[str, Any], figures: Mapping[str, Any] | None, tes
             "train_accuracy": None,
             "gap_points": None,
         }
-    rate = results.get("train_majority_rate")
-    n_train = int((results.get("data") or {}).get("n_train") or 0)
+    train_rate = results.get("train_majority_rate")
+    n_train = (results.get("data") or {}).get("n_train")
+    rate, n = (float(train_rate), int(n_train)) if train_rate is not None and n_train else (float(rate), int(n_test))
     best = max(known.values())
-    if rate is not None and n_train and near_chance(best, float(rate), n_train):
+    if near_chance(best, rate, n):
         return {
             "state": "did not learn",
-            "text": f"did not learn (training accuracy at most {_percent(best)}, at chance too: the training split's "
-            f"majority-class rate is {_percent(float(rate))})",
+            "text": f"did not learn (training accuracy at most {_percent(best)}, at chance too: majority-class rate "
+            f"{_percent(rate)})",
             "train_accuracy": best,
             "gap_points": None,
         }
     # The selected weights in evaluation mode are the weights the test accuracy is of: their training accuracy is
     # the gap's, unless only the training-mode figure rose above chance (then it says so).
     selected, epochs = known.get("selected"), known.get("epochs")
-    above = rate is None or not n_train or selected is None or not near_chance(selected, float(rate), n_train)
+    above = selected is None or not near_chance(selected, rate, n)
     train = selected if selected is not None and above else best
     gap = 100 * (train - test_acc)
     text = f"does not generalise (training {_percent(train)} vs test {_percent(test_acc)}: a gap of {gap:.1f} points)"
@@ -503,7 +508,7 @@ def _local_chance_flags(results: Mapping[str, Any], rate: float, counts: Sequenc
         acc, auc, balanced = r["accuracy"], r.get("auc"), r.get("balanced_accuracy")
         if not at_chance(acc, rate, counts, auc=auc, balanced_accuracy=balanced):
             continue
-        learning = _learning(results, trained[i] if i < len(trained) else None, acc)
+        learning = _learning(results, trained[i] if i < len(trained) else None, acc, rate, sum(counts))
         val_acc = val[i] if i < len(val) else None
         on_val = f" (validation {val_acc:.4f})" if val_acc is not None else ""
         reason = (
@@ -582,7 +587,7 @@ def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
         auc, balanced = row.get("auc"), row.get("balanced_accuracy")
         coarse = row.get("stage") in COMBINER_STAGES
         if at_chance(acc, rate, counts, auc=auc, balanced_accuracy=balanced):
-            learning = _learning(results, trained.get(key), acc)
+            learning = _learning(results, trained.get(key), acc, rate, n_test)
             if learning["state"] == "does not generalise":
                 hint = _DOES_NOT_GENERALISE_TRY
             elif learning["state"] == "unknown":
