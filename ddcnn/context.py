@@ -25,15 +25,15 @@ from torch import nn
 
 from ddcnn.data.augment import Augment
 from ddcnn.data.memory import device_memory_bytes
-from ddcnn.data.prepare import Prepared, load_prepared
+from ddcnn.data.prepare import Prepared, load_prepared, split_manifest
 from ddcnn.data.sources import NOT_IDENTITY
 from ddcnn.decomposition import Decomposition
-from ddcnn.io import atomic_write_json, load_run_file
+from ddcnn.io import atomic_write_json, atomic_write_text, load_run_file
 from ddcnn.models import external, pretrained
 from ddcnn.models.checkpointing import checkpoint_runs
 from ddcnn.models.cnn_dnn import CNNDNN
 from ddcnn.models.memory import MIB, NetPlan, meta_state, plan_network
-from ddcnn.rundir import RunDir, RunIdentity, file_sha256
+from ddcnn.rundir import SPLIT_MANIFEST, RunDir, RunIdentity, file_sha256
 from ddcnn.runtime import resolve_device
 from ddcnn.settings import CoarseSettings, RunSettings, StoreSettings
 from ddcnn.store import Store, default_root
@@ -52,6 +52,7 @@ __all__ = [
     "check_networks",
     "memory_plan",
     "write_memory_plan",
+    "write_split_manifest",
     "build_augment",
     "subdomain_seed",
     "instantiate",
@@ -205,7 +206,17 @@ def build_context(
     if claim:  # only a configuration that can run claims the run directory
         ctx.run.claim(ctx.identity)
         write_memory_plan(ctx)
+        write_split_manifest(ctx)
     return ctx
+
+
+def write_split_manifest(ctx: Context) -> None:
+    """``RUN_DIR/splits.csv``: which image is in which split (:func:`~ddcnn.data.prepare.split_manifest`), written once
+    per run directory by the first process that prepared its data (the claimed run holds one configuration, so one
+    split; a process that finds the file leaves it)."""
+    path = ctx.run.root / SPLIT_MANIFEST
+    if not path.is_file():
+        atomic_write_text(path, split_manifest(ctx.data))
 
 
 def write_memory_plan(ctx: Context) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, open_dict
 
 from ddcnn import registry
-from ddcnn.context import Context, build_context
+from ddcnn.context import Context, build_context, write_split_manifest
 from ddcnn.runtime import resolve_device, run_generation, srun_task
 from ddcnn.settings import STAGES, RunSettings
 
@@ -115,6 +115,7 @@ def _train(cfg: DictConfig, settings: RunSettings, run_dir, optional: list[str],
             f"0..{ctx.decomposition.num_subdomains - 1} (row-major, last axis fastest)."
         )
     ctx.run.claim(ctx.identity)  # data.num_classes, data.in_channels as resolved from the data
+    write_split_manifest(ctx)
     log.info("run directory %s: %s", ctx.run.root, ctx.decomposition.describe())
     device = resolve_device(settings.device)  # auto: every stage of this process on the same kind of device
     out: dict = {}

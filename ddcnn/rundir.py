@@ -5,7 +5,8 @@ Layout (sub-domain index ``i`` as in :mod:`ddcnn.decomposition`, zero-padded to 
     RUN_DIR/
       config.yaml           resolved configuration of the first run in this directory
       fingerprint.json      the settings that change results, and their hash
-      local/i/              last.ckpt (with the best weights so far), probs_{train,val,test}.pt, net.pt, meta.json, done
+      splits.csv            which image is in which split: file (or the row of a source of arrays), split, class
+      local/00/, 01, ...    last.ckpt (with the best weights so far), probs_{train,val,test}.pt, net.pt, meta.json, done
       coarse/               the same files for the coarse DNN
       global/               the same files for the global CNN
       results.json, results.md
@@ -42,6 +43,7 @@ __all__ = [
     "TARGET_SPLIT",
     "PROB_FILES",
     "CURVE_FILE",
+    "SPLIT_MANIFEST",
     "NON_RESULT_KEYS",
     "fingerprint",
     "file_sha256",
@@ -67,6 +69,9 @@ PROB_FILES = tuple(f"probs_{s}.pt" for s in SPLITS)
 TARGET_SPLIT = "val_target"
 # The CNN-DNN's accuracy-versus-training-time curve, in the coarse stage's folder (written by the coarse stage).
 CURVE_FILE = "curve.json"
+# Which image is in which split (file, split, class): written once per run directory by the first process that prepared
+# its data (ddcnn.context.write_split_manifest), so that a user finds the test images.
+SPLIT_MANIFEST = "splits.csv"
 
 # Settings that do not change results: where and how a run executes, and what it prints.
 NON_RESULT_KEYS = (

@@ -6,7 +6,7 @@ Plain Python, no torch or Lightning import at module level: the coordinating pro
 Requeueing under SLURM has exactly one owner: submitit (through Hydra's submitit launcher). On preemption or
 time-out submitit catches its signal (``USR2``), re-pickles the job and requeues it; a job requeued by any other
 means (``scontrol requeue``, a preempting partition) simply starts again. Either way the local stage skips the
-sub-domains whose ``done`` marker exists and resumes the interrupted one from ``local/i/last.ckpt``. Lightning's own
+sub-domains whose ``done`` marker exists and resumes the interrupted one from ``local/<NN>/last.ckpt``. Lightning's own
 SLURM auto-requeue does not exist in ddcnn's loop: its Fabric gets ddcnn's own cluster environments
 (:mod:`ddcnn.engine.launch`), which never requeue, so there is one owner.
 """

@@ -134,8 +134,8 @@ PAGE, MANIFEST, ASSETS = "results.md", "results_manifest.json", "results"
 SNAPSHOT_FILES = ("results.json", "config.yaml", "fingerprint.json", "experiment_run.json")
 # Also kept, so that a run restored from its snapshot gives the page what the run directory gave it.
 SNAPSHOT_EXTRA = ("plots/accuracy_vs_time.png",)
-# And of every stage (local/<i>/, global/, ..., local_oof/<fold>/<i>/): where its training stopped and why (meta.json)
-# and its epoch-by-epoch log (logs/metrics.csv), so that what the page says of each training can be checked.
+# And of every stage (local/<NN>/, global/, ..., local_oof/<NN>/fold_<k>/): where its training stopped and why
+# (meta.json) and its epoch-by-epoch log (logs/metrics.csv), so that what the page says of each training can be checked.
 SNAPSHOT_STAGE_FILES = ("meta.json", "logs/metrics.csv")
 # The figures of each results.json methods row that the page's tables are made of.
 ROW_FIELDS = (

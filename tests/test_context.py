@@ -105,3 +105,23 @@ def test_memory_plan_json_in_the_run_directory(tmp_path: Path, caplog) -> None:
     assert plan["global"]["flops_per_step"] > plan["local"]["flops_per_step"] > 0
     (block,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan")]
     assert all(role in block for role in ("local", "global", "coarse"))
+
+
+def test_the_run_directory_gets_its_split_manifest_once(tmp_path):
+    """Issue #45 item 7: ``RUN_DIR/splits.csv`` (file, split, class), written by the first process that prepared the
+    data and left as it is by the next; digits ship as arrays, so each sample is its row in the source's split."""
+    import csv
+
+    cfg = compose_config([], tmp_path / "run")
+    ctx = build_context(cfg)
+    manifest = ctx.run.root / "splits.csv"
+    with open(manifest, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [sum(r["split"] == s for r in rows) for s in ("train", "val", "test")] == [
+        len(ctx.data.y[s]) for s in ("train", "val", "test")
+    ]
+    assert {r["class"] for r in rows} <= set(ctx.data.class_names)
+    assert {r["file_is"] for r in rows if r["split"] == "test"} == {"row of the source's test split"}
+    written = manifest.stat().st_mtime_ns
+    build_context(compose_config([], tmp_path / "run"))  # the next stage's process
+    assert manifest.stat().st_mtime_ns == written

@@ -16,3 +16,19 @@ def test_the_l2_grid_is_the_yamls_and_a_record_without_it_matches_todays_configu
     assert _differences(recorded, settings) == {}
     settings["methods"]["stacker"]["l2_grid"] = [1.0]  # another grid is another configuration
     assert list(_differences(recorded, settings)) == ["methods.stacker.l2_grid"]
+
+
+def test_the_docs_name_the_local_folders_as_the_run_directory_makes_them(tmp_path):
+    """Issue #45: README said ``local/<i>/`` where the folders are ``local/00``; a reader looked for ``local/3``."""
+    from pathlib import Path
+
+    from ddcnn.rundir import RunDir
+
+    assert RunDir(tmp_path).stage_dir("local", 3).name == "03"
+    repo = Path(__file__).resolve().parents[1]
+    readme = (repo / "README.md").read_text()
+    assert "RUN_DIR/local/00/" in readme
+    for doc in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for wrong in ("local/<i>/", "local/i/", "global_ensemble/<i>/"):
+            assert wrong not in text, f"{doc.name} names the folder {wrong}; the run directory makes local/00/, ..."

@@ -30,7 +30,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -232,11 +232,13 @@ class FolderImages:
         class_names: Sorted class folder names, index = label.
         splits: ``train`` and ``test`` always, ``val`` when the folder holds a published validation split.
         report: What was read, ignored, skipped and found duplicated (JSON-ready; ``summary`` is one log line).
+        files: Per split, the file of each image (in the order of ``splits``), below the root as given.
     """
 
     class_names: list[str]
     splits: dict[str, tuple[np.ndarray, np.ndarray]]
     report: dict
+    files: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _visible_dirs(folder: Path) -> list[Path]:
@@ -588,16 +590,16 @@ def read_folder(
             train[i].split = "test"
     if duplicates != "drop":  # in the splits the data are trained and tested on
         report["duplicates"] = _duplicates(root, images, kept, duplicates)
-    splits = {
-        split: _arrays(part, channels) for split in SPLIT_FOLDERS if (part := [f for f in kept if f.split == split])
-    }
+    parts = {split: part for split in SPLIT_FOLDERS if (part := [f for f in kept if f.split == split])}
+    splits = {split: _arrays(part, channels) for split, part in parts.items()}
     report["classes_short"] = _classes_short(class_names, kept, has_val="val" in folders)
     if size is not None:
         report["enlarged"] = _enlarged(images, size)
     report["seconds"] = round(time.perf_counter() - started, 2)
     report["summary"] = _summary(report, splits)
     _log(root, report)
-    return FolderImages(class_names, splits, report)
+    paths = {split: [str(f.path) for f in part] for split, part in parts.items()}
+    return FolderImages(class_names, splits, report, paths)
 
 
 def _list_files(folders: dict[str, Path], members: dict[str, list[list[str]]]) -> tuple[list[_File], list[Path]]:

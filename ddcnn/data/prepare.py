@@ -59,6 +59,8 @@ __all__ = [
     "load_prepared",
     "class_counts",
     "gather",
+    "split_manifest",
+    "MANIFEST_COLUMNS",
 ]
 
 PREPARED_KIND = "prepared"
@@ -69,6 +71,9 @@ PREPARED_FORMAT = 1
 TEST_SUBSET_SEED = 0
 MODES = ("auto", "memory", "mapped")
 DATA_FILE = "data.json"
+# Where each prepared sample came from (the source split and row of each, the source's files): the run's splits.csv.
+# An entry written before it existed lacks it; its manifest then names the rows of the prepared splits.
+ORIGIN_FILE = "origin.json"
 _CHUNK_BYTES = 16 << 20  # source bytes read per piece while preparing
 _PROGRESS_MIN_BYTES = 32 << 20  # smaller datasets prepare in a blink: no progress lines
 # A mapped split up to this size (MNIST's training split: 47 MB) stays in a process's page table as it is read: it adds
@@ -172,6 +177,7 @@ class _Plan:
     scale_uint8: bool
     report: dict  # what the source found while reading (Splits.report)
     groups: dict[str, np.ndarray] | None = None  # prepared split -> a group (patient) per sample, kept together
+    files: dict[str, list[str]] | None = None  # source split -> the file of each sample (Splits.files)
 
     def n(self, split: str) -> int:
         return len(self.routes[split][1])
@@ -269,7 +275,7 @@ def _plan(splits: Splits, s: PrepareSettings) -> _Plan:
     report = dict(splits.report)
     prepared_groups = {split: groups[src][rows] for split, (src, rows) in routes.items()} if groups else None
     return _Plan(splits.name, list(splits.class_names), sources, routes, y, row_shape, size, stored, scale, report,
-                 prepared_groups)  # fmt: skip
+                 prepared_groups, splits.files)  # fmt: skip
 
 
 def _source_groups(splits: Splits, labels: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -508,8 +514,12 @@ class Prepared:
         entry: Path | None = None,
         maps: Mapping[str, mmap.mmap] | None = None,
         groups: Mapping[str, np.ndarray] | None = None,
+        origin: Mapping[str, Any] | None = None,
     ) -> None:
         self.stored = dict(x)
+        # where each sample came from (_origin: per split its source split and rows, the source's files), or None
+        # (a store entry prepared before it was recorded): split_manifest reads it
+        self.origin = dict(origin) if origin is not None else None
         # split -> a group (patient) per sample that every split drawn later (val_target, folds, coarse_val) keeps
         # together; None: every sample on its own
         self.groups = {k: np.asarray(v, dtype=np.int64) for k, v in groups.items()} if groups else None
@@ -674,6 +684,10 @@ class Prepared:
         out._maps = {s: m for s, m in self._maps.items() if s != source}
         out._normalizers, out._float = {}, {}
         out.info = {**self.info, f"n_{source}": len(keep), "n_val_target": len(held), "val_target_from": source}
+        if self.origin is not None:
+            src, source_rows = self.origin["routes"][source]
+            routes = {**self.origin["routes"], source: (src, source_rows[keep]), "val_target": (src, source_rows[held])}
+            out.origin = {**self.origin, "routes": routes}
         if groups is not None:
             out.groups = {**self.groups, source: groups[keep], "val_target": groups[held]}
         return out
@@ -682,6 +696,8 @@ class Prepared:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_maps"], state["_normalizers"], state["_float"] = {}, {}, {}
+        # a worker trains, it writes no splits.csv: the origin (a row index and a path per sample) stays here
+        state["origin"] = None
         if self.holding == "mapped":  # a worker maps the same files instead of receiving a copy, except held splits
             state["stored"] = {s: v for s, v in self.stored.items() if s not in self._maps}
         return state
@@ -703,6 +719,11 @@ class Prepared:
         y = {s: torch.from_numpy(np.load(folder / f"y_{s}.npy")) for s in SPLITS}
         groups = {s: np.load(folder / f"g_{s}.npy") for s in SPLITS} if (folder / "g_train.npy").is_file() else None
         mean, std = _constants(meta["stats"], normalize, len(meta["stats"]["mean"]))
+        origin = None
+        if (folder / ORIGIN_FILE).is_file():
+            saved = json.loads((folder / ORIGIN_FILE).read_text())
+            routes = {s: (src, np.asarray(rows, dtype=np.int64)) for s, (src, rows) in saved["routes"].items()}
+            origin = {"routes": routes, "files": saved["files"]}
         return cls(
             stored,
             y,
@@ -717,6 +738,7 @@ class Prepared:
             entry=folder,
             maps=maps,
             groups=groups,
+            origin=origin,
         )
 
 
@@ -777,6 +799,7 @@ def _prepare_in_memory(plan: _Plan, settings: PrepareSettings, progress: bool) -
         scale_uint8=plan.scale_uint8,
         window=settings.window,
         groups=plan.groups,
+        origin=_origin(plan),
     )
 
 
@@ -804,6 +827,9 @@ def _write_entry(plan: _Plan, settings: PrepareSettings, folder: Path, progress:
         if plan.groups is not None:
             np.save(folder / f"g_{s}.npy", plan.groups[s])
     record = _record(plan, stats, settings)
+    origin = _origin(plan)
+    routes = {s: [src, rows.tolist()] for s, (src, rows) in origin["routes"].items()}
+    (folder / ORIGIN_FILE).write_text(json.dumps({"routes": routes, "files": origin["files"]}))
     (folder / DATA_FILE).write_text(json.dumps(record, indent=2))
     return {"describe": f"{plan.name}: {sum(plan.n(s) for s in SPLITS)} samples {plan.stored.name}", "_sha256": sums}
 
@@ -856,6 +882,49 @@ def prepare(
     data = _prepare_in_memory(_plan(splits, settings), settings, progress)
     data.info["class_counts"] = class_counts(data)
     return data
+
+
+def _origin(plan: _Plan) -> dict[str, Any]:
+    """Where each prepared sample came from: per prepared split its source split and source rows, and the source's
+    files (``None`` for a source of arrays)."""
+    return {"routes": {s: (src, np.asarray(rows, dtype=np.int64)) for s, (src, rows) in plan.routes.items()},
+            "files": plan.files}  # fmt: skip
+
+
+# The columns of RUN_DIR/splits.csv: one row per sample of every split.
+MANIFEST_COLUMNS = ("file", "split", "class", "file_is")
+
+
+def split_manifest(data: Prepared) -> str:
+    """``RUN_DIR/splits.csv``: which sample is in which split, one row per sample (train, val, test and val_target
+    where carved), as CSV text with the columns :data:`MANIFEST_COLUMNS`.
+
+    ``file`` is the file (a DICOM study's folder) as the user gave the source, with ``file_is`` ``path``; for a source
+    of arrays (an ``.npz``, scikit-learn's digits), the sample's row in the source's split, with ``file_is`` saying
+    which split (``row of the source's test split``: ``x_test[row]`` of an ``.npz``). A store entry prepared before
+    ddcnn recorded origins gives the row in the prepared split (``row of the prepared test split``). Nothing but the
+    paths the user gave and the class names is written: no image and no value read from a file.
+    """
+    import csv
+
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(MANIFEST_COLUMNS)
+    origin = data.origin
+    for split in (*SPLITS, *(s for s in data.y if s not in SPLITS)):
+        labels = data.y[split].tolist()
+        if origin is None or split not in origin["routes"]:
+            refs, what = range(len(labels)), [f"row of the prepared {split} split"] * len(labels)
+        else:
+            src, rows = origin["routes"][split]
+            files = (origin.get("files") or {}).get(src)
+            if files is not None:
+                refs, what = [files[r] for r in rows], ["path"] * len(rows)
+            else:
+                refs, what = rows.tolist(), [f"row of the source's {src} split"] * len(rows)
+        for ref, label, kind in zip(refs, labels, what, strict=True):
+            writer.writerow((ref, split, data.class_names[label], kind))
+    return out.getvalue()
 
 
 def class_counts(data: Prepared) -> dict[str, dict[str, int]]:

@@ -48,6 +48,8 @@ class Splits:
             the prepared data and written to ``results.json``.
         groups: ``{"train": ..., "test": ..., "val": ...}`` an integer group per sample (a patient) that every split
             drawn from these samples keeps together, or ``None`` (every sample on its own).
+        files: ``{"train": [...], "test": [...], "val": [...]}`` the file (or study folder) of each sample as the user
+            gave it, or ``None`` for a source without files (arrays): ``RUN_DIR/splits.csv`` names each sample by it.
     """
 
     x_train: np.ndarray | Rows
@@ -61,6 +63,7 @@ class Splits:
     classes_listed: bool = False
     report: dict = field(default_factory=dict)
     groups: dict[str, np.ndarray] | None = None
+    files: dict[str, list[str]] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -340,6 +343,7 @@ def image_folder(
         name=Path(root).expanduser().name,
         classes_listed=True,
         report=found.report,
+        files=found.files,
     )
 
 
@@ -412,7 +416,8 @@ def nifti(
     groups = None
     if index.groups is not None:  # the manifest's group column: one patient's volumes in one split
         groups = np.unique(np.asarray(index.groups), return_inverse=True)[1].astype(np.int64)
-    return _volume_splits(index, prep, cache_dir, root.stem, test_fraction, seed, progress, lazy, groups)
+    files = [str(p) for p in index.paths]
+    return _volume_splits(index, prep, cache_dir, root.stem, test_fraction, seed, progress, lazy, groups, files=files)
 
 
 def _volume_splits(
@@ -426,9 +431,11 @@ def _volume_splits(
     lazy: bool,
     groups: np.ndarray | None = None,
     report: dict | None = None,
+    files: list[str] | None = None,
 ) -> Splits:
     """The NIfTI volumes of ``index`` preprocessed by ``prep`` (cached), split by the index's split column, else with a
-    stratified test split (over whole ``groups`` when given)."""
+    stratified test split (over whole ``groups`` when given). ``files``: what names each volume in
+    ``RUN_DIR/splits.csv`` (index order): its file, or the DICOM study folder it was read from."""
     from ddcnn.data.nifti import NiftiCache, load_arrays
 
     if lazy:
@@ -450,6 +457,8 @@ def _volume_splits(
         has_val = len(parts["val"]) > 0
         if groups is not None:
             extra["groups"] = {s: groups[rows] for s, rows in parts.items() if len(rows) or s != "val"}
+        if files is not None:
+            extra["files"] = {s: [files[r] for r in rows] for s, rows in parts.items() if len(rows) or s != "val"}
         return Splits(
             take(parts["train"]),
             y[parts["train"]],
@@ -464,6 +473,8 @@ def _volume_splits(
     train, test = stratified_split(y, test_fraction, seed, groups, what=f"dataset {name!r}: the test split")
     if groups is not None:
         extra["groups"] = {"train": groups[train], "test": groups[test]}
+    if files is not None:
+        extra["files"] = {"train": [files[r] for r in train], "test": [files[r] for r in test]}
     return Splits(take(train), y[train], take(test), y[test], class_names=names, name=name, **extra)
 
 
@@ -520,7 +531,10 @@ def dicom(
         window=tuple(window) if window is not None else None,
         normalize=normalize,
     )
-    return _volume_splits(volumes, prep, cache_dir, root.stem, test_fraction, seed, progress, lazy, groups, report)
+    studies = [str(p) for p in index.studies]  # the study folders the user gave, not the converted cache files
+    return _volume_splits(
+        volumes, prep, cache_dir, root.stem, test_fraction, seed, progress, lazy, groups, report, files=studies
+    )
 
 
 # Source settings that name where a copy or a cache goes, not what is read: not part of a source's identity.

@@ -12,7 +12,7 @@
 - otherwise: one sub-domain after another in this process.
 
 A sub-domain that fails is recorded (which one, on which worker, why; the traceback in
-``local/i/error.log``), the other sub-domains still train, and the call then raises
+``local/<NN>/error.log``), the other sub-domains still train, and the call then raises
 :class:`LocalStageFailed` naming them. A worker that dies is named with its signal; one that stops
 reporting, or whose main thread stops moving (:mod:`ddcnn.parallel.heartbeat`), is killed after
 ``parallel.heartbeat_timeout_s``. Finished sub-domains have ``done`` markers, so running the same
@@ -70,7 +70,7 @@ class LocalStageFailed(RuntimeError):
 
 
 def record_failure(run: RunDir, subdomain: int, text: str) -> Path:
-    """Write the traceback of a failed local net to ``local/i/error.log`` (removed when it later succeeds)."""
+    """Write the traceback of a failed local net to ``local/<NN>/error.log`` (removed when it later succeeds)."""
     path = run.stage_dir("local", subdomain) / ERROR_LOG
     atomic_write_text(path, text)
     return path

@@ -1,8 +1,9 @@
 """The comparison report across runs: one table per dataset, CSV files and plots.
 
 It collects finished runs (each a run directory holding ``results.json`` and ``config.yaml``, e.g. the job folders
-of a Hydra sweep ``ddcnn-train -m ...``), groups them by dataset, backbone, grid and overlap (and any other setting
-that differs between runs of one dataset, such as ``trainer.max_epochs``), and reports for every method of
+of a Hydra sweep ``ddcnn-train -m ...``), groups them by dataset (its name and what identifies its data: the folder
+an image folder reads, the file name of an archive; :func:`dataset_labels`), backbone, grid and overlap (and any other
+setting that differs between runs of one dataset, such as ``trainer.max_epochs``), and reports for every method of
 :data:`ddcnn.report.results.METHODS` the test accuracy, balanced accuracy and ROC AUC (each as mean ± sample
 standard deviation over the seeds), the sequential training time, the projected time on the devices the method can
 use, the speedup against the global CNN on one device (equal device counts: ``docs/protocol.md``), the speedup to the
@@ -49,6 +50,8 @@ __all__ = [
     "Run",
     "find_runs",
     "load_run",
+    "data_identity",
+    "dataset_labels",
     "load_baseline_rows",
     "comparison_rows",
     "paired_rows",
@@ -145,6 +148,8 @@ class Run:
     overlap: tuple[int, ...]
     seed: int
     rows: list[dict] = field(default_factory=list)
+    # What identifies the data beyond their name (:func:`data_identity`): runs of one name but other data never pool.
+    data_source: str | None = None
 
     @property
     def timing_context(self) -> str:
@@ -202,6 +207,28 @@ def _resolved_ensemble_size(path: Path, recorded: dict) -> dict:
     return {**recorded, "methods": {**methods, "global_ensemble": {**ensemble, "k": int(k)}}}
 
 
+# Sources that read a folder (``data.source.root``): the folder is the data, whatever ``data.name`` says (the
+# image_folder config names every folder ``image_folder``).
+_FOLDER_KEYS = ("source.root", "root")
+# Sources that read one file (``data.source.path``, an archive): its name is the data; copies of one archive at two
+# places are one dataset.
+_FILE_KEYS = ("source.path", "path")
+
+
+def data_identity(config: Mapping[str, Any]) -> str | None:
+    """What identifies a run's data beyond ``data.name`` (its recorded ``config.yaml``): the folder a folder source
+    reads (the path as given, ``~`` expanded), the file name of an archive, ``None`` for a source that reads neither
+    (scikit-learn's digits)."""
+    flat = flatten(dict(config.get("data") or {}))
+    for key in _FOLDER_KEYS:
+        if flat.get(key):
+            return str(Path(str(flat[key])).expanduser())
+    for key in _FILE_KEYS:
+        if flat.get(key):
+            return Path(str(flat[key])).name
+    return None
+
+
 def load_run(path: str | Path) -> Run:
     """A run directory with ``results.json`` (the evaluate stage ran) and ``config.yaml``.
 
@@ -229,6 +256,7 @@ def load_run(path: str | Path) -> Run:
         grid=tuple(int(g) for g in dec["grid"]),
         overlap=tuple(int(o) for o in dec["overlap"]),
         seed=int(config.get("seed", results.get("seed", 0))),
+        data_source=data_identity(config),
         # rows written before equal-device speedups existed are rebuilt by today's rule (method_rows reads any version)
         rows=(
             results["methods"]
@@ -425,11 +453,38 @@ def _to_target(run: Run, method: str, key: str = "time_to_target") -> dict | Non
     return {"reached": reached, "speedup": g["time_s"] / cnn_dnn_s if reached else None}
 
 
+def dataset_labels(runs: Sequence[Run]) -> dict[tuple[str, str | None], str]:
+    """The label of each dataset, by ``(name, identity)`` (:func:`data_identity`): its name, with the folder's name
+    where the data are a folder (``image_folder (flowers)``) or where one name holds several data (the file or
+    folder name, the whole path where those names are alike too)."""
+    keys = sorted({(run.dataset, run.data_source) for run in runs}, key=lambda k: (k[0], k[1] or ""))
+    labels = {}
+    for name, source in keys:
+        alike = [s for n, s in keys if n == name]
+        folder = source is not None and any(run.data_source == source and _reads_folder(run) for run in runs)
+        if source is None or (len(alike) == 1 and not folder):
+            labels[(name, source)] = name
+            continue
+        short = Path(source).name
+        if sum(Path(s or "").name == short for s in alike) > 1:
+            short = source  # two folders of one name: the path tells them apart
+        labels[(name, source)] = name if short == name else f"{name} ({short})"
+    return labels
+
+
+def _reads_folder(run: Run) -> bool:
+    flat = flatten(dict(run.config.get("data") or {}))
+    return any(flat.get(key) for key in _FOLDER_KEYS)
+
+
 def _by_dataset(runs: Sequence[Run], ignore: Sequence[str]) -> Iterator[tuple[str, list[Run], list[str]]]:
-    """Per dataset, in name order: its runs and the settings that split them into groups (:func:`_varying_settings`)."""
+    """Per dataset (its name and what identifies its data: two image folders of the same settings are two datasets),
+    in label order (:func:`dataset_labels`): its runs and the settings that split them into groups
+    (:func:`_varying_settings`)."""
+    labels = dataset_labels(runs)
     by_dataset: dict[str, list[Run]] = {}
     for run in runs:
-        by_dataset.setdefault(run.dataset, []).append(run)
+        by_dataset.setdefault(labels[(run.dataset, run.data_source)], []).append(run)
     for dataset, group in sorted(by_dataset.items()):
         yield dataset, group, _varying_settings(group, ignore)
 
@@ -727,6 +782,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     tables = comparison_rows(runs, ignore)
     paired = paired_rows(runs, ignore)
+    grouped = {dataset: group for dataset, group, _ in _by_dataset(runs, ignore)}
     written: dict[str, list[Path]] = {"markdown": [], "csv": [], "plots": []}
     sections = [
         "# ddcnn comparison report",
@@ -764,7 +820,7 @@ def write_report(
             atomic_write_text(out / f"{slug}_paired.csv", _csv_text(pairs, PAIRED_COLUMNS))
             written["csv"].append(out / f"{slug}_paired.csv")
         sections += [f"## {dataset}", "", table, *([pairs_md] if pairs else [])]
-        dataset_runs = [r for r in runs if r.dataset == dataset]
+        dataset_runs = grouped[dataset]
         if plots:
             figures = [
                 _plot_vs_grid(rows, out / f"{slug}_accuracy_vs_grid.png", f"{dataset}: test accuracy", "accuracy"),

@@ -104,9 +104,9 @@ def run_curves(run, results: Mapping[str, Any]) -> dict[str, dict[str, list]]:
 
     ``results`` are the run's results (``time_s``, ``fit_time_s``, ``predict_time_s``, ``val``, ``metrics``,
     ``coarse_input``) as :func:`ddcnn.report.results.evaluate_run` builds them. The CNN-DNN's curve (module doc) ends
-    with the final CNN-DNN: the slowest local net's recorded time (training and output inference) plus the coarse
-    DNN's training clock (``fit_time_s``). The CNN-DNN's points also carry ``local_s``: each local net's time to its
-    outputs at that epoch (for the projection on P devices).
+    with the final CNN-DNN, in place of the snapshot of the same (last) epoch: the slowest local net's recorded time
+    (training and output inference) plus the coarse DNN's training clock (``fit_time_s``). The CNN-DNN's points also
+    carry ``local_s``: each local net's time to its outputs at that epoch (for the projection on P devices).
     """
     times = results.get("time_s") or {}
     fit_times = results.get("fit_time_s") or {}
@@ -156,15 +156,21 @@ def run_curves(run, results: Mapping[str, Any]) -> dict[str, dict[str, list]]:
         final_val = ((results.get("val") or {}).get("accuracy") or {}).get("cnn_dnn")
         final_test = (results.get("accuracy") or {}).get("cnn_dnn")
         if final_time is not None and final_val is not None and curves["cnn_dnn"]["epoch"]:
+            # The last snapshot is taken at the last epoch (snapshot_epochs always holds it; a local net stopped early
+            # stands in with its final outputs), so the final CNN-DNN (the local nets' selected weights, the coarse
+            # stage's own fit: the row results.md reports) takes that point's place: one point per epoch.
             curve = curves["cnn_dnn"]
-            curve["epoch"].append(curve["epoch"][-1])
-            curve["time_s"].append(final_time)
-            curve["val_acc"].append(final_val)
-            curve["test_acc"].append(final_test)
-            if "val_target_acc" in curve:
-                curve["val_target_acc"].append(((results.get("val_target") or {}).get("accuracy") or {}).get("cnn_dnn"))
+            target = ((results.get("val_target") or {}).get("accuracy") or {}).get("cnn_dnn")
             local = times.get("local")
-            curve["local_s"].append([float(t) for t in local] if local else None)
+            final = {
+                "time_s": final_time,
+                "val_acc": final_val,
+                "test_acc": final_test,
+                "local_s": [float(t) for t in local] if local else None,
+                **({"val_target_acc": target} if "val_target_acc" in curve else {}),
+            }
+            for key, value in final.items():
+                curve[key][-1] = value
     return curves
 
 

@@ -35,6 +35,8 @@ __all__ = [
     "plot_heatmap",
     "plot_subdomain_accuracy",
     "plot_confusion_matrices",
+    "confusion_figure",
+    "class_tick_labels",
     "read_metrics_csv",
     "plot_training_curves",
     "plot_series",
@@ -370,27 +372,68 @@ def plot_subdomain_accuracy(
     return _save(fig, path)
 
 
-def plot_confusion_matrices(
-    predictions: Mapping[str, tuple[Any, Any]],
-    class_names: Sequence[str],
-    path: str | Path,
-    title: str = "Confusion matrices (test split)",
-) -> Path:
-    """Confusion matrices side by side, one per method: counts annotated, colour = share of the true class.
+# Class names up to this long are the tick labels of a confusion matrix; longer ones, or more than _NAMED_CLASSES
+# classes, are numbered on the axes and named in an index legend below (a 40-character name under every column of a
+# 12-class matrix ran into its neighbours and off the figure).
+_TICK_NAME_CHARS = 14
+_NAMED_CLASSES = 30
+_LEGEND_NAME_CHARS = 48  # a name in the index legend is cut to this many characters (an ellipsis in the middle)
+_MAX_TICKS = 60  # beyond this many classes every n-th class is ticked, so that the numbers stay apart
 
-    Args:
-        predictions: ``{method: (labels, predicted_classes)}``; integer arrays of equal length.
-        class_names: Names of the classes, in label order.
-        path: The PNG to write.
-        title: Figure title.
+
+def _shorten(name: str, chars: int) -> str:
+    """``name`` cut to ``chars`` characters in the middle: names that share a long start differ at their end."""
+    if len(name) <= chars:
+        return name
+    tail = chars // 3
+    return name[: chars - 1 - tail].rstrip() + "…" + name[-tail:].lstrip()
+
+
+def class_tick_labels(class_names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The tick labels of a confusion matrix's classes and its index legend: the names themselves when they are few
+    and short, else the class indices, with ``"i: name"`` lines (names cut to :data:`_LEGEND_NAME_CHARS`)."""
+    names = [str(c) for c in class_names]
+    if len(names) <= _NAMED_CLASSES and max((len(n) for n in names), default=0) <= _TICK_NAME_CHARS:
+        return names, []
+    return [str(i) for i in range(len(names))], [f"{i}: {_shorten(n, _LEGEND_NAME_CHARS)}" for i, n in enumerate(names)]
+
+
+def confusion_figure(
+    predictions: Mapping[str, tuple[Any, Any]], class_names: Sequence[str], title: str = "Confusion matrices"
+) -> Figure:
+    """The figure of :func:`plot_confusion_matrices`, drawn but not saved (tests measure its labels).
+
+    Each panel grows with the class count; long or many class names become numbers with an index legend below the
+    panels (:func:`class_tick_labels`), named ticks are slanted so that neighbours do not run into each other.
     """
     if not predictions:
         raise ValueError("plot_confusion_matrices: no predictions given.")
     k = len(class_names)
-    side = min(max(3.6, 0.42 * k + 1.8), 9.0)
-    fig, axes = _new_figure(ncols=len(predictions), panel=(side, side))
+    ticks, legend = class_tick_labels(class_names)
+    fontsize = 9 if k <= 10 else 7 if k <= _MAX_TICKS else 6
+    # a cell holds its count up to 20 classes (0.35 in), else a tick number (0.2 in); beyond 12 in a panel the ticks
+    # thin out instead (_MAX_TICKS)
+    side = min(max(3.6, (0.35 if k <= 20 else 0.2) * k + 1.4), 12.0)
+    m = len(predictions)
+    width = side * m + 1.2  # the colour bar
+    legend_cols = legend_rows = 0
+    legend_h = 0.0
+    if legend:
+        # about 0.55 em a character in the default sans font, and 4 characters between columns; the colour bar's
+        # width is not theirs
+        column_in = (max(len(line) for line in legend) + 4) * 0.62 * fontsize / 72
+        legend_cols = max(1, min(len(legend), int((width - 1.2) // column_in)))
+        legend_rows = math.ceil(len(legend) / legend_cols)
+        legend_cols = math.ceil(len(legend) / legend_rows)  # no empty column
+        legend_h = legend_rows * 1.35 * fontsize / 72 + 0.3
+    fig = Figure(figsize=(width, side + legend_h), layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(2 if legend else 1, m, height_ratios=[side, legend_h] if legend else None)
+    axes = [fig.add_subplot(grid[0, j]) for j in range(m)]
+    step = math.ceil(k / _MAX_TICKS)
+    shown = list(range(0, k, step))
     im = None
-    for ax, (name, (labels, predicted)) in zip(axes[0], predictions.items(), strict=True):
+    for ax, (name, (labels, predicted)) in zip(axes, predictions.items(), strict=True):
         y, p = _as_numpy(labels).astype(np.int64).ravel(), _as_numpy(predicted).astype(np.int64).ravel()
         if y.shape != p.shape:
             raise ValueError(f"plot_confusion_matrices: {name}: {y.size} labels but {p.size} predictions.")
@@ -401,26 +444,48 @@ def plot_confusion_matrices(
         if k <= 20:
             for (r, c), v in np.ndenumerate(counts):
                 if v:
-                    ax.text(
-                        c,
-                        r,
-                        str(v),
-                        ha="center",
-                        va="center",
-                        fontsize=7 if k > 10 else 9,
-                        color="white" if share[r, c] > 0.5 else "black",
-                    )
-        ticks = range(k)
-        labels_shown = [str(c) for c in class_names] if k <= 30 else None
-        ax.set_xticks(ticks if labels_shown else [], labels_shown or [], rotation=90 if k > 10 else 0)
-        ax.set_yticks(ticks if labels_shown else [], labels_shown or [])
-        ax.set_xlabel("predicted class")
-        ax.set_ylabel("true class")
+                    colour = "white" if share[r, c] > 0.5 else "black"
+                    ax.text(c, r, str(v), ha="center", va="center", fontsize=7 if k > 10 else 9, color=colour)
+        named = not legend
+        if named and (k > 6 or max(len(t) for t in ticks) > 4):
+            ax.set_xticks(shown, [ticks[i] for i in shown], rotation=45, ha="right", rotation_mode="anchor")
+        else:
+            ax.set_xticks(shown, [ticks[i] for i in shown], rotation=90 if k > 20 else 0)
+        ax.set_yticks(shown, [ticks[i] for i in shown])
+        ax.tick_params(labelsize=fontsize)
+        numbered = " (numbers: the classes below)" if legend else ""
+        ax.set_xlabel("predicted class" + numbered, fontsize=fontsize + 1)
+        ax.set_ylabel("true class", fontsize=fontsize + 1)
         acc = float((y == p).mean()) if y.size else float("nan")
         ax.set_title(f"{name}: accuracy {acc:.3f} (n={y.size})", fontsize=9)
-    fig.colorbar(im, ax=list(axes[0]), label="share of the true class", shrink=0.8)
+    fig.colorbar(im, ax=axes, label="share of the true class", shrink=0.8)
+    if legend:
+        key = fig.add_subplot(grid[1, :])
+        key.axis("off")
+        for col in range(legend_cols):
+            lines = legend[col * legend_rows : (col + 1) * legend_rows]
+            key.text(col / legend_cols, 1.0, "\n".join(lines), transform=key.transAxes, va="top", ha="left",
+                     fontsize=fontsize, linespacing=1.2)  # fmt: skip
     fig.suptitle(_wrap(title, fig), fontsize=10)
-    return _save(fig, path)
+    return fig
+
+
+def plot_confusion_matrices(
+    predictions: Mapping[str, tuple[Any, Any]],
+    class_names: Sequence[str],
+    path: str | Path,
+    title: str = "Confusion matrices (test split)",
+) -> Path:
+    """Confusion matrices side by side, one per method: counts annotated, colour = share of the true class; long or
+    many class names numbered on the axes and named in an index legend (:func:`confusion_figure`).
+
+    Args:
+        predictions: ``{method: (labels, predicted_classes)}``; integer arrays of equal length.
+        class_names: Names of the classes, in label order.
+        path: The PNG to write.
+        title: Figure title.
+    """
+    return _save(confusion_figure(predictions, class_names, title), path)
 
 
 def read_metrics_csv(path: str | Path) -> dict[str, np.ndarray]:

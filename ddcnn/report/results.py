@@ -6,17 +6,21 @@ are called and which recorded times add up to each row's time. Besides the per-k
 (:func:`method_rows`) with its test accuracy, sequential training time, projected time on the devices it can use,
 speedup against the global CNN on one device and parameter count, and ``timing``: in which execution context each
 time was measured and whether the compared times share one. The protocol behind every verdict (``docs/protocol.md``)
-adds ``convergence`` (whether each training converged), ``flags`` (rows a reader must not take at face value: at
-chance, far below averaging, unconverged), ``time_to_target`` (time to a fixed target set by the global CNN),
-``projected_time_s_by_devices`` and ``speedup_equal_devices`` (the CNN-DNN on 1, 2 and N devices against a baseline on
-as many). The comparison report across runs (:mod:`ddcnn.report.compare`) reads those rows.
+adds ``convergence`` (whether each training converged), ``train_accuracy`` (each training's accuracy on its own
+training images), ``flags`` (rows a reader must not take at face value: at chance, and then whether the net did not
+learn or does not generalise, far below averaging, unconverged; each local net at chance with the rows it feeds),
+``time_to_target`` (time to a fixed target set by the global CNN), ``projected_time_s_by_devices`` and
+``speedup_equal_devices`` (the CNN-DNN on 1, 2 and N devices against a baseline on as many). The comparison report
+across runs (:mod:`ddcnn.report.compare`) reads those rows.
 """
 
 from __future__ import annotations
 
+import csv
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,7 +28,7 @@ import torch
 
 from ddcnn import registry
 from ddcnn.io import atomic_write_json, atomic_write_text, load_run_file
-from ddcnn.metrics import at_chance, majority_rate
+from ddcnn.metrics import at_chance, majority_rate, near_chance
 from ddcnn.registry import ResultRow
 from ddcnn.report.combiners import majority_vote, mean_probability
 from ddcnn.report.curves import (
@@ -53,6 +57,8 @@ __all__ = [
     "results_markdown",
     "timing_contexts",
     "flag_rows",
+    "flag_lines",
+    "training_accuracy",
     "convergence_of",
     "row_trainings",
     "image_pairs",
@@ -371,16 +377,199 @@ _UNCONVERGED_TRY = (
 )
 
 
+def training_accuracy(folder: Path, meta: Mapping[str, Any]) -> dict:
+    """What one training recorded of its accuracy on its own training images.
+
+    Args:
+        folder: The training's stage folder (its ``logs/metrics.csv``).
+        meta: Its ``meta.json``.
+
+    Returns:
+        ``{"epochs", "selected"}``: the highest per-epoch ``train_acc`` of ``logs/metrics.csv`` (in training mode:
+        dropout, batch statistics and augmentation on, averaged over the epoch's batches) and ``meta.json``
+        ``accuracy.train`` (the selected weights in evaluation mode, the weights its test accuracy is of); ``None``
+        where the training did not record it.
+    """
+    best = None
+    path = Path(folder) / "logs" / "metrics.csv"
+    if path.is_file():
+        with open(path, newline="") as fh:
+            values = [float(row["train_acc"]) for row in csv.DictReader(fh) if row.get("train_acc") not in (None, "")]
+        best = max(values) if values else None
+    selected = (meta.get("accuracy") or {}).get("train") if isinstance(meta.get("accuracy"), Mapping) else None
+    return {"epochs": best, "selected": None if selected is None else float(selected)}
+
+
+# What to try for a row at chance, by what its training accuracy says (:func:`_learning`).
+_DID_NOT_LEARN_TRY = (
+    "It did not learn: lower optimizer.lr, train longer (trainer.max_epochs) and check the labels and data.num_classes."
+)
+_COARSE_DID_NOT_LEARN_TRY = (
+    "The coarse DNN did not learn: read the fit record in its meta.json (kept, restarts, refits); the default "
+    "coarse.net (input_norm=standardize, skip=mean_prob) cannot end below averaging the local nets."
+)
+_LOCAL_DID_NOT_LEARN_TRY = (
+    "The local net did not learn: its sub-domain may hold too little of the image to tell the classes apart (a "
+    "larger decomposition.overlap or a coarser decomposition.grid gives it more), or its training failed (lower "
+    "optimizer.lr, train longer: trainer.max_epochs); the rows it feeds average it in."
+)
+_DOES_NOT_GENERALISE_TRY = (
+    "It fits its training images but not new ones: check that the validation and test images are like the training "
+    "images (same source, preprocessing and classes; RUN_DIR/splits.csv lists which image is in which split), then "
+    "regularise: augmentation (data.augment), weight decay (optimizer.weight_decay), a smaller or pretrained network "
+    "(model.weights). A network with batch normalisation whose selected weights score far lower on their own training "
+    "images in evaluation mode than in training mode has batch statistics that do not carry over to evaluation."
+)
+_UNKNOWN_LEARNING_TRY = (
+    "No training accuracy was recorded (logs/metrics.csv train_acc, meta.json accuracy.train), so whether it did not "
+    "learn or does not generalise cannot be told: lower optimizer.lr, train longer (trainer.max_epochs), check the "
+    "labels and data.num_classes, and retrain with this ddcnn to record it."
+)
+
+
+def _percent(value: float) -> str:
+    return f"{100 * value:.1f}%"
+
+
+def _learning(
+    results: Mapping[str, Any], figures: Mapping[str, Any] | None, test_acc: float, rate: float, n_test: int
+) -> dict:
+    """Whether a training at chance on test did not learn or does not generalise, from its training accuracy
+    (``figures``: :func:`training_accuracy`): ``did not learn`` only when every recorded training accuracy is within
+    noise of the training split's majority-class rate too; else ``does not generalise``, with the gap in points
+    (training minus test accuracy); ``unknown`` when no training accuracy was recorded. The training split's
+    majority-class rate and size (``results["train_majority_rate"]``, ``data.n_train``) decide; a results dict without
+    them (an older ddcnn's) is judged by the test split's ``rate`` and ``n_test``.
+
+    Returns:
+        ``{"state", "text", "train_accuracy", "gap_points"}``; ``text`` is what ``results.md`` prints.
+    """
+    figures = figures or {}
+    known = {k: float(v) for k, v in figures.items() if v is not None and math.isfinite(float(v))}
+    if not known:
+        return {
+            "state": "unknown",
+            "text": "no training accuracy was recorded, so whether it did not learn or does not generalise is unknown",
+            "train_accuracy": None,
+            "gap_points": None,
+        }
+    train_rate = results.get("train_majority_rate")
+    n_train = (results.get("data") or {}).get("n_train")
+    rate, n = (float(train_rate), int(n_train)) if train_rate is not None and n_train else (float(rate), int(n_test))
+    best = max(known.values())
+    if near_chance(best, rate, n):
+        return {
+            "state": "did not learn",
+            "text": f"did not learn (training accuracy at most {_percent(best)}, at chance too: majority-class rate "
+            f"{_percent(rate)})",
+            "train_accuracy": best,
+            "gap_points": None,
+        }
+    # The selected weights in evaluation mode are the weights the test accuracy is of: their training accuracy is
+    # the gap's, unless only the training-mode figure rose above chance (then it says so).
+    selected, epochs = known.get("selected"), known.get("epochs")
+    above = selected is None or not near_chance(selected, rate, n)
+    train = selected if selected is not None and above else best
+    gap = 100 * (train - test_acc)
+    text = f"does not generalise (training {_percent(train)} vs test {_percent(test_acc)}: a gap of {gap:.1f} points)"
+    if train != selected and selected is not None:
+        text += (
+            f"; that training accuracy is the best epoch's in training mode (logs/metrics.csv), its selected weights "
+            f"score {_percent(selected)} on the training images in evaluation mode"
+        )
+    elif train == selected and epochs is not None and epochs > selected + 0.1:
+        text += f" (in training mode its best epoch reached {_percent(epochs)})"
+    return {"state": "does not generalise", "text": text, "train_accuracy": train, "gap_points": gap}
+
+
+def _chance_also(auc: float | None, balanced: float | None) -> str:
+    if auc is not None:
+        return f" and its AUC {auc:.4f} is within noise of 0.5"
+    if balanced is not None:
+        return f" and its balanced accuracy {balanced:.4f} is within noise of 1/K"
+    return ""
+
+
+def _rows_fed_by_local(results: Mapping[str, Any]) -> list[dict]:
+    """The results rows built on the local nets (the combiners, the CNN-DNNs)."""
+    return [row for row in results.get("methods") or [] if "local" in row_trainings(row.get("stage"))]
+
+
+def _local_chance_flags(results: Mapping[str, Any], rate: float, counts: Sequence[int]) -> list[dict]:
+    """A local net at chance on test (:func:`~ddcnn.metrics.at_chance`, as a row is): its index, test and
+    validation accuracy, the majority-class rate, whether it did not learn or does not generalise, and the rows that
+    average it in."""
+    metrics = results.get("metrics") or {}
+    val = ((results.get("val") or {}).get("accuracy") or {}).get("local") or []
+    trained = (results.get("train_accuracy") or {}).get("local") or []
+    fed = _rows_fed_by_local(results)
+    flags = []
+    for i, r in enumerate(metrics.get("local") or []):
+        acc, auc, balanced = r["accuracy"], r.get("auc"), r.get("balanced_accuracy")
+        if not at_chance(acc, rate, counts, auc=auc, balanced_accuracy=balanced):
+            continue
+        learning = _learning(results, trained[i] if i < len(trained) else None, acc, rate, sum(counts))
+        val_acc = val[i] if i < len(val) else None
+        on_val = f" (validation {val_acc:.4f})" if val_acc is not None else ""
+        reason = (
+            f"test accuracy {acc:.4f}{on_val} is at chance (majority-class rate {rate:.4f})"
+            f"{_chance_also(auc, balanced)}; {learning['text']}"
+        )
+        feeds = f"{len(fed)} row{'s' if len(fed) != 1 else ''}" + (
+            ": " + _bold([r["name"] for r in fed]) if fed else ""
+        )
+        try_ = _LOCAL_DID_NOT_LEARN_TRY if learning["state"] != "does not generalise" else _DOES_NOT_GENERALISE_TRY
+        flags.append(
+            {
+                "method": f"local/{i}",
+                "kind": "chance",
+                "subdomain": i,
+                "accuracy": acc,
+                "val_accuracy": val_acc,
+                "majority_rate": rate,
+                "learning": learning["state"],
+                "train_accuracy": learning["train_accuracy"],
+                "gap_points": learning["gap_points"],
+                "feeds": [row["key"] for row in fed],
+                "reason": f"{reason}. It feeds {feeds}",
+                "message": f"local net {i}: {reason}. It feeds {feeds}.",
+                "try": try_,
+            }
+        )
+    return flags
+
+
+def _unconverged_names(results: Mapping[str, Any], stage: str | None) -> list[str]:
+    return [what for what, _ in _unconverged_records(results, stage)]
+
+
+def _unconverged_reason(results: Mapping[str, Any], stage: str | None) -> str:
+    """A row's short reason for its unconverged flag: its own training, and the trainings it builds on."""
+    whats = _unconverged_names(results, stage)
+    own = "global CNN" if stage == "global" else stage
+    others = [w for w in whats if w != own]
+    if not others:
+        return "its own training"
+    return f"built on {_names(others)}" + (" and its own training" if own in whats else "")
+
+
 def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
     """Rows a reader must not take at face value: built on a training that did not converge (``unconverged``: its own,
     or any it builds on: for the CNN-DNN any local net or the coarse DNN; ``results["convergence"]``), at chance
     (every figure of the row within noise of a guess unrelated to the labels: accuracy against the majority-class
     ``rate``, then ROC AUC against 0.5 or balanced accuracy against ``1/K``; see :func:`ddcnn.metrics.at_chance`), or
-    a combiner of the local nets far below averaging them. ``counts`` are the test split's class sizes. Each flag says
-    what to try."""
+    a combiner of the local nets far below averaging them; and each local net at chance (``method`` ``local/<i>``,
+    with the rows it feeds). ``counts`` are the test split's class sizes.
+
+    A row at chance "did not learn" only when its training accuracy (``results["train_accuracy"]``) stayed at chance
+    too; otherwise it "does not generalise", with the gap between its training and test accuracy.
+
+    Each flag has ``method``, ``kind``, ``message`` (the whole finding, for the log), ``reason`` (the row's own part
+    of it, which ``results.md`` lists under the explanation of its kind, :func:`flag_lines`) and ``try``."""
     flags = []
     n_test = sum(int(c) for c in counts)
     mean = (results.get("accuracy") or {}).get("mean_prob")
+    trained = results.get("train_accuracy") or {}
     for row in results.get("methods") or []:
         acc, key, name = row["accuracy"], row["key"], row["name"]
         unconverged = _unconverged(results, row.get("stage"))
@@ -389,6 +578,8 @@ def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
                 {
                     "method": key,
                     "kind": "unconverged",
+                    "trainings": _unconverged_names(results, row.get("stage")),
+                    "reason": _unconverged_reason(results, row.get("stage")),
                     "message": f"{name}: trained without converging: {', '.join(unconverged)}.",
                     "try": _unconverged_advice(results, row.get("stage")),
                 }
@@ -396,25 +587,26 @@ def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
         auc, balanced = row.get("auc"), row.get("balanced_accuracy")
         coarse = row.get("stage") in COMBINER_STAGES
         if at_chance(acc, rate, counts, auc=auc, balanced_accuracy=balanced):
-            hint = (
-                "The coarse DNN did not learn: read the fit record in its meta.json (kept, restarts, refits); the "
-                "default coarse.net (input_norm=standardize, skip=mean_prob) cannot end below averaging the local nets."
-                if coarse
-                else "The network did not learn: lower optimizer.lr, train longer (trainer.max_epochs) and check the "
-                "labels and data.num_classes."
-            )
-            also = (
-                f" and its AUC {auc:.4f} is within noise of 0.5"
-                if auc is not None
-                else f" and its balanced accuracy {balanced:.4f} is within noise of 1/K"
-                if balanced is not None
-                else ""
+            learning = _learning(results, trained.get(key), acc, rate, n_test)
+            if learning["state"] == "does not generalise":
+                hint = _DOES_NOT_GENERALISE_TRY
+            elif learning["state"] == "unknown":
+                hint = _UNKNOWN_LEARNING_TRY
+            else:
+                hint = _COARSE_DID_NOT_LEARN_TRY if coarse else _DID_NOT_LEARN_TRY
+            reason = (
+                f"test accuracy {acc:.4f} is at chance (majority-class rate {rate:.4f}){_chance_also(auc, balanced)}; "
+                f"{learning['text']}"
             )
             flags.append(
                 {
                     "method": key,
                     "kind": "chance",
-                    "message": f"{name}: test accuracy {acc:.4f} is at chance (majority-class rate {rate:.4f}){also}.",
+                    "learning": learning["state"],
+                    "train_accuracy": learning["train_accuracy"],
+                    "gap_points": learning["gap_points"],
+                    "reason": reason,
+                    "message": f"{name}: {reason}.",
                     "try": hint,
                 }
             )
@@ -425,11 +617,121 @@ def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
                 {
                     "method": key,
                     "kind": "below_averaging",
+                    "reason": f"test accuracy {acc:.4f}, averaging the local nets {mean:.4f}",
                     "message": f"{name}: test accuracy {acc:.4f} is far below averaging the local nets ({mean:.4f}).",
                     "try": _below_averaging_try(results, row.get("stage")),
                 }
             )
-    return flags
+    return flags + _local_chance_flags(results, rate, counts)
+
+
+def _names(whats: Sequence[str]) -> str:
+    """``local net 0, local net 1, global CNN`` as ``local nets 0, 1 and global CNN``."""
+    local = [w.removeprefix("local net ") for w in whats if w.startswith("local net ")]
+    others = [w for w in whats if not w.startswith("local net ")]
+    parts = [f"local net{'s' if len(local) > 1 else ''} {', '.join(local)}"] if local else []
+    return " and ".join(parts + others)
+
+
+# How results.md explains each kind of flag, once: what it means and what follows from it.
+_FLAG_KINDS = {
+    "unconverged": (
+        "Trained without converging",
+        "a row built on a training that did not converge is not a baseline (docs/protocol.md, Convergence); no verdict "
+        "against it holds until that training converges.",
+    ),
+    "chance": (
+        "At chance",
+        "every figure within noise of a guess unrelated to the labels (accuracy against the majority-class rate, then "
+        'ROC AUC against 0.5 or balanced accuracy against 1/K). A net at chance on test "did not learn" only when '
+        'its training accuracy stayed at chance too; otherwise it "does not generalise".',
+    ),
+    "below_averaging": (
+        "Far below averaging the local nets",
+        "a combiner of the local nets that ends more than 3 points (or 3 standard errors) below their mean probability "
+        "does worse than the combiner that needs no training.",
+    ),
+}
+
+
+def _grouped(pairs: Sequence[tuple[str, str]]) -> list[tuple[list[str], str]]:
+    """``(name, text)`` pairs as ``([names], text)``, one entry per distinct text, in first-seen order."""
+    out: dict[str, list[str]] = {}
+    for name, text in pairs:
+        out.setdefault(text, []).append(name)
+    return [(names, text) for text, names in out.items()]
+
+
+def _row_names(results: Mapping[str, Any]) -> dict[str, str]:
+    names = {row["key"]: row["name"] for row in results.get("methods") or []}
+    n = len((results.get("metrics") or {}).get("local") or [])
+    names.update({f"local/{i}": f"local net {i}" for i in range(n)})
+    return names
+
+
+def _unconverged_lines(results: Mapping[str, Any], flags: Sequence[Mapping[str, Any]], names: Mapping) -> list[str]:
+    """The unconverged trainings once each (why, and what to try), then the rows built on them."""
+    trainings: dict[str, Mapping[str, Any]] = {}
+    for flag in flags:
+        for what, record in _unconverged_records(results, _stage_of(results, flag["method"])):
+            trainings.setdefault(what, record)
+    lines = []
+    for what, record in trainings.items():
+        reasons = "; ".join(record.get("reasons") or []) or "not converged (no reason recorded)"
+        lines.append(f"- {what} did not converge: {reasons}.")
+    advice = [(what, str(record.get("advice") or "")) for what, record in trainings.items()]
+    if not trainings or any(not text for _, text in advice):
+        lines.append(f"- Try: {_UNCONVERGED_TRY}")
+    else:
+        groups = _grouped(advice)
+        if len(groups) == 1:
+            lines.append(f"- Try: {groups[0][1]}.")
+        else:
+            lines.append("- Try: " + "; ".join(f"{_names(whats)}: {text}" for whats, text in groups) + ".")
+    return lines + _row_lines(flags, names)
+
+
+def _row_lines(flags: Sequence[Mapping[str, Any]], names: Mapping[str, str]) -> list[str]:
+    """One line per reason with the rows whose reason it is (their names in bold: a name may hold a comma)."""
+    rows = _grouped([(names.get(f["method"], f["method"]), f.get("reason") or f["message"]) for f in flags])
+    return [f"- {_bold(row_names)}: {reason}." for row_names, reason in rows]
+
+
+def _bold(row_names: Sequence[str]) -> str:
+    return ", ".join(f"**{name}**" for name in row_names)
+
+
+def _stage_of(results: Mapping[str, Any], key: str) -> str | None:
+    return next((row.get("stage") for row in results.get("methods") or [] if row["key"] == key), None)
+
+
+def flag_lines(results: Mapping[str, Any]) -> list[str]:
+    """``results.md``'s section on its flags: each kind explained once, each flagged row with its own reason, each
+    fix once with the rows (or trainings) it is for; nothing when nothing is flagged."""
+    flags = list(results.get("flags") or [])
+    if not flags:
+        return []
+    names = _row_names(results)
+    lines = ["", "## Check these rows", ""]
+    kinds = list(dict.fromkeys([*_FLAG_KINDS, *(f["kind"] for f in flags)]))
+    for kind in kinds:
+        of_kind = [f for f in flags if f["kind"] == kind]
+        if not of_kind:
+            continue
+        title, explanation = _FLAG_KINDS.get(kind, (kind, ""))
+        lines.append(f"**{title}**" + (f": {explanation}" if explanation else ""))
+        lines.append("")
+        if kind == "unconverged" and all("trainings" in f for f in of_kind):
+            lines += _unconverged_lines(results, of_kind, names)
+        else:
+            lines += _row_lines(of_kind, names)
+            tries = _grouped([(names.get(f["method"], f["method"]), f["try"]) for f in of_kind])
+            if len(tries) == 1:
+                lines.append(f"- Try: {tries[0][1]}")
+            else:
+                lines += [f"- Try, for {_bold(row_names)}: {text}" for row_names, text in tries]
+        lines.append("")
+    return lines[:-1]
 
 
 # The default coarse net's parts that keep it at or above averaging the local nets on validation (conf/coarse/mlp.yaml).
@@ -677,11 +979,10 @@ def results_markdown(results: dict) -> str:
         if target:
             lines.append(target)
     lines += _single_seed_lines(results)
-    for flag in results.get("flags") or []:
-        lines.append(f"- **Check this row:** {flag['message']} {flag['try']}")
     note = _context_note(results.get("timing"))
     if note:
         lines.append(note)
+    lines += flag_lines(results)
     lines.append("")
     return "\n".join(lines)
 
@@ -810,10 +1111,14 @@ def evaluate_run(run, decomposition, data, settings: RunSettings | None = None) 
     results["paired_test"] = image_pairs(results, correct)
     rate = majority_rate(data.y["train"], labels)
     results["majority_rate"] = rate
+    train_counts = torch.bincount(data.y["train"].long(), minlength=k)
+    results["train_majority_rate"] = float(train_counts.max() / train_counts.sum())  # of the training split itself
     results["test_class_counts"] = torch.bincount(labels.long(), minlength=k).tolist()
     results["flags"] = flag_rows(results, rate, results["test_class_counts"])
     for flag in results["flags"]:
-        log.warning("evaluate: %s %s", flag["message"], flag["try"])
+        log.warning("evaluate: %s", flag["message"])
+    for advice in dict.fromkeys(flag["try"] for flag in results["flags"]):  # a fix shared by several rows, once
+        log.warning("evaluate: try: %s", advice)
     atomic_write_json(run.root / "results.json", results)
     atomic_write_text(run.root / "results.md", results_markdown(results))
     return results
@@ -836,6 +1141,13 @@ def _local_figures(run, n: int, k: int, data) -> tuple[dict[str, dict], list[dic
     val.update(_combiner_metrics(val_probs, val_labels, n, k))
     local_meta = [run.meta("local", i) for i in range(n)]
     convergence: dict[str, Any] = {"local": [convergence_of(m) for m in local_meta]}
+    # each training's accuracy on its own training images: a row at chance did not learn, or does not generalise
+    train_acc: dict[str, Any] = {
+        "local": [training_accuracy(run.stage_dir("local", i), m) for i, m in enumerate(local_meta)]
+    }
+    train_probs, train_labels = run.local_outputs(n, "train", "probs")
+    for key, figures in _combiner_metrics(train_probs, train_labels, n, k).items():
+        train_acc[key] = {"epochs": None, "selected": figures["accuracy"]}
     # Training clocks only (no predictions): the times of the accuracy-versus-time curves.
     fit_times: dict[str, Any] = {"local": [m.get("fit_time_s", m["time_s"]) for m in local_meta]}
     fit_times["local_max"], fit_times["local_total"] = max(fit_times["local"]), sum(fit_times["local"])
@@ -852,7 +1164,7 @@ def _local_figures(run, n: int, k: int, data) -> tuple[dict[str, dict], list[dic
     params: dict[str, Any] = {"local": local_meta[0]["params"], "local_total": sum(m["params"] for m in local_meta)}
     contexts: dict[str, dict | None] = {f"local {i}": m.get("context") for i, m in enumerate(local_meta)}
     tables = {"metrics": metrics, "val": val, "convergence": convergence, "fit_times": fit_times, "time_s": time_s}
-    tables |= {"params": params, "contexts": contexts, "correct": correct}
+    tables |= {"params": params, "contexts": contexts, "correct": correct, "train_acc": train_acc}
     # stages whose row key depends on their input (the coarse DNNs), stages that trained on several devices at once
     # (global_ddp), start-up, stages copied from a training of an earlier run with the same settings, and the
     # accuracy on the val_target split (data.val_target_fraction) by row key
@@ -883,6 +1195,7 @@ def _stage_figures(run, c: dict[str, dict], labels: torch.Tensor, k: int) -> Non
         c["correct"][key] = saved["probs"].argmax(-1) == saved["labels"]
         saved_val = run.load_probs(stage.name, "val")
         c["val"][key] = _metrics_of(saved_val["probs"], saved_val["labels"], k)
+        c["train_acc"][key] = training_accuracy(run.stage_dir(stage.name), meta)
         target_file = run.stage_dir(stage.name) / f"probs_{TARGET_SPLIT}.pt"
         if target_file.is_file():
             saved_target = load_run_file(target_file)
@@ -911,6 +1224,8 @@ def _assembled(c: dict[str, dict], decomposition, data, n: int, k: int) -> dict:
     metrics["cnn_dnn"], val["cnn_dnn"] = (metrics.get(main), val.get(main)) if main else (None, None)
     if main in held_out:
         held_out["cnn_dnn"] = held_out[main]
+    if main in c["train_acc"]:
+        c["train_acc"]["cnn_dnn"] = c["train_acc"][main]
     metrics.setdefault("global", None)
     if time_s.get("coarse") is not None:
         params["cnn_dnn"] = params["local_total"] + params["coarse"]
@@ -949,6 +1264,7 @@ def _assembled(c: dict[str, dict], decomposition, data, n: int, k: int) -> dict:
         "timing": timing_contexts(compared, reused),
         "timing_all_stages": timing_contexts(contexts, reused),
         "convergence": c["convergence"],
+        "train_accuracy": c["train_acc"],
         "coarse_nets": c["coarse_nets"],
         "decomposition": {
             "grid": list(decomposition.grid),

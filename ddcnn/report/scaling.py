@@ -1,6 +1,6 @@
 """The scaling table of a finished run: predicted wall time and speedup of the CNN-DNN on P devices.
 
-Reads the measured training time of every local net (``local/i/meta.json``), of the coarse DNN and of the
+Reads the measured training time of every local net (``local/<NN>/meta.json``), of the coarse DNN and of the
 global CNN from a run directory, places the local nets on each device set with the LPT rule
 (:func:`ddcnn.parallel.schedule.scaling_rows`) and compares with the global CNN on one device. This is how
 a user sizes a cluster job before submitting it.

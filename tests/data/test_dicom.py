@@ -403,6 +403,15 @@ def test_dicom_source_keeps_each_patient_in_one_split(tmp_path):
     sets = {s: set(data.groups[s].tolist()) for s in ("train", "val", "test")}
     assert all(sets.values()) and not sets["train"] & sets["val"] and not sets["val"] & sets["test"]
     assert data.info["n_groups"] == {s: len(v) for s, v in sets.items()}
+    # splits.csv names each study by the folder the user gave (issue #45 item 7), with the class of its folder
+    import csv
+    import io
+
+    from ddcnn.data.prepare import split_manifest
+
+    rows = list(csv.DictReader(io.StringIO(split_manifest(data))))
+    assert len(rows) == 16 and len({r["file"] for r in rows}) == 16 and {r["file_is"] for r in rows} == {"path"}
+    assert all(Path(r["file"]).is_dir() and Path(r["file"]).parent.name == r["class"] for r in rows)
     # A subset takes whole patients: every patient it holds comes with all of their training studies.
     small = prepare(splits, num_classes=2, in_channels=1, spatial_dims=3, val_fraction=0.25, split_seed=3,
                     train_subset=4)  # fmt: skip
@@ -464,6 +473,7 @@ def test_tiny_dicom_run_end_to_end_writes_no_identifying_tag(make_cfg, tmp_path,
     # 10 patients in all, counted per split: no patient in two splits.
     assert saved["data"]["report"]["dicom"]["patient_groups"] == 10
     assert sum(saved["data"]["n_groups"].values()) == 10 and min(saved["data"]["n_groups"].values()) >= 1
+    assert len((run_dir / "splits.csv").read_text().splitlines()) == 1 + 20  # checked for identifying tags below
     # ddcnn-predict classifies a study folder by the training's series rule and preprocessing.
     from ddcnn.predict import predict_main
 

@@ -527,3 +527,35 @@ def test_class_map_names_what_it_cannot_pair_and_refuses_unknown_folders(tmp_pat
         image_folder(root, image_size=(12, 12), class_map={**given, "helthy": "normal"})
     with pytest.raises(ValueError, match="data.source.class_map must map folder names to class names"):
         image_folder(root, image_size=(12, 12), class_map=["healthy"])
+
+
+def test_the_split_manifest_names_every_image_by_its_file_from_memory_and_from_the_store(tmp_path):
+    """Issue #45 item 7: a user could not find the test images. ``splits.csv`` names each one by the file it was read
+    from, with its split and class, also when the prepared copy is mapped from the store."""
+    import csv
+    import io
+
+    from ddcnn.data.prepare import load_prepared, split_manifest
+    from ddcnn.store import Store
+
+    root = messy_folder(tmp_path / "data", splits=None, per_class=(3, 2, 3))
+    spec = {"_target_": "ddcnn.data.sources.image_folder", "root": str(root), "image_size": [16, 16]}
+    settings = prepare_settings(num_classes="auto", in_channels="auto", spatial_dims=2, image_size=(16, 16))
+    manifests = []
+    for mode in ("memory", "mapped", "mapped"):  # in memory; written into the store; mapped from it
+        data = load_prepared(
+            lambda: image_folder(root, image_size=(16, 16)), spec, settings, mode=mode, store=Store(tmp_path / "s")
+        )
+        manifests.append(split_manifest(data))
+    assert manifests[0] == manifests[1] == manifests[2]
+    rows = list(csv.DictReader(io.StringIO(manifests[0])))
+    assert list(rows[0]) == ["file", "split", "class", "file_is"]
+    assert [sum(r["split"] == s for r in rows) for s in ("train", "val", "test")] == [
+        len(data.y[s]) for s in ("train", "val", "test")
+    ]
+    assert {r["file_is"] for r in rows} == {"path"}
+    for r in rows:
+        path = Path(r["file"])
+        assert path.is_file() and path.is_relative_to(root), r  # the file itself, as the user gave the root
+        assert path.relative_to(root).parts[0] == r["class"]  # its class folder
+    assert len({r["file"] for r in rows}) == len(rows)  # each image once

@@ -595,3 +595,20 @@ def test_convert_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     np.savez(tmp_path / "flat.npz", x_train=np.zeros((2, 3, 3)), y_train=np.zeros(2, int))
     assert convert.main([str(tmp_path / "flat.npz"), str(tmp_path / "flat")]) == 1
     assert "(N, D, H, W)" in capsys.readouterr().err
+
+
+def test_the_source_names_each_volume_by_its_file_for_the_split_manifest(tmp_path: Path) -> None:
+    """Issue #45 item 7: ``RUN_DIR/splits.csv`` names each volume by the file it was read from; the source carries
+    each split's files in the order of its volumes."""
+    from ddcnn.data.sources import nifti
+
+    for name in ("ant", "zebra"):
+        for i in range(5):
+            save(tmp_path / "set" / name / f"v{i}.nii.gz", np.full((2, 2, 2), i + 10 * (name == "zebra"), np.float32))
+    splits = nifti(tmp_path / "set", test_fraction=0.4, cache_dir=tmp_path / "cache", progress=False)
+    for split, x, y in (("train", splits.x_train, splits.y_train), ("test", splits.x_test, splits.y_test)):
+        files = splits.files[split]
+        assert len(files) == len(y) and all(Path(f).is_file() for f in files)
+        for path, volume, label in zip(files, x, y, strict=True):
+            assert Path(path).parent.name == splits.class_names[label]
+            assert float(volume.max()) == int(Path(path).name[1]) + 10 * (label == 1)  # this very file's values

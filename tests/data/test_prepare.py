@@ -264,3 +264,32 @@ def test_progress_in_a_file_is_one_line_per_step(caplog):
     assert 10 <= len(lines) <= 11 and lines[-1].startswith("preparing demo: done, 100 samples")
     assert "preparing demo: 50% (50/100 samples, 500/1000 MB)" in lines[4]
     assert not any("\r" in line for line in lines)
+
+
+def test_the_split_manifest_of_arrays_gives_each_samples_row_in_the_source(tmp_path):
+    """Issue #45 item 7: ``splits.csv`` for a source without files: each sample's row in the source's split (the
+    validation split carved from training rows, the target split carved from validation rows), none twice."""
+    import csv
+    import io
+
+    from ddcnn.data.prepare import split_manifest
+
+    path, _ = _archive(tmp_path)
+    source = npz(path, spatial_dims=3)
+    data = prepare(source, num_classes=3, in_channels=1, spatial_dims=3, val_fraction=0.3, split_seed=1)
+    data = data.carve_val_target(0.5, seed=1)
+    rows = list(csv.DictReader(io.StringIO(split_manifest(data))))
+    assert len(rows) == sum(len(y) for y in data.y.values())
+    for split in (*SPLITS, "val_target"):
+        mine = [r for r in rows if r["split"] == split]
+        assert [r["class"] for r in mine] == [data.class_names[int(v)] for v in data.y[split]]
+        source_split = "test" if split == "test" else "train"  # validation and target carved from training rows
+        assert {r["file_is"] for r in mine} == {f"row of the source's {source_split} split"}
+        x = source.x_test if split == "test" else source.x_train
+        for k, r in enumerate(mine):  # the row holds this very sample
+            assert np.array_equal(x[int(r["file"])], data.stored[split][k].numpy())
+    train_rows = [(r["file"], r["file_is"]) for r in rows if r["split"] != "test"]
+    assert len(set(train_rows)) == len(train_rows)
+    # a store entry prepared before origins were recorded: the rows of the prepared splits, said so
+    data.origin = None
+    assert "row of the prepared test split" in split_manifest(data)

@@ -64,8 +64,11 @@ def test_the_global_cnn_needs_longer_to_the_cnn_dnns_accuracy(tmp_path):
     results = _results(run, final_val=0.95)
     curves = run_curves(run, results)
     assert curves["global"]["time_s"] == [10.0, 20.0, 30.0, 40.0]  # the global CNN builds on nothing
-    assert curves["cnn_dnn"]["time_s"] == [5.0, 10.5, 11.0]  # snapshots, then the final CNN-DNN (10 + 1 s)
-    assert curves["cnn_dnn"]["val_acc"][-1] == 0.95 and curves["mean_prob"]["epoch"] == [1, 2]
+    # The snapshot of epoch 1, then the final CNN-DNN (10 + 1 s) in place of the snapshot of the last epoch (2): issue
+    # #45 found the last epoch drawn twice, the snapshot and the final CNN-DNN appended after it.
+    assert curves["cnn_dnn"]["time_s"] == [5.0, 11.0] and curves["cnn_dnn"]["epoch"] == [1, 2]
+    assert curves["cnn_dnn"]["val_acc"] == [0.90, 0.95] and curves["cnn_dnn"]["test_acc"] == [0.89, 0.9]
+    assert all(len(v) == 2 for v in curves["cnn_dnn"].values()) and curves["mean_prob"]["epoch"] == [1, 2]
     equal = speedup_at_equal_accuracy(curves, 11.0)
     at_cnn_dnn = equal["at_cnn_dnn_accuracy"]
     assert at_cnn_dnn["reached"] and at_cnn_dnn["global_s"] == 30.0  # the first epoch at or above 0.95
@@ -129,8 +132,9 @@ def test_time_to_target_is_set_by_the_global_cnn_and_counts_the_cnn_dnns_inferen
     # Global CNN: best validation accuracy 0.90 on 400 validation samples; one standard error is 0.015, so the
     # target is 0.885, which its epoch 3 (0.89) reaches after 30 s.
     global_rows = [(10.0, 0.70), (20.0, 0.80), (30.0, 0.89), (40.0, 0.90)]
-    # The CNN-DNN's snapshots: 0.80 at epoch 1, 0.886 at epoch 2, when the local nets' clocks are 6 and 8 s.
-    points = [([3.0, 4.0], 0.4, 0.80), ([6.0, 8.0], 0.6, 0.886)]
+    # The CNN-DNN's snapshots: 0.80 at epoch 1, 0.886 at epoch 2, when the local nets' clocks are 6 and 8 s; the
+    # last (epoch 3, at the end of the local nets' training) is the final CNN-DNN's place.
+    points = [([3.0, 4.0], 0.4, 0.80), ([6.0, 8.0], 0.6, 0.886), ([10.0, 12.0], 1.0, 0.5)]
     run, results = _snapshot_run(tmp_path, global_rows, points, predict=(0.5, 0.25))
     for cnn_dnn_val in (0.95, 0.70):  # the CNN-DNN's own (selected) validation accuracy never moves the target
         results["val"] = {"accuracy": {"cnn_dnn": cnn_dnn_val}}

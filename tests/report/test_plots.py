@@ -135,3 +135,48 @@ def test_every_method_of_the_family_has_its_own_colour_and_marker_in_every_plot(
     }
     path = plot_accuracy_vs_time(curves, tmp_path / "curves.png")
     assert_real_png(path)
+
+
+def _inside_and_apart(fig, texts) -> None:
+    """Every drawn text of ``texts`` lies inside the figure, and neighbouring ones do not overlap."""
+    renderer = fig.canvas.get_renderer()
+    figure_box = fig.bbox
+    boxes = [t.get_window_extent(renderer) for t in texts if t.get_visible() and t.get_text()]
+    assert boxes
+    for box in boxes:
+        assert figure_box.x0 - 1 <= box.x0 and box.x1 <= figure_box.x1 + 1, "a label runs off the figure"
+        assert figure_box.y0 - 1 <= box.y0 and box.y1 <= figure_box.y1 + 1, "a label runs off the figure"
+    for a, b in zip(boxes, boxes[1:], strict=False):
+        assert not a.overlaps(b), "two labels overlap"
+
+
+@pytest.mark.parametrize("num_classes", [5, 12, 40, 120])
+def test_confusion_matrices_stay_legible_with_long_class_names(num_classes):
+    """Issue #45: 40-character class names under every column ran into each other and off the figure. Long names
+    are numbered on the axes and named (cut to 48 characters) in an index legend below; the figure grows
+    with the class count."""
+    from ddcnn.report.plots import class_tick_labels, confusion_figure
+
+    names = [f"Longbranch specimen of a very long class name number {k}" for k in range(num_classes)]
+    ticks, legend = class_tick_labels(names)
+    assert ticks == [str(k) for k in range(num_classes)]
+    # cut in the middle: the names differ only at their end
+    assert legend[3] == "3: Longbranch specimen of a very l…ss name number 3" and len(legend) == num_classes
+    assert len(set(legend)) == num_classes
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, num_classes, 400)
+    fig = confusion_figure({"global CNN": (labels, labels), "CNN-DNN": (labels, labels[::-1])}, names, "t")
+    fig.canvas.draw()
+    for ax in fig.axes[:2]:  # the two panels (then the colour bar and the legend)
+        _inside_and_apart(fig, ax.get_xticklabels())
+        _inside_and_apart(fig, ax.get_yticklabels()[::-1])
+    key = next(ax for ax in fig.axes if any(t.get_text().startswith("0: ") for t in ax.texts))
+    assert names[0][:20] in key.texts[0].get_text()
+    assert sum(t.get_text().count("\n") + 1 for t in key.texts) == num_classes  # every class named once
+    _inside_and_apart(fig, key.texts)
+    side = fig.get_figheight()
+    small = confusion_figure({"a": (labels % 5, labels % 5)}, [f"c{k}" for k in range(5)], "t")
+    assert side > small.get_figheight()  # sized by the class count (and its legend)
+    # short names stay the tick labels, slanted past six classes
+    ticks, legend = class_tick_labels([f"class {k}" for k in range(12)])
+    assert ticks[0] == "class 0" and legend == []

@@ -192,6 +192,52 @@ def test_runs_with_other_settings_are_not_averaged_together(sweep, tmp_path):
     assert len(merged) == 1 and merged[0]["seeds"] == 2 and merged[0]["settings"] == ""
 
 
+def _as_data(sweep, tmp_path, name: str, data: dict) -> object:
+    """A copy of a finished run whose config.yaml says it read other data (``data``: keys of its data node)."""
+    folder = tmp_path / name
+    shutil.copytree(sweep / "1_1x2_s1", folder, ignore=shutil.ignore_patterns("local", "coarse*", "global", "plots"))
+    cfg = OmegaConf.load(folder / "config.yaml")
+    for key, value in data.items():
+        OmegaConf.update(cfg, f"data.{key}", value, force_add=True)
+    OmegaConf.save(cfg, folder / "config.yaml")
+    return load_run(folder)
+
+
+def test_two_image_folders_of_the_same_settings_are_two_datasets_named_by_their_folder(sweep, tmp_path):
+    """Issue #45: two different image folders sharing every setting were pooled into one row ("seeds 1",
+    45.43 ± 17.11) under the name "image_folder"."""
+    runs = [
+        _as_data(
+            sweep,
+            tmp_path,
+            f"run_{folder}",
+            {"name": "image_folder", "root": f"/data/{folder}", "source.root": f"/data/{folder}"},
+        )  # fmt: skip
+        for folder in ("faces", "flowers")
+    ]
+    tables = comparison_rows(runs)
+    assert sorted(tables) == ["image_folder (faces)", "image_folder (flowers)"]
+    for rows in tables.values():
+        assert all(r["runs"] == 1 and r["accuracy_std"] is None for r in rows)
+    assert sorted(paired_rows(runs)) == sorted(tables)
+    written = write_report(runs, tmp_path / "out", plots=False)
+    report_md = (tmp_path / "out" / "report.md").read_text()
+    assert "## image_folder (faces)" in report_md and "## image_folder (flowers)" in report_md
+    assert {p.name for p in written["csv"]} >= {"image_folder_faces.csv", "image_folder_flowers.csv"}
+    # two folders of one name elsewhere: the path tells them apart
+    other = _as_data(sweep, tmp_path, "run_other", {"name": "image_folder", "source.root": "/elsewhere/faces"})
+    assert sorted(comparison_rows([runs[0], other])) == [
+        "image_folder (/data/faces)",
+        "image_folder (/elsewhere/faces)",
+    ]
+    # one archive copied to two places is one dataset, and an archive keeps its name alone
+    copies = [
+        _as_data(sweep, tmp_path, f"copy_{i}", {"name": "mnist", "path": f"/{where}/mnist.npz"})
+        for i, where in enumerate(("a", "b"))
+    ]
+    assert list(comparison_rows(copies)) == ["mnist"]
+
+
 def test_differences_are_paired_by_seed_with_their_interval_and_verdict(sweep, report):
     runs = {name: load_run(sweep / name) for name in ("0_1x2_s0", "1_1x2_s1")}
     d = [100 * (r.results["accuracy"]["cnn_dnn"] - r.results["accuracy"]["global"]) for r in runs.values()]

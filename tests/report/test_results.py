@@ -15,6 +15,7 @@ from ddcnn.report.results import (
     TIMING_RULE,
     _devices_line,
     _time_to_target_line,
+    flag_lines,
     flag_rows,
     results_markdown,
     timing_contexts,
@@ -104,6 +105,95 @@ def test_an_unconverged_flag_gives_each_trainings_recorded_cause_and_fix():
     results["convergence"] = {"global": record}  # a record of an older ddcnn: the general advice
     flag = next(f for f in flag_rows(results, rate=0.1, counts=[200] * 10) if f["kind"] == "unconverged")
     assert flag["try"].startswith("Train it to convergence")
+
+
+def _with_local(results: dict, local: list[float], val: list[float] | None = None) -> dict:
+    """``results`` with local nets of test accuracies ``local`` (validation ``val``), fed into every combiner row."""
+    results["metrics"] = {"local": [{"accuracy": a, "auc": None, "balanced_accuracy": None} for a in local]}
+    results["val"] = {"accuracy": {"local": val if val is not None else local}}
+    return results
+
+
+def test_a_local_net_at_chance_is_flagged_with_its_index_accuracy_rate_and_the_rows_it_feeds():
+    """Issue #45 item 6: only rows got a chance flag; a local net at chance was averaged in silently."""
+    rows = {"mean_prob": (None, 0.9), "cnn_dnn_probs": ("coarse", 0.9), "global": ("global", 0.95)}
+    results = _with_local(_results(rows), [0.92, 0.10, 0.91], val=[0.93, 0.09, 0.90])
+    results["train_accuracy"] = {"local": [None, {"epochs": 0.12, "selected": 0.10}, None]}
+    results |= {"train_majority_rate": 0.10, "data": {"n_train": 1000}}
+    flags = [f for f in flag_rows(results, rate=0.10, counts=[200] * 10) if f["kind"] == "chance"]
+    assert [f["method"] for f in flags] == ["local/1"]
+    flag = flags[0]
+    assert (flag["subdomain"], flag["accuracy"], flag["val_accuracy"], flag["majority_rate"]) == (1, 0.10, 0.09, 0.10)
+    assert flag["feeds"] == ["mean_prob", "cnn_dnn_probs"]  # every row built on the local nets, not the global CNN
+    assert flag["learning"] == "did not learn" and "decomposition.overlap" in flag["try"]
+    md = "\n".join(flag_lines({**results, "flags": flags}))
+    line = next(x for x in md.splitlines() if x.startswith("- **local net 1**"))
+    assert "test accuracy 0.1000 (validation 0.0900) is at chance (majority-class rate 0.1000)" in line
+    assert "It feeds 2 rows: **mean_prob**, **cnn_dnn_probs**" in line
+
+
+def test_a_net_at_chance_that_fits_its_training_images_does_not_generalise():
+    """Issue #45 item 6: a torchvision mobilenet_v2 global CNN at the majority rate on validation and test with
+    training accuracy 0.72 was reported as "did not learn"."""
+    results = _results({"global": ("global", 0.231)})
+    results |= {"train_majority_rate": 0.231, "data": {"n_train": 2000}}
+    for figures in ({"epochs": 0.72, "selected": None}, {"epochs": 0.70, "selected": 0.72}):
+        results["train_accuracy"] = {"global": figures}
+        flag = flag_rows(results, rate=0.231, counts=[231, 769])[0]
+        assert flag["kind"] == "chance" and flag["learning"] == "does not generalise"
+        assert "does not generalise (training 72.0% vs test 23.1%: a gap of 48.9 points)" in flag["message"]
+        assert "did not learn" not in flag["message"] and flag["gap_points"] == pytest.approx(48.9)
+        assert "optimizer.weight_decay" in flag["try"] and "lower optimizer.lr" not in flag["try"]
+    # training mode only: the selected weights at chance on their own training images in evaluation mode say so
+    results["train_accuracy"] = {"global": {"epochs": 0.72, "selected": 0.231}}
+    flag = flag_rows(results, rate=0.231, counts=[231, 769])[0]
+    assert (
+        "training 72.0% vs test 23.1%" in flag["message"] and "score 23.1% on the training images in" in flag["message"]
+    )
+    # the training accuracy stayed at chance too: did not learn
+    results["train_accuracy"] = {"global": {"epochs": 0.235, "selected": 0.231}}
+    flag = flag_rows(results, rate=0.231, counts=[231, 769])[0]
+    assert flag["learning"] == "did not learn" and "did not learn (training accuracy at most 23.5%" in flag["message"]
+    assert "lower optimizer.lr" in flag["try"]
+    # nothing recorded: said so, not guessed
+    del results["train_accuracy"]
+    flag = flag_rows(results, rate=0.231, counts=[231, 769])[0]
+    assert flag["learning"] == "unknown" and "no training accuracy was recorded" in flag["message"]
+    assert "did not learn (" not in flag["message"] and "does not generalise (" not in flag["message"]
+
+
+def test_results_md_explains_a_flag_once_and_gives_each_row_its_reason():
+    """Issue #45 item 7: one long paragraph repeated for each of 7 rows (about 9 KB for a demo). Every fact stays:
+    which nets, which cause, which fix, which rows."""
+    keys = ["mean_prob", "majority_vote", "cnn_dnn_probs", "cnn_dnn_logits", "cnn_dnn_val", "stacker"]
+    stages = [None, None, "coarse", "coarse_alt", "coarse_val", "stacker"]
+    results = _results(
+        {key: (stage, 0.95) for key, stage in zip(keys, stages, strict=True)} | {"global": ("global", 0.96)}
+    )
+    overfit = "overfitting (validation loss rising while the training loss falls): engine.patience=3"
+    capped = "still improving at the cap: trainer.max_epochs=30"
+    local = [
+        {"converged": False, "reasons": ["validation loss rose (+22.1%)"], "advice": overfit},
+        {"converged": False, "reasons": ["validation loss rose (+3.6%)"], "advice": overfit},
+        {"converged": False, "reasons": ["training loss still fell (-7.2%)"], "advice": capped},
+        {"converged": True, "reasons": []},
+    ]
+    results["convergence"] = {
+        "local": local,
+        "global": {"converged": False, "reasons": ["too short"], "advice": capped},
+    }
+    results["flags"] = flag_rows(results, rate=0.1, counts=[200] * 10)
+    assert len(results["flags"]) == 7
+    md = "\n".join(flag_lines(results))
+    for text in (overfit, capped, "validation loss rose (+22.1%)", "validation loss rose (+3.6%)", "too short"):
+        assert md.count(text) == 1, text
+    assert md.count("no verdict against it holds") == 1
+    assert "- Try: local nets 0, 1: " + overfit in md and f"; local net 2 and global CNN: {capped}." in md
+    assert "- **global**: its own training." in md  # (rows named by their key here)
+    rows = "**mean_prob**, **majority_vote**, **cnn_dnn_probs**, **cnn_dnn_logits**, **cnn_dnn_val**, **stacker**"
+    assert f"- {rows}: built on local nets 0, 1, 2." in md
+    assert "local net 3" not in md  # it converged
+    assert len(md) < 1500
 
 
 def test_the_time_to_target_line_says_why_a_target_was_not_reached():
@@ -259,7 +349,8 @@ def test_an_unconverged_global_cnn_is_flagged_and_no_lead_over_it_is_printed(mak
     md = (root / "results.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| global CNN |"))
     assert row.endswith("| **no** |")  # the converged column
-    assert "**Check this row:** global CNN: trained without converging" in md
+    assert "**Trained without converging**" in md and "- global CNN did not converge: stopped at epoch 1 of 4" in md
+    assert "- **global CNN**: its own training." in md
     assert "CNN-DNN − global CNN: baseline not converged" in md  # no difference printed, even on one seed
     assert "global DDP − global CNN" not in md  # (no DDP in this run)
     assert "CNN-DNN − mean probability: " in md and "points" in md  # the local nets did converge: its figure stays
