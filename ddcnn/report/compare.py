@@ -215,11 +215,11 @@ _FOLDER_KEYS = ("source.root", "root")
 _FILE_KEYS = ("source.path", "path")
 
 
-def data_identity(config: Mapping[str, Any]) -> str | None:
-    """What identifies a run's data beyond ``data.name`` (its recorded ``config.yaml``): the folder a folder source
-    reads (the path as given, ``~`` expanded), the file name of an archive, ``None`` for a source that reads neither
-    (scikit-learn's digits)."""
-    flat = flatten(dict(config.get("data") or {}))
+def data_identity(recorded: Mapping[str, Any]) -> str | None:
+    """What identifies a run's data beyond ``data.name`` (``recorded``: its ``config.yaml``, as the run recorded it):
+    the folder a folder source reads (the path as given, ``~`` expanded), the file name of an archive, ``None`` for a
+    source that reads neither (scikit-learn's digits)."""
+    flat = flatten(dict(recorded.get("data") or {}))
     for key in _FOLDER_KEYS:
         if flat.get(key):
             return str(Path(str(flat[key])).expanduser())
