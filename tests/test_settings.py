@@ -349,3 +349,33 @@ def test_a_run_directory_of_the_old_split_seed_default_resumes_with_it(tmp_path,
     settings = RunSettings.from_config(make_cfg(*base, run_dir=old))
     assert settings.data.split_seed == 3 and settings.in_run_dir(old).data.split_seed == 0
     assert settings.in_run_dir(tmp_path / "new").data.split_seed == 3
+
+
+def test_a_run_directory_of_todays_recipe_without_early_stopping_resumes_with_todays_minimums(tmp_path):
+    """engine.patience=null leaves min_epochs and min_steps out of the record (inert); resuming such a directory is no
+    sign of the recipe before issue #45: the settings stay as given (the requeued SLURM job's last.ckpt agreed)."""
+    import json
+
+    from ddcnn.config import compose
+
+    given = RunSettings.from_config(compose(["engine.patience=null"], run_dir=str(tmp_path)))
+    identity = given.identity()
+    (tmp_path / "fingerprint.json").write_text(
+        json.dumps({"fingerprint": identity.fingerprint, "settings": identity.settings})
+    )
+    assert "min_steps" not in identity.settings["engine"]
+    resumed = given.in_run_dir(tmp_path)
+    assert resumed.loop == given.loop and resumed.loop.resume_record() == given.loop.resume_record()
+    # and one recorded with the old recipe (no early stopping, val_acc, 15 epochs) resumes with it, minimums included
+    old = {**identity.settings, "engine": {**identity.settings["engine"], "monitor": "val_acc", "monitor_mode": "max"}}
+    old["trainer"] = {**old["trainer"], "max_epochs": 15}
+    old["scheduler"] = None
+    (tmp_path / "fingerprint.json").write_text(json.dumps({"fingerprint": "old", "settings": old}))
+    then = RunSettings.from_config(compose([], run_dir=str(tmp_path))).in_run_dir(tmp_path).loop
+    assert (then.patience, then.monitor, then.max_epochs, then.scheduler, then.min_steps) == (
+        None,
+        "val_acc",
+        15,
+        None,
+        0,
+    )

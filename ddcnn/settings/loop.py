@@ -501,6 +501,8 @@ class LoopSettings:
             kind, value = f.metadata["resume"], getattr(self, f.name)
             if f.name == "min_epochs":
                 value = self.least_epochs if self.patience is not None else 0
+            if f.name == "min_steps" and self.patience is None:
+                value = 0  # inert without early stopping, as min_epochs
             if kind == "always" or (kind == "where_set" and value != f.default and value is not None):
                 out[f.name] = value
         return out

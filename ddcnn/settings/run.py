@@ -713,6 +713,10 @@ class RunSettings:
             recorded = _nested(record, key) if key == "scheduler" else then.get(key, RECORD_ABSENT_MEANS.get(key))
             if current == new != old and recorded == old:
                 older[key] = old
+        if then.get("engine.patience") is None and "engine.patience" not in older:
+            for key in RECORD_ABSENT_MEANS:  # left out of a record without early stopping as inert, not as the old
+                if key not in then:  # defaults: today's stay (the run trains without early stopping either way)
+                    older.pop(key, None)
         if not older:
             return self
         log.info(

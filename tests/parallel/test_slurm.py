@@ -92,6 +92,7 @@ def test_a_local_job_requeued_mid_training_resumes_and_completes(tmp_path):
     cmd = [
         TRAIN, "-m", "hydra/launcher=local_slurm", "stage=local", "subdomain=0,1", f"hydra.sweep.dir={run_dir}",
         *_tiny(**{"trainer.max_epochs": "800", "trainer.limit_train_batches": "2", "engine.checkpoint_every_s": "0"}),
+        "engine.patience=null",  # every one of the 800 epochs: the default early stopping would end it before
     ]  # fmt: skip
     sweep = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
