@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["majority_rate", "chance_margin", "near_chance", "at_chance"]
+__all__ = ["majority_rate", "chance_margin", "near_chance", "at_chance", "decides_constant"]
 
 # Standard errors of the majority-class rate (and at least 1 point) within which an accuracy is "at chance".
 CHANCE_SE = 3.0
@@ -83,3 +83,24 @@ def at_chance(
     if balanced_accuracy is not None and math.isfinite(balanced_accuracy):
         return balanced_accuracy <= 1 / max(len(present), 1) + _balanced_margin(present)
     return True
+
+
+# The share of a classifier's test decisions on one class at or above which it decides like a constant guess.
+CONSTANT_SHARE = 0.98
+
+
+def decides_constant(
+    accuracy: float, rate: float, counts: Sequence[int], *, auc: float | None, decision_share: float | None
+) -> bool:
+    """Whether a classifier whose scores rank the classes (``auc`` clearly above 0.5, so :func:`at_chance` clears
+    it) still decides like a constant guess: at least :data:`CONSTANT_SHARE` of its test decisions are one class
+    (``decision_share``) and its ``accuracy`` is within noise of the majority-class ``rate``. Its accuracy then says
+    no more than always answering that class does, and a verdict on accuracy against it says nothing of the method
+    compared. An imbalanced set's weak classifier that does decide (AdrenalMNIST3D: accuracy 0.81 against a rate of
+    0.77, balanced accuracy 0.59) is not one. ``False`` when a figure is missing or the row is at chance outright."""
+    if auc is None or decision_share is None or not math.isfinite(auc):
+        return False
+    present = [int(c) for c in counts if int(c) > 0]
+    if len(present) < 2 or not near_chance(accuracy, rate, sum(present)):
+        return False
+    return auc > 0.5 + _auc_margin(present) and decision_share >= CONSTANT_SHARE

@@ -16,7 +16,8 @@ run's wall and CPU time; the CNN-DNN's and the global CNN's test accuracy and th
 The datasets (``DATASETS``): the four folders of ``experiments/user_datasets.py`` (``lfw_faces`` 200 images, 2
 classes, 25x25 grey; ``kanji_fonts`` 400 images, 40 classes, 48x48 grey; ``font_chars`` 2,520 images, 36 classes,
 32x32 grey; ``icons_rgb`` 1,782 images, 9 classes, 32x32 RGB), the built-in digits (the README's demo) and
-AdrenalMNIST3D 28^3 (1,584 volumes, 2 classes; ``data=adrenal3d_28 decomposition=2x2x2``).
+AdrenalMNIST3D 28^3 (1,584 volumes, 2 classes; ``data=adrenal3d_28 decomposition=2x2x2``) and Fashion-MNIST whole
+(70,000 images, 10 classes, 28x28 grey; ``data=fashion_mnist``): tens of thousands of images.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ DATASETS: dict[str, tuple[str, ...]] = {
     "font_chars": ("data=image_folder", "data.root=ROOT_DIR/font_chars"),
     "icons_rgb": ("data=image_folder", "data.root=ROOT_DIR/icons_rgb"),
     "adrenal3d": ("data=adrenal3d_28", "decomposition=2x2x2"),
+    "fashion_mnist": ("data=fashion_mnist",),
 }
 # what a run adds that is no part of the recipe: no export, no progress bars in a log file
 QUIET = ("report.export=false", "trainer.enable_progress_bar=false")

@@ -28,7 +28,7 @@ import torch
 
 from ddcnn import registry
 from ddcnn.io import atomic_write_json, atomic_write_text, load_run_file
-from ddcnn.metrics import at_chance, majority_rate, near_chance
+from ddcnn.metrics import at_chance, decides_constant, majority_rate, near_chance
 from ddcnn.registry import ResultRow
 from ddcnn.report.combiners import majority_vote, mean_probability
 from ddcnn.report.curves import (
@@ -136,7 +136,8 @@ def _devices_line(kinds: dict[str, str]) -> str:
 def classification_metrics(
     pred: torch.Tensor, labels: torch.Tensor, scores: torch.Tensor | None, num_classes: int
 ) -> dict:
-    """Accuracy, balanced accuracy and (when scores are given and both classes occur) ROC AUC.
+    """Accuracy, balanced accuracy, the share of the decisions on one class and (when scores are given and both
+    classes occur) ROC AUC.
 
     For two classes the AUC uses the score of class 1; for more it is the one-vs-rest macro average.
     """
@@ -147,6 +148,8 @@ def classification_metrics(
         "accuracy": float((p == y).mean()),
         "balanced_accuracy": float(balanced_accuracy_score(y, p)),
         "auc": None,
+        # the share of the decisions on the class decided most often (1.0: a constant decision)
+        "decision_share": float(np.bincount(p.astype(np.int64), minlength=num_classes).max() / max(len(p), 1)),
     }
     if scores is not None and len(np.unique(y)) == num_classes:
         s = scores.double().numpy()
@@ -611,6 +614,22 @@ def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
                 }
             )
             continue
+        share = row.get("decision_share")
+        if decides_constant(acc, rate, counts, auc=auc, decision_share=share):
+            reason = (
+                f"{100 * share:.1f}% of its test decisions are one class and its test accuracy {acc:.4f} is within "
+                f"noise of the majority-class rate {rate:.4f}, though its AUC {auc:.4f} ranks the classes"
+            )
+            flags.append(
+                {
+                    "method": key,
+                    "kind": "constant",
+                    "reason": reason,
+                    "message": f"{name}: {reason}: it decides like a constant guess.",
+                    "try": _constant_try(results, row.get("stage")),
+                }
+            )
+            continue
         se = math.sqrt(max(acc * (1 - acc), 1e-6) / max(n_test, 1))
         if coarse and mean is not None and acc < mean - max(_BELOW_AVERAGING, 3 * se):
             flags.append(
@@ -623,6 +642,28 @@ def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
                 }
             )
     return flags + _local_chance_flags(results, rate, counts)
+
+
+def _constant_try(results: Mapping[str, Any], stage: str | None) -> str:
+    """What to try for a row that ranks the classes but decides like a constant guess: train it longer, by what
+    ended its training (early stopping: a longer patience; the budget: twice its epochs); a row without a training of
+    its own (a combiner) is read on its AUC until its local nets decide."""
+    record = (results.get("convergence") or {}).get(stage or "")
+    record = record if isinstance(record, Mapping) else {}
+    epochs = int(record.get("epochs") or 0)
+    if record.get("stopped_by") == "early_stopping":
+        longer = (
+            f"early stopping ended it after {epochs} epochs: engine.patience=12 lets it train past a flat "
+            "validation loss"
+        )
+    elif epochs:
+        longer = f"trainer.max_epochs={2 * epochs} (twice its {epochs} epochs)"
+    else:
+        longer = "the trainings it is built on (trainer.max_epochs, engine.patience)"
+    return (
+        f"Its scores order the images but its decisions do not follow them yet: train longer ({longer}); until then "
+        "compare it on its AUC."
+    )
 
 
 def _names(whats: Sequence[str]) -> str:
@@ -645,6 +686,13 @@ _FLAG_KINDS = {
         "every figure within noise of a guess unrelated to the labels (accuracy against the majority-class rate, then "
         'ROC AUC against 0.5 or balanced accuracy against 1/K). A net at chance on test "did not learn" only when '
         'its training accuracy stayed at chance too; otherwise it "does not generalise".',
+    ),
+    "constant": (
+        "Decides like a constant guess",
+        "its scores rank the classes (ROC AUC clearly above 0.5), yet at least 98% of its decisions are one class and "
+        "its accuracy is within noise of the majority-class rate. Its accuracy says no more than always answering "
+        "that class does, so no verdict on accuracy against it is given (results.json keeps the figures); read its "
+        "AUC.",
     ),
     "below_averaging": (
         "Far below averaging the local nets",
@@ -857,13 +905,24 @@ def _time_to_target_line(results: Mapping[str, Any], key: str = "time_to_target"
     )
 
 
-def _pair_state(results: Mapping[str, Any], baseline: str) -> str | None:
+# What a pair's verdict says instead of a lead when its baseline row is flagged so (results.json "flags" kind): a
+# difference against a constant guess or a guess unrelated to the labels says nothing of the method compared.
+BASELINE_FLAGGED = {"chance": "baseline at chance", "constant": "baseline decides like a constant guess"}
+
+
+def _pair_state(results: Mapping[str, Any], baseline: str, row: str | None = None) -> str | None:
     """``baseline not converged`` when the training a pair's baseline is read from (``global`` or every ``local``
-    net) did not converge, else ``None``."""
+    net) did not converge; else, when the baseline's results ``row`` is flagged at chance or deciding like a constant
+    guess (``results["flags"]``), what :data:`BASELINE_FLAGGED` says; else ``None``."""
     if baseline == "global":
-        return _baseline_state(results)
-    local = (results.get("convergence") or {}).get("local") or []
-    return BASELINE_NOT_CONVERGED if any(r.get("converged") is False for r in local) else None
+        state = _baseline_state(results)
+    else:
+        local = (results.get("convergence") or {}).get("local") or []
+        state = BASELINE_NOT_CONVERGED if any(r.get("converged") is False for r in local) else None
+    if state is None and row is not None:
+        kinds = [f["kind"] for f in results.get("flags") or [] if f.get("method") == row]
+        state = next((BASELINE_FLAGGED[kind] for kind in kinds if kind in BASELINE_FLAGGED), None)
+    return state
 
 
 def image_pairs(
@@ -874,7 +933,9 @@ def image_pairs(
     (:func:`~ddcnn.report.stats.image_paired_difference`, equivalence margin ±0.5 points), from ``correct``: per
     results key (``cnn_dnn``, ``global``, ``mean_prob``, ...), whether each test image was predicted right (the saved
     ``probs_test.pt``). A pair whose baseline did not converge keeps its figures, with the verdict
-    ``baseline not converged``; the bootstrap is seeded (0), so a run's ``results.json`` is reproducible.
+    ``baseline not converged``, and so does one whose baseline row is flagged at chance or deciding like a constant
+    guess (``baseline at chance``, ``baseline decides like a constant guess``: call it after :func:`flag_rows`); the
+    bootstrap is seeded (0), so a run's ``results.json`` is reproducible.
 
     Returns:
         One entry per pair: ``{"comparison", "method", "baseline", "baseline_converged", **figures}``.
@@ -884,10 +945,11 @@ def image_pairs(
         if a not in correct or b not in correct:
             continue
         figures = image_paired_difference(correct[a].numpy(), correct[b].numpy())
-        state = _pair_state(results, baseline)
+        state = _pair_state(results, baseline, b)
         if state is not None:
             figures["verdict"] = state
-        out.append({"comparison": what, "method": a, "baseline": b, "baseline_converged": state is None, **figures})
+        converged = _pair_state(results, baseline) is None
+        out.append({"comparison": what, "method": a, "baseline": b, "baseline_converged": converged, **figures})
     return out
 
 
@@ -900,10 +962,11 @@ def _single_seed_lines(results: Mapping[str, Any]) -> list[str]:
     for what, a, b, baseline in PAIRS:
         if acc.get(a) is None or acc.get(b) is None:
             continue
-        state = _pair_state(results, baseline)
-        # against an unconverged baseline no lead is printed, not even one seed's (results.json keeps the accuracies)
-        if state == BASELINE_NOT_CONVERGED:
-            parts.append(f"{what}: baseline not converged")
+        state = _pair_state(results, baseline, b)
+        # against an unconverged or flagged baseline no lead is printed, not even one seed's (results.json keeps the
+        # accuracies)
+        if state is not None and state != "convergence unknown":
+            parts.append(f"{what}: {state}")
             continue
         entry = by_images.get(what)
         figure = f"{100 * (acc[a] - acc[b]):+.2f} points"
@@ -1108,13 +1171,13 @@ def evaluate_run(run, decomposition, data, settings: RunSettings | None = None) 
     main = f"cnn_dnn_{c['inputs']['coarse']}" if "coarse" in c["inputs"] else None
     if main in correct:
         correct["cnn_dnn"] = correct[main]
-    results["paired_test"] = image_pairs(results, correct)
     rate = majority_rate(data.y["train"], labels)
     results["majority_rate"] = rate
     train_counts = torch.bincount(data.y["train"].long(), minlength=k)
     results["train_majority_rate"] = float(train_counts.max() / train_counts.sum())  # of the training split itself
     results["test_class_counts"] = torch.bincount(labels.long(), minlength=k).tolist()
     results["flags"] = flag_rows(results, rate, results["test_class_counts"])
+    results["paired_test"] = image_pairs(results, correct)  # after the flags: a flagged baseline gives no verdict
     for flag in results["flags"]:
         log.warning("evaluate: %s", flag["message"])
     for advice in dict.fromkeys(flag["try"] for flag in results["flags"]):  # a fix shared by several rows, once
@@ -1371,6 +1434,7 @@ def method_rows(results: dict) -> list[dict]:
                 "accuracy": r["accuracy"],
                 "balanced_accuracy": r.get("balanced_accuracy"),
                 "auc": r.get("auc"),
+                "decision_share": r.get("decision_share"),
                 "sequential_time_s": sequential,
                 "projected_time_s": projected,
                 "devices": devices,

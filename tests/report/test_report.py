@@ -252,10 +252,15 @@ def test_differences_are_paired_by_seed_with_their_interval_and_verdict(sweep, r
     assert float(row["ci_low_points"]) == pytest.approx(np.mean(d) - half)
     assert float(row["ci_high_points"]) == pytest.approx(np.mean(d) + half)
     expected = "better" if np.mean(d) - half > 0 else "worse" if np.mean(d) + half < 0 else "within noise"
+    # the fixture's global CNNs (a few steps) may be at chance: no lead against those seeds, the figures stay
+    at_chance = [r.seed for r in runs.values() if any(f["method"] == "global" for f in r.results["flags"])]
+    if at_chance:
+        expected = f"baseline at chance (seed{'s' if len(at_chance) > 1 else ''} {', '.join(map(str, at_chance))})"
     assert row["verdict"] == expected and row["baseline_converged"] == "yes"
     # One seed (the 2x2 grid): a difference, no interval, no verdict.
     single = next(r for r in rows if r["grid"] == "2x2" and r["comparison"] == "CNN-DNN − mean probability")
-    assert single["n"] == "1" and single["ci_low_points"] == "" and single["verdict"] == "n<2: no interval"
+    assert single["n"] == "1" and single["ci_low_points"] == ""
+    assert single["verdict"] in ("n<2: no interval", "baseline at chance (seed 0)")  # (the fixture's few steps)
     md = (report / "digits.md").read_text()
     assert "Paired differences (test accuracy, points):" in md and "| CNN-DNN − global CNN | 2 |" in md
 

@@ -162,6 +162,58 @@ def test_a_net_at_chance_that_fits_its_training_images_does_not_generalise():
     assert "did not learn (" not in flag["message"] and "does not generalise (" not in flag["message"]
 
 
+def test_a_row_that_ranks_the_classes_but_answers_one_class_decides_like_a_constant_and_gives_no_verdict():
+    """Issue #45: a net at the majority rate whose scores still rank the classes (AUC far above 0.5) clears the
+    at-chance test; its accuracy is a constant guess's all the same, so it is flagged and no lead is printed against
+    it. A weak net that does decide (AdrenalMNIST3D's measured global CNN, 0.81 against 0.77) is not flagged."""
+    counts, rate = [229, 69], 229 / 298
+    rows = {
+        "global": ("global", 229 / 298, 0.86, 0.5),
+        "cnn_dnn_probs": ("coarse", 0.8255, 0.80, 0.66),
+        "mean_prob": (None, 0.8289, 0.89, 0.66),
+    }
+    results = _results(rows, mean=0.8289)
+    results["methods"][0]["decision_share"] = 1.0  # every decision "normal"
+    results["methods"][1]["decision_share"] = 0.85
+    results["methods"][2]["decision_share"] = 0.86
+    results["convergence"] = {"global": {"converged": True, "epochs": 9, "stopped_by": "early_stopping"}}
+    flags = flag_rows(results, rate=rate, counts=counts)
+    assert [(f["method"], f["kind"]) for f in flags] == [("global", "constant")]
+    assert "100.0% of its test decisions are one class" in flags[0]["message"]
+    assert "engine.patience=12" in flags[0]["try"] and "after 9 epochs" in flags[0]["try"]
+    results["flags"] = flags
+    md = "\n".join(flag_lines(results))
+    assert "**Decides like a constant guess**" in md and "no verdict on accuracy against it" in md
+    # the measured adrenal row that decides (balanced accuracy 0.59) stays unflagged with any share below 98%
+    results["methods"][0].update(accuracy=0.8054, auc=0.875, balanced_accuracy=0.5898, decision_share=0.93)
+    assert flag_rows(results, rate=rate, counts=counts) == []
+
+
+def test_no_lead_is_printed_against_a_baseline_at_chance_or_deciding_like_a_constant():
+    import torch
+
+    from ddcnn.report.results import _single_seed_lines, image_pairs
+
+    results = _results({"cnn_dnn_probs": ("coarse", 0.9), "global": ("global", 0.5), "mean_prob": (None, 0.85)})
+    results["accuracy"] = {"cnn_dnn": 0.9, "global": 0.5, "mean_prob": 0.665}
+    results["convergence"] = {"global": {"converged": True}, "local": [{"converged": True}]}
+    correct = {
+        "cnn_dnn": torch.arange(200) % 10 != 0,
+        "global": torch.arange(200) % 2 == 0,
+        "mean_prob": torch.arange(200) % 3 != 0,
+    }
+    for kind, said in (("chance", "baseline at chance"), ("constant", "baseline decides like a constant guess")):
+        results["flags"] = [{"method": "global", "kind": kind}]
+        pairs = {p["baseline"]: p for p in image_pairs(results, correct)}
+        assert pairs["global"]["verdict"] == said and pairs["global"]["baseline_converged"] is True
+        assert pairs["global"]["difference"] == pytest.approx(40.0)  # the figure stays in results.json
+        assert pairs["mean_prob"]["verdict"] == "better"  # an unflagged baseline keeps its verdict
+        results["paired_test"] = list(pairs.values())
+        line = "\n".join(_single_seed_lines(results))
+        assert f"CNN-DNN − global CNN: {said};" in line and "+40.00" not in line
+        assert "CNN-DNN − mean probability: +23.50 points" in line
+
+
 def test_results_md_explains_a_flag_once_and_gives_each_row_its_reason():
     """Issue #45 item 7: one long paragraph repeated for each of 7 rows (about 9 KB for a demo). Every fact stays:
     which nets, which cause, which fix, which rows."""
