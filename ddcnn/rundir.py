@@ -177,11 +177,16 @@ def _same_value(key: str, old: Any, new: Any) -> bool:
     return False
 
 
+def flatten_recorded(recorded: Mapping) -> dict[str, Any]:
+    """Recorded settings (maybe of an older ddcnn) flattened, each key under its name today (:data:`RENAMED_KEYS`)."""
+    return {RENAMED_KEYS.get(k, k): v for k, v in flatten(recorded).items()}
+
+
 def _differences(recorded: Mapping, settings: Mapping) -> dict[str, tuple[Any, Any]]:
     """The keys in which recorded settings (maybe of an older ddcnn) differ from ``settings``, up to renamed keys,
     keys that no longer change results, keys added since with a null value or their default
     (:data:`ADDED_DEFAULTS`), and defaults that changed (:data:`CHANGED_DEFAULTS`): ``{key: (recorded, now)}``."""
-    old = {RENAMED_KEYS.get(k, k): v for k, v in flatten(recorded).items()}
+    old = flatten_recorded(recorded)
     old = {k: v for k, v in old.items() if not any(k == p or k.startswith(p + ".") for p in NON_RESULT_KEYS)}
     new = flatten(settings)
     out = {}

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from ddcnn.engine.convergence import convergence
+from ddcnn.settings.loop import scheduler_spec
 
 RUNS = Path(__file__).resolve().parents[1] / "docs" / "results" / "runs"
 
@@ -37,7 +38,7 @@ def _settings(config: dict, stage: str) -> dict[str, Any]:
         monitor = coarse.get("monitor", "val_acc")
         mode = "max" if monitor == "val_acc" else "min"
         return {"monitor": monitor, "monitor_mode": mode, "patience": coarse.get("patience"), "plateau": False}
-    engine, scheduler = config.get("engine") or {}, config.get("scheduler") or {}
+    engine, scheduler = config.get("engine") or {}, scheduler_spec(config.get("scheduler")) or {}
     plateau = str(scheduler.get("_target_", "")).endswith("ReduceLROnPlateau")
     return {
         "monitor": engine.get("monitor", "val_acc"),

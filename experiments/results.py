@@ -260,6 +260,10 @@ def recipe(args: argparse.Namespace) -> list[str]:
             "scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_partial_:true,mode:max,"
             f"factor:{args.lr_drop},patience:{args.lr_patience},threshold:{args.min_delta},threshold_mode:abs}}"
         )
+    elif _engine_has("min_steps"):  # the default recipe of issue #45 (plateau, 200 steps): the page states its own
+        rule.append("scheduler=null")
+    if _engine_has("min_steps"):
+        rule.append("engine.min_steps=0")
     return rule
 
 
@@ -1521,7 +1525,9 @@ def _config(root: Path, name: str) -> dict:
 
 
 def _schedule(cfg: dict) -> str:
-    node = cfg.get("scheduler") or {}
+    from ddcnn.settings.loop import scheduler_spec
+
+    node = scheduler_spec(cfg.get("scheduler")) or {}
     target = str(node.get("_target_", "none")).rsplit(".", 1)[-1]
     if target == "ReduceLROnPlateau":
         threshold = (

@@ -379,3 +379,41 @@ def test_a_run_directory_of_todays_recipe_without_early_stopping_resumes_with_to
         None,
         0,
     )
+
+
+def test_a_run_directory_that_recorded_the_monitor_under_its_old_name_resumes_with_it(tmp_path):
+    """The oldest records kept the monitor under trainer.monitor / trainer.monitor_mode (rundir.RENAMED_KEYS): such a
+    directory resumes with the monitor it trained with, not today's val_loss (which its fingerprint would refuse)."""
+    import json
+
+    from ddcnn.config import compose
+
+    identity = RunSettings.from_config(compose([], run_dir=str(tmp_path))).identity()
+    old = json.loads(json.dumps(identity.settings))
+    for key in ("monitor", "monitor_mode", "min_steps", "min_epochs"):
+        old["engine"].pop(key, None)
+    old["engine"]["patience"] = None
+    old["trainer"] |= {"monitor": "val_acc", "monitor_mode": "max", "max_epochs": 15}
+    old["scheduler"] = None
+    (tmp_path / "fingerprint.json").write_text(json.dumps({"fingerprint": "old", "settings": old}))
+    then = RunSettings.from_config(compose([], run_dir=str(tmp_path))).in_run_dir(tmp_path).loop
+    assert (then.monitor, then.monitor_mode, then.patience, then.max_epochs, then.scheduler) == (
+        "val_acc",
+        "max",
+        None,
+        15,
+        None,
+    )
+
+
+def test_a_field_typed_over_the_plateau_default_changes_that_field_of_the_plateau_scheduler(tmp_path):
+    """scheduler: plateau is a string; Hydra sets no field of a string, so ++scheduler.min_lr=... (what the
+    rate-collapsed advice prints) replaces it with {min_lr: ...}: read as the plateau scheduler with that field."""
+    from ddcnn.config import compose
+    from ddcnn.settings.loop import PLATEAU_DEFAULT
+
+    loop = RunSettings.from_config(compose(["++scheduler.min_lr=1e-5"], run_dir=str(tmp_path))).loop
+    assert loop.scheduler == {**PLATEAU_DEFAULT, "min_lr": 1e-5}
+    loop = RunSettings.from_config(compose(["++scheduler.patience=1"], run_dir=str(tmp_path))).loop
+    assert loop.scheduler == {**PLATEAU_DEFAULT, "patience": 1}
+    assert RunSettings.from_config(compose(["scheduler=null"], run_dir=str(tmp_path))).loop.scheduler is None

@@ -278,18 +278,40 @@ _optimizer = _rule(
     lambda v: plain_spec(v),
 )
 # ``scheduler: plateau`` (the run's default, conf/config.yaml): a string, so that a node given on the command line or
-# in an experiment replaces it whole (a default node would be merged with it key by key).
+# in an experiment replaces it whole (a default node would be merged with it key by key). A node without a _target_
+# is the plateau scheduler with those fields changed: ``++scheduler.patience=1`` or ``++scheduler.min_lr=1e-5`` on
+# the command line replaces the string by ``{patience: 1}`` (Hydra cannot set a field of a string), which reads as
+# ReduceLROnPlateau(factor=0.5, patience=1).
 PLATEAU_DEFAULT = {
     "_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau",
     "_partial_": True,
     "factor": 0.5,
     "patience": 2,
 }
+
+
+def _plateau_fields(spec: Any) -> Any:
+    """A scheduler node without a ``_target_`` (fields typed over the ``plateau`` default) as the plateau scheduler
+    with those fields; any other spec as it is."""
+    if isinstance(spec, Mapping) and "_target_" not in spec:
+        return {**PLATEAU_DEFAULT, **spec}
+    return spec
+
+
+def scheduler_spec(value: Any) -> Any:
+    """A recorded or configured ``scheduler`` setting as the node the loop builds: ``plateau`` and a node of fields
+    typed over it as the plateau scheduler's node, null as ``None``, any other node as it is (for scripts that read a
+    run's ``config.yaml``)."""
+    if value == "plateau":
+        return dict(PLATEAU_DEFAULT)
+    return _plateau_fields(dict(value)) if isinstance(value, Mapping) else (value or None)
+
+
 _scheduler = _rule(
     lambda v: not isinstance(v, str) or v == "plateau",
     "{name} must be a Hydra _partial_ node of a scheduler, null (a constant rate) or plateau "
     "(ReduceLROnPlateau(factor=0.5, patience=2)), got {value!r}.",
-    lambda v: dict(PLATEAU_DEFAULT) if v == "plateau" else plain_spec(v) if v else None,
+    lambda v: dict(PLATEAU_DEFAULT) if v == "plateau" else _plateau_fields(plain_spec(v)) if v else None,
 )
 _seed = _rule(
     lambda v: v is None or _is_whole(v, -(2**63)),
@@ -609,7 +631,7 @@ def check_schedule(
             raise ValueError(
                 f"{name['patience']}={patience} with {name['scheduler']}.patience={waits}: early stopping would end "
                 f"the training before the plateau scheduler's lower learning rate has had two epochs to improve it. "
-                f"Set {name['patience']}>={int(waits) + 2} (or {name['scheduler']}.patience<={int(patience) - 2})."
+                f"Set {name['patience']}>={int(waits) + 2} (or ++{name['scheduler']}.patience={int(patience) - 2})."
             )
     if kind == "fixed" and refuse_fixed and patience is not None:
         target = str(dict(node).get("_target_"))

@@ -30,7 +30,7 @@ from typing import Any
 
 from ddcnn import registry
 from ddcnn.data.prepare import PrepareSettings
-from ddcnn.rundir import CHANGED_DEFAULTS, RunDir, RunIdentity, flatten
+from ddcnn.rundir import CHANGED_DEFAULTS, RunDir, RunIdentity, flatten, flatten_recorded
 from ddcnn.settings.loop import LoopSettings, check_srun_ddp
 from ddcnn.settings.read import AUTO, Section, positive_int, yaml_default
 
@@ -705,7 +705,7 @@ class RunSettings:
         record = RunDir(run_dir).recorded_settings() if run_dir is not None else None
         if not record:
             return self
-        then, now = flatten(record), flatten(self.recorded)
+        then, now = flatten_recorded(record), flatten(self.recorded)
         older = {}
         for key, old in OLD_RECIPE.items():
             new = yaml_default(key)
