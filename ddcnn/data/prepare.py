@@ -674,7 +674,8 @@ class Prepared:
         if not len(keep) or not len(held):
             raise ValueError(
                 f"data.val_target_fraction={fraction} leaves {len(keep)} {name} and {len(held)} target sample(s) "
-                f"of {n}; each part needs at least one: lower it, or raise data.val_fraction."
+                f"of {n}; each part needs at least one: lower it"
+                + (", or raise data.val_fraction." if source == "val" else ", or bring more training samples.")
             )
         out = copy.copy(self)
         rows, labels = self.stored[source], self.y[source]

@@ -195,6 +195,8 @@ def convergence(
       improved (:func:`still_improving`; today's early stopping waits while it holds: this names older trainings);
       or the budget ended it with a scheduled rate (the plateau scheduler's too) above 10% of its start; or
       at a constant rate with its training loss still falling by more than 1% (and above 1% of ``ln num_classes``);
+      or, with early stopping on (``patience``), the budget ended it while :func:`still_improving` held (early
+      stopping waited for it, the budget did not), whatever its rate;
     - ``overfitting``: one of those budget cases while its training loss fell and its validation loss rose (3-epoch
       means, by more than 1% each): more epochs are the wrong way;
     - ``stopped_after_drop``: early stopping ended it fewer than ``patience`` epochs after the plateau scheduler's
@@ -270,6 +272,16 @@ def convergence(
         else:
             cause = "still_improving"
             why = f"budget ended while the training loss still fell ({change:+.1%} over the last 3 epochs)"
+    elif (
+        stopped_by == "budget"
+        and patience is not None
+        and (what := still_improving(history, monitor, monitor_mode, num_classes))
+    ):
+        # early stopping waited while it improved (EarlyStopping: one rule) and the budget came first, whatever the
+        # rate had come down to
+        cause = "still_improving"
+        what = f"{what}{se_note}" if what.startswith(f"its {monitor} ") else what
+        why = f"budget ended it while {what}"
     else:
         why = ""
     if cause is None:

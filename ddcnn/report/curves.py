@@ -99,14 +99,22 @@ def _local_ready(point: Mapping[str, Any], predict: list[float]) -> float:
     return float(point.get("local_max_s", point["time_s"])) + max(predict, default=0.0)
 
 
+def _last_local_epoch(results: Mapping[str, Any]) -> int | None:
+    """The last epoch any local net trained (their convergence records' ``epochs``), or ``None`` where unrecorded."""
+    records = (results.get("convergence") or {}).get("local") or []
+    epochs = [int(r["epochs"]) for r in records if isinstance(r, Mapping) and r.get("epochs")]
+    return max(epochs) if epochs and len(epochs) == len(records) else None
+
+
 def run_curves(run, results: Mapping[str, Any]) -> dict[str, dict[str, list]]:
     """``{method key: {"epoch", "time_s", "val_acc", "test_acc"}}`` of a run, as far as its files hold them.
 
     ``results`` are the run's results (``time_s``, ``fit_time_s``, ``predict_time_s``, ``val``, ``metrics``,
     ``coarse_input``) as :func:`ddcnn.report.results.evaluate_run` builds them. The CNN-DNN's curve (module doc) ends
-    with the final CNN-DNN, in place of the snapshot of the same (last) epoch: the slowest local net's recorded time
-    (training and output inference) plus the coarse DNN's training clock (``fit_time_s``). The CNN-DNN's points also
-    carry ``local_s``: each local net's time to its outputs at that epoch (for the projection on P devices).
+    with the final CNN-DNN at the last epoch a local net trained, in place of the snapshot of that epoch or after the
+    last snapshot where early stopping ended every net before the next snapshot epoch: the slowest local net's recorded
+    time (training and output inference) plus the coarse DNN's training clock (``fit_time_s``). The CNN-DNN's points
+    also carry ``local_s``: each local net's time to its outputs at that epoch (for the projection on P devices).
     """
     times = results.get("time_s") or {}
     fit_times = results.get("fit_time_s") or {}
@@ -156,10 +164,17 @@ def run_curves(run, results: Mapping[str, Any]) -> dict[str, dict[str, list]]:
         final_val = ((results.get("val") or {}).get("accuracy") or {}).get("cnn_dnn")
         final_test = (results.get("accuracy") or {}).get("cnn_dnn")
         if final_time is not None and final_val is not None and curves["cnn_dnn"]["epoch"]:
-            # The last snapshot is taken at the last epoch (snapshot_epochs always holds it; a local net stopped early
-            # stands in with its final outputs), so the final CNN-DNN (the local nets' selected weights, the coarse
-            # stage's own fit: the row results.md reports) takes that point's place: one point per epoch.
+            # The final CNN-DNN (the local nets' selected weights, the coarse stage's own fit: the row results.md
+            # reports) is the curve's point at the last epoch any local net trained: it takes the place of the
+            # snapshot of that epoch (a local net stopped early stands in with its final outputs there), or, where
+            # early stopping ended every net before the next snapshot epoch, comes after the last snapshot: one point
+            # per epoch, each at its own epoch and time.
             curve = curves["cnn_dnn"]
+            last = _last_local_epoch(results)
+            if last is not None and last > curve["epoch"][-1]:
+                for values in curve.values():
+                    values.append(values[-1])  # a new point; its figures are set below
+                curve["epoch"][-1] = last
             target = ((results.get("val_target") or {}).get("accuracy") or {}).get("cnn_dnn")
             local = times.get("local")
             final = {

@@ -276,7 +276,8 @@ _BELOW_AVERAGING = 0.03
 def convergence_of(meta: Mapping[str, Any]) -> dict:
     """Whether one training converged, from its ``meta.json``: ``converged`` (``True``, ``False`` or ``None``: not
     recorded, a run of an older ddcnn), the ``reasons`` it did not, and how it ended (``stopped_by``:
-    ``early_stopping`` when early stopping ended it, else ``budget``, unless the record says otherwise)."""
+    ``early_stopping`` when early stopping ended it, else ``budget``, unless the record says otherwise) and the
+    epochs it trained (``epochs``, where recorded)."""
     record = meta.get("convergence") or {}
     converged = meta.get("converged", record.get("converged"))
     stopped_by = record.get("stopped_by") or ("early_stopping" if meta.get("stopped_epoch") is not None else "budget")
@@ -284,6 +285,7 @@ def convergence_of(meta: Mapping[str, Any]) -> dict:
         "converged": None if converged is None else bool(converged),
         "reasons": [str(r) for r in record.get("reasons") or []],
         "stopped_by": stopped_by,
+        **({"epochs": int(record["epochs"])} if record.get("epochs") else {}),
         **({"cause": record["cause"]} if record.get("cause") else {}),
         **({"advice": str(record["advice"])} if record.get("advice") else {}),
     }
@@ -651,7 +653,7 @@ def _constant_try(results: Mapping[str, Any], stage: str | None) -> str:
     record = (results.get("convergence") or {}).get(stage or "")
     record = record if isinstance(record, Mapping) else {}
     epochs = int(record.get("epochs") or 0)
-    if record.get("stopped_by") == "early_stopping":
+    if record.get("stopped_by") == "early_stopping" and epochs:
         longer = (
             f"early stopping ended it after {epochs} epochs: engine.patience=12 lets it train past a flat "
             "validation loss"

@@ -143,8 +143,9 @@ class DataSettings(PrepareSettings):
             target = 0.0
         if isinstance(target, bool) or not isinstance(target, int | float) or not 0 <= target < 1:
             raise ValueError(
-                f"data.val_target_fraction must lie in [0, 1) (the share of the validation split kept for the fixed "
-                f"targets of docs/protocol.md; 0 = none), got {target!r}."
+                f"data.val_target_fraction must lie in [0, 1) (the share of the split named by "
+                f"data.val_target_from, validation by default, kept for the fixed targets of docs/protocol.md; 0 = "
+                f"none), got {target!r}."
             )
         target_from = d("val_target_from")
         if target_from not in VAL_TARGET_FROM:

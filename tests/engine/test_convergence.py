@@ -118,6 +118,25 @@ def test_a_rate_collapsed_before_the_loss_stopped_falling_is_not_converged():
     assert cosine[-1] < 1e-5 and convergence(_rows(falling, lr=cosine), "budget", scheduled=True)["converged"]
 
 
+def test_the_budget_that_ends_a_training_early_stopping_waited_for_is_not_converged_whatever_its_rate():
+    # Early stopping waits while the training loss still falls (still_improving); under the plateau scheduler the rate
+    # may be down at its 1% floor by then, and the budget's rate rule alone would call the cut-short training done.
+    n = 30
+    lr = [1e-3 * max(0.5 ** (e // 4), 0.01) for e in range(n)]
+    loss = [1.0 * 0.985**e for e in range(n)]  # -4.4% over 3 epochs
+    rows = _rows(loss, val_loss=[0.5] * n, lr=lr)
+    settings = {"monitor": "val_loss", "monitor_mode": "min", "plateau": True, "scheduled": True, "max_epochs": n}
+    record = convergence(rows, "budget", patience=4, **settings)
+    assert record["lr_ratio"] == pytest.approx(0.01) and record["converged"] is False
+    assert (
+        record["cause"] == "still_improving"
+        and "budget ended it while its training loss still fell" in (record["reasons"][0])
+    )
+    assert "trainer.max_epochs=" in convergence_advice(record)
+    # without early stopping the budget is the recipe's own end: the rate rule judges it, as before
+    assert convergence(rows, "budget", patience=None, **settings)["converged"] is True
+
+
 def test_the_budget_while_overfitting_says_so_and_advises_early_stopping_not_more_epochs():
     loss = [1.0, 0.7, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1]
     val_loss = [1.0, 0.8, 0.7, 0.72, 0.8, 0.9, 1.0, 1.1]

@@ -69,6 +69,16 @@ def test_the_global_cnn_needs_longer_to_the_cnn_dnns_accuracy(tmp_path):
     assert curves["cnn_dnn"]["time_s"] == [5.0, 11.0] and curves["cnn_dnn"]["epoch"] == [1, 2]
     assert curves["cnn_dnn"]["val_acc"] == [0.90, 0.95] and curves["cnn_dnn"]["test_acc"] == [0.89, 0.9]
     assert all(len(v) == 2 for v in curves["cnn_dnn"].values()) and curves["mean_prob"]["epoch"] == [1, 2]
+    # Early stopping ended the local nets at epochs 5 and 4, after the last snapshot epoch (2) and before the next: the
+    # snapshot of epoch 2 keeps its place and time, the final CNN-DNN is a point of its own at epoch 5 (it used to
+    # overwrite the snapshot's time, so a target first reached at epoch 2 read as reached at the end).
+    results["convergence"] = {"local": [{"epochs": 5}, {"epochs": 4}]}
+    late = run_curves(run, results)["cnn_dnn"]
+    assert late["epoch"] == [1, 2, 5] and late["time_s"] == [5.0, 10.5, 11.0] and late["val_acc"] == [0.90, 0.94, 0.95]
+    assert time_to_accuracy(late, 0.94) == 10.5
+    results["convergence"] = {"local": [{"epochs": 2}, {"epochs": 1}]}  # the last snapshot is the last epoch
+    assert run_curves(run, results)["cnn_dnn"]["epoch"] == [1, 2]
+    del results["convergence"]
     equal = speedup_at_equal_accuracy(curves, 11.0)
     at_cnn_dnn = equal["at_cnn_dnn_accuracy"]
     assert at_cnn_dnn["reached"] and at_cnn_dnn["global_s"] == 30.0  # the first epoch at or above 0.95
