@@ -213,14 +213,23 @@ _FOLDER_KEYS = ("source.root", "root")
 # Sources that read one file (``data.source.path``, an archive): its name is the data; copies of one archive at two
 # places are one dataset.
 _FILE_KEYS = ("source.path", "path")
+# Sources whose root is only where a published dataset is stored (torchvision's layout under $DDCNN_DATA): the
+# dataset's name is the data, wherever a machine keeps it.
+_STORED_AT_ROOT = ("torchvision_dataset",)
+
+
+def _folder_is_the_data(flat: Mapping[str, Any]) -> bool:
+    target = str(flat.get("source._target_") or "")
+    return not target.endswith(_STORED_AT_ROOT) and any(flat.get(key) for key in _FOLDER_KEYS)
 
 
 def data_identity(recorded: Mapping[str, Any]) -> str | None:
     """What identifies a run's data beyond ``data.name`` (``recorded``: its ``config.yaml``, as the run recorded it):
     the folder a folder source reads (the path as given, ``~`` expanded), the file name of an archive, ``None`` for a
-    source that reads neither (scikit-learn's digits)."""
+    source that reads neither (scikit-learn's digits) or whose folder only stores a published dataset (torchvision's
+    CIFAR-10 under ``$DDCNN_DATA``: two machines' copies are one dataset)."""
     flat = flatten(dict(recorded.get("data") or {}))
-    for key in _FOLDER_KEYS:
+    for key in _FOLDER_KEYS if _folder_is_the_data(flat) else ():
         if flat.get(key):
             return str(Path(str(flat[key])).expanduser())
     for key in _FILE_KEYS:
@@ -480,8 +489,7 @@ def dataset_labels(runs: Sequence[Run]) -> dict[tuple[str, str | None], str]:
 
 
 def _reads_folder(run: Run) -> bool:
-    flat = flatten(dict(run.config.get("data") or {}))
-    return any(flat.get(key) for key in _FOLDER_KEYS)
+    return _folder_is_the_data(flatten(dict(run.config.get("data") or {})))
 
 
 def _by_dataset(runs: Sequence[Run], ignore: Sequence[str]) -> Iterator[tuple[str, list[Run], list[str]]]:

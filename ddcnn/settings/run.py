@@ -466,8 +466,9 @@ class ParallelSettings:
 
 
 # ``report.curves.points: all``: a point at every epoch, the test split evaluated at as many epochs as the default
-# count gives (spread geometrically, the last always), so a time to a target is read at every epoch while the test
-# split, which only reports, costs what it costs at the default.
+# count gives (spread geometrically over trainer.max_epochs, its last always: a training early stopping ends sooner
+# has fewer), so a time to a target is read at every epoch while the test split, which only reports, costs what it
+# costs at the default.
 ALL_EPOCHS = "all"
 TEST_POINTS_WITH_ALL = 6
 

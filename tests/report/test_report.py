@@ -236,6 +236,17 @@ def test_two_image_folders_of_the_same_settings_are_two_datasets_named_by_their_
         for i, where in enumerate(("a", "b"))
     ]
     assert list(comparison_rows(copies)) == ["mnist"]
+    # a torchvision dataset's root is where a machine stores it ($DDCNN_DATA), not what the data are
+    stored = [
+        _as_data(
+            sweep,
+            tmp_path,
+            f"cifar_{where}",
+            {"name": "cifar10", "root": f"/{where}/data", "source._target_": "ddcnn.data.sources.torchvision_dataset"},
+        )
+        for where in ("a", "b")
+    ]
+    assert list(comparison_rows(stored)) == ["cifar10"]
 
 
 def test_differences_are_paired_by_seed_with_their_interval_and_verdict(sweep, report):
