@@ -118,7 +118,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -1682,6 +1682,44 @@ def write_blocks(manifest: dict, root: Path) -> list[str]:
     return changed
 
 
+# The page's figures that a reader could copy: signed differences in points (+0.53), means with their spread
+# (97.85 ± 0.22) and speedups (1.10x); README and docs/ may hold them only inside a generated block.
+_PAGE_FIGURES = (
+    re.compile(r"(?<![\w.])[+\-−]\d+\.\d{2}(?!\d)"),
+    re.compile(r"\d+\.\d+ ± \d+\.\d+"),
+    re.compile(r"(?<![\w.])\d+\.\d{2}x(?!\w)"),
+)
+_ANY_BLOCK = re.compile(r"<!-- ([\w.]+):(\w+) begin.*?<!-- \1:\2 end -->", re.S)
+
+
+def _page_figures(text: str) -> set[str]:
+    return {m.group(0).replace("−", "-") for pattern in _PAGE_FIGURES for m in pattern.finditer(text)}
+
+
+def figures_outside_blocks(page: str, files: Sequence[Path], docstring: str = "") -> list[str]:
+    """Where a figure of the ``page`` (:data:`_PAGE_FIGURES`) stands in ``files`` outside every generated block
+    (``<!-- name:block begin ... -->`` to its end; any generator's), or in ``docstring``: copied by hand, so no
+    ``--check`` keeps it equal to the runs (issue #44 item 6). ``path:line: figure`` each."""
+    figures = _page_figures(page)
+    problems = []
+    for file in files:
+        text = _ANY_BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), file.read_text())
+        for number, line in enumerate(text.splitlines(), 1):
+            for figure in sorted(_page_figures(line) & figures):
+                problems.append(
+                    f"{file.relative_to(ROOT) if file.is_relative_to(ROOT) else file}:{number}: the "
+                    f"page's figure {figure} outside a generated block (generate it or leave it out)"
+                )
+    for figure in sorted(_page_figures(docstring) & figures):
+        problems.append(f"experiments/results.py docstring: the page's figure {figure} (generate it or leave it out)")
+    return problems
+
+
+def prose_files() -> list[Path]:
+    """README.md and docs/*.md but the page itself: where :func:`figures_outside_blocks` looks."""
+    return [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != PAGE)]
+
+
 def check_blocks(manifest: dict, root: Path) -> list[str]:
     """The generated blocks (:data:`BLOCKS`) that are missing or differ from what the page's runs give, and the
     docstring's flag defaults that differ from the parser's."""
@@ -1949,6 +1987,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = check_manifest((out / PAGE).read_text(), manifest, root)
         if out == (ROOT / "docs").resolve():
             problems += check_blocks(manifest, root)
+            problems += figures_outside_blocks((out / PAGE).read_text(), prose_files(), __doc__ or "")
         print("\n".join(problems) or f"{out / PAGE}: every table line and generated figure is what the runs wrote")
         return 1 if problems else 0
     if args.write:

@@ -720,3 +720,24 @@ def test_a_run_finished_after_a_stopped_invocation_records_the_cpu_of_both(resul
     assert record["earlier_invocations"] == [stopped] and record["cpu_s"] > 700.0
     assert record["cpu_s"] - 700.0 >= seen[-1][1]["cpu_s"] - 0.5  # this invocation's own rusage, not less
     assert not ledger.exists()
+
+
+def test_a_page_figure_copied_outside_a_generated_block_fails_the_check(results, tmp_path):
+    """Issue #44 item 6: --check compared table lines and generated blocks only; docs/coarse.md's hand-copied table
+    (the AdrenalMNIST3D row of the page among them) passed. Any of the page's figures outside a generated block, in
+    README, docs/ or the script's docstring, now fails it."""
+    page = "| mnist | 5 | +0.53 [+0.39, +0.67] better |\n| 2x2 | 97.85 ± 0.22 | speedup 1.10x |\n"
+    doc = tmp_path / "notes.md"
+    begin, end = results._markers("summary")
+    block = f"{begin}\n+0.53 copied by the generator\n{end}"
+    doc.write_text(f"# Notes\n\n{block}\nThe margin is ±0.5 points, at 0.05; lr 0.002.\n")
+    assert results.figures_outside_blocks(page, [doc]) == []  # inside a block, or no page figure
+    doc.write_text(doc.read_text() + "On MNIST the CNN-DNN leads by +0.53 points (97.85 ± 0.22), 1.10x faster.\n")
+    problems = results.figures_outside_blocks(page, [doc], "the page reads −0.39 here")
+    assert [p.split(": the page's figure ")[1].split(" ")[0] for p in problems[:3]] == ["+0.53", "1.10x", "97.85"]
+    assert problems[0].startswith(f"{doc}:7:") and "docstring" not in problems[0]
+    assert results.figures_outside_blocks("−0.39 in a table", [], "it fell by −0.39") != []
+    # and the committed prose holds none
+    if (REPO / "docs" / "results.md").is_file():
+        page = (REPO / "docs" / "results.md").read_text()
+        assert results.figures_outside_blocks(page, results.prose_files(), results.__doc__) == []
