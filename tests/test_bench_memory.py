@@ -29,3 +29,26 @@ def test_memory_plan_bench_meets_its_targets_on_small_nets() -> None:
     assert result["preflight"]["plan"]["global"]["method"] == "meta"
     (cut,) = result["checkpointing"]
     assert cut["planned_checkpointed_activation_bytes"] < cut["planned_activation_bytes"]
+
+
+def test_coarse_cost_fits_the_coarse_dnn_as_its_stage_does_at_each_size(make_cfg, tmp_path) -> None:
+    """bench/coarse_cost.py (#47 item 4): the coarse fit per training size of a finished run, its share of the slowest
+    local net scaled to that size, and at the run's own size the fit the coarse stage kept."""
+    import json
+
+    from ddcnn.pipeline import train
+
+    cfg = make_cfg("decomposition.grid=[1,2]", "report.curves.enabled=false")
+    train(cfg)
+    run_dir = tmp_path / "run"
+    bench = load_script("bench/coarse_cost.py", "coarse_cost")
+    result = bench.measure(run_dir, [100, 200], repeats=1)
+    rows = result["rows"]
+    assert [r["n_train"] for r in rows][:2] == [100, 200] and rows[-1]["n_train"] == result["n_train"]
+    local = max(result["local_fit_s"])
+    for r in rows:
+        assert r["share"] == pytest.approx(r["fit_s"] / (local * r["n_train"] / result["n_train"]))
+        assert r["plan"]["batch_size"] >= 32 and r["kept"] in ("trained", "linear", "averaging")
+    stage = json.loads((run_dir / "coarse" / "meta.json").read_text())
+    assert rows[-1]["kept"] == stage["fit"]["kept"]  # the whole split: the stage's own fit, same seed and settings
+    assert result["exponent"] is not None and result["projected_60k"]["share"] > 0
