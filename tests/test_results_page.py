@@ -536,6 +536,21 @@ def test_the_recipe_shares_one_threshold_and_keeps_the_cosine_schedule_whole(res
         results._resolve(results._parser().parse_args(["--lr-patience", "1"]))
 
 
+def test_the_64_cubed_row_is_opt_in_with_ddp_on_its_first_seed_only(results, tmp_path):
+    """#47 item 5: AdrenalMNIST3D 64³ under the protocol (experiment=adrenal3d's recipe, overlap 2, 3 seeds, the
+    global DDP on one seed), not in the default page."""
+    args = results._resolve(results._parser().parse_args([]))
+    assert "adrenal3d_64" not in [d.key for d in results.plan(args)]
+    args = results._resolve(results._parser().parse_args(["--datasets", "adrenal3d_64"]))
+    (ct,) = results.plan(args)
+    specs = results.run_specs([ct], args.seeds)
+    assert [s.name for s in specs] == [f"adrenal3d_64/2x2x2_o2_s{seed}" for seed in (0, 1, 2)]
+    first, second = specs[0].overrides(tmp_path), specs[1].overrides(tmp_path)
+    assert "data=adrenal3d_64" in first and "decomposition.overlap=2" in first and "engine.patience=null" in first
+    assert "methods.enabled.global_ddp=true" in first and not any("global_ddp" in o for o in second)
+    assert not any("global_ensemble" in o for o in first)  # no room in its budget (said in the plan)
+
+
 def test_check_names_a_docstring_default_that_is_not_the_scripts(results, monkeypatch):
     docs = REPO / "docs"
     manifest = json.loads((docs / "results_manifest.json").read_text())
