@@ -313,6 +313,12 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
             **extra,
         )
 
+    # AdrenalMNIST3D's 98 validation volumes are too few to halve: the target split comes out of training
+    target_3d = (
+        [f"data.val_target_fraction={args.val_target_fraction_3d}", "data.val_target_from=train"]
+        if args.val_target_fraction_3d
+        else []
+    )
     datasets = {
         "mnist": two_d_set("mnist", "MNIST", "mnist"),
         "fashion_mnist": two_d_set("fashion_mnist", "Fashion-MNIST", "fashion_mnist"),
@@ -338,12 +344,7 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
                 "methods.enabled.global_wide=true",
                 "engine.patience=null",
                 f"report.curves.points={args.curve_points}",
-                # its 98 validation volumes are too few to halve: the target split comes out of training
-                *(
-                    [f"data.val_target_fraction={args.val_target_fraction_3d}", "data.val_target_from=train"]
-                    if args.val_target_fraction_3d
-                    else []
-                ),
+                *target_3d,
             ),
             ("2x2x2",),
             (None,),
@@ -365,11 +366,7 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
                 "methods=default",
                 "engine.patience=null",
                 f"report.curves.points={args.curve_points}",
-                *(
-                    [f"data.val_target_fraction={args.val_target_fraction_3d}", "data.val_target_from=train"]
-                    if args.val_target_fraction_3d
-                    else []
-                ),
+                *target_3d,
             ),
             ("2x2x2",),
             (2,),
