@@ -126,12 +126,16 @@ def _trend(values: Sequence[Any]) -> float | None:
 
 
 def binomial_se(accuracy: float | None, n: int | None) -> float | None:
-    """The binomial standard error ``sqrt(p (1 - p) / n)`` of an accuracy ``p`` on ``n`` images (``p`` = 0.5 when
-    unknown: the largest); ``None`` without ``n``."""
+    """The binomial standard error of an accuracy ``p`` on ``n`` images, with Agresti and Coull's adjustment (two
+    right and two wrong images added: ``p~ = (n p + 2) / (n + 4)``, ``sqrt(p~ (1 - p~) / (n + 4))``), so that an
+    accuracy of 1 on 10 images reads as the noisy figure it is (9.4 points), not as exact (the plain
+    ``sqrt(p (1 - p) / n)`` is 0 there); from 100 images on it differs from the plain one by less than 0.2 points at
+    accuracies between 0.1 and 0.9. ``p`` = 0.5 when unknown (the largest); ``None`` without ``n``."""
     if not n:
         return None
     p = 0.5 if accuracy is None or not math.isfinite(float(accuracy)) else min(max(float(accuracy), 0.0), 1.0)
-    return math.sqrt(max(p * (1 - p), 1e-12) / int(n))
+    adjusted = (p * int(n) + 2) / (int(n) + 4)
+    return math.sqrt(adjusted * (1 - adjusted) / (int(n) + 4))
 
 
 def _series(history: Sequence[Mapping[str, Any]], key: str) -> list[Any]:

@@ -71,8 +71,9 @@ def test_an_early_epoch_kept_on_an_erratic_validation_curve_is_not_converged_and
     acc = [0.77, 0.81, 0.74, 0.79, 0.76, 0.80, 0.78]
     loss = [0.6, 0.45, 0.45, 0.45, 0.45, 0.45, 0.45]  # flat: no budget cause
     record = convergence(_rows(loss, acc, val_loss), "budget", monitor="val_acc", best_epoch=1, n_val=98)
-    se = binomial_se(0.81, 98)
-    assert se == pytest.approx((0.81 * 0.19 / 98) ** 0.5) and record["val_se"] == pytest.approx(se)
+    se = binomial_se(0.81, 98)  # Agresti-Coull: p~ = (0.81 * 98 + 2) / 102
+    assert se == pytest.approx((0.7978 * 0.2022 / 102) ** 0.5, rel=1e-3) and record["val_se"] == pytest.approx(se)
+    assert binomial_se(1.0, 10) == pytest.approx((12 / 14 * 2 / 14 / 14) ** 0.5)  # not 0: ten images are no proof
     assert record["cause"] == "small_validation"
     assert "kept epoch 1 of an erratic validation curve" in record["reasons"][0]
     assert "validation split of 98 images: 1 binomial SE = 4.0 points" in record["reasons"][0]
@@ -249,7 +250,7 @@ def _until_converged(tmp_path, data, cause, settings, hidden=(16,), rounds=3):
     record = result.convergence
     assert record["converged"] is True, (record, typed)
     assert record["lr_ratio"] is None or record["lr_ratio"] >= 0.01 * (1 - 1e-9)  # never a collapsed rate
-    assert result.best_metric > 0.4  # not degenerate: well above chance (1/5) on validation
+    assert result.history[result.best_epoch]["val_acc"] > 0.4  # not degenerate: well above chance (1/5) on validation
     return result, typed
 
 
@@ -269,6 +270,21 @@ def test_following_the_advice_when_overfitting_converges_with_early_stopping(tmp
         "stopping at the best validation epoch, engine.patience=3"
     ]
     assert result.stopped_by == "early_stopping"
+
+
+@pytest.mark.slow
+def test_following_the_advice_for_a_validation_split_too_small_to_judge_converges(tmp_path):
+    # 10 validation rows: selection on their accuracy keeps epoch 1 (10 of 10 right) while their loss varies 2.4x
+    # afterwards; 10 of 10 is no exact figure (its Agresti-Coull SE is 9.4 points), so the split is too small to judge
+    # by accuracy. The advice selects on the validation loss, which moves with every row's confidence.
+    settings = {"max_epochs": 12, "optimizer": _ADAMW | {"lr": 0.1}, "monitor": "val_acc", "monitor_mode": "max"}
+    data = _tiny(n_val=10, noise=0.2, signal=2.5)
+    result, typed = _until_converged(tmp_path, data, "small_validation", settings)
+    assert typed == [
+        "a validation split too small to judge (1 binomial SE = 9.4 points on 10 images): select on the validation "
+        "loss, engine.monitor=val_loss engine.monitor_mode=min"
+    ]
+    assert result.convergence["monitor"] == "val_loss" and result.best_epoch > 1
 
 
 @pytest.mark.slow
