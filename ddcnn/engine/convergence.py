@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -142,29 +143,56 @@ def _series(history: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
     return [row.get(key) for row in history]
 
 
+@dataclass(frozen=True)
+class _Trends:
+    """What the end of a history shows (:func:`_trends`): the 3-epoch trends of the training loss (``change``), the
+    validation loss and the monitored metric, the loss below which the training data are fit almost exactly
+    (``floor``: :data:`LOSS_FLOOR` x ln K), whether the training loss still falls (and is not fit exactly) and whether
+    the validation loss rises (each by more than 1%)."""
+
+    change: float | None
+    val_change: float | None
+    monitor_change: float | None
+    floor: float
+    loss_falls: bool
+    val_rises: bool
+
+
+def _trends(history: Sequence[Mapping[str, Any]], monitor: str | None, num_classes: int | None) -> _Trends:
+    losses = _series(history, "train_loss")
+    change, val_change = _trend(losses), _trend(_series(history, "val_loss"))
+    recent = [float(v) for v in losses[-LOSS_WINDOW:] if v is not None]
+    floor = LOSS_FLOOR * math.log(max(int(num_classes), 2)) if num_classes else 0.0
+    fit_exactly = bool(recent) and sum(recent) / len(recent) < floor
+    return _Trends(
+        change=change,
+        val_change=val_change,
+        monitor_change=_trend(_series(history, monitor)) if monitor else None,
+        floor=floor,
+        loss_falls=change is not None and change < -LOSS_STILL_FALLING and not fit_exactly,
+        val_rises=val_change is not None and val_change > LOSS_STILL_FALLING,
+    )
+
+
 def still_improving(
     history: Sequence[Mapping[str, Any]], monitor: str | None, monitor_mode: str = "max", num_classes: int | None = None
 ) -> str | None:
     """What still improves at the end of ``history``, or ``None``: the monitored metric (the mean of its last 3 epochs
-    more than 1% better than the 3 before, in its direction), or the training loss (more than 1% lower, while the
-    validation loss did not rise by more than 1% and the training data are not fit almost exactly). Early stopping
-    does not end a training while this holds (:class:`~ddcnn.engine.callbacks.EarlyStopping`), and the convergence
-    test reads a stop at ``min_epochs`` with it as not converged (:func:`convergence`): one rule for both."""
+    more than 1% better than the 3 before, in its direction; fewer epochs each in a shorter history), or the training
+    loss (more than 1% lower, while the validation loss did not rise by more than 1% and the training data are not
+    fit almost exactly). Early stopping does not end a training while this holds after its minimums held a stop back
+    (:class:`~ddcnn.engine.callbacks.EarlyStopping`), and the convergence test reads a stop at ``min_epochs``, or the
+    budget with early stopping on, with it as not converged (:func:`convergence`): one rule for both."""
     if len(history) < JUDGE_EPOCHS:
         return None
-    losses = _series(history, "train_loss")
-    change, val_change = _trend(losses), _trend(_series(history, "val_loss"))
-    monitor_change = _trend(_series(history, monitor)) if monitor else None
-    recent = [float(v) for v in losses[-LOSS_WINDOW:] if v is not None]
-    floor = LOSS_FLOOR * math.log(max(int(num_classes), 2)) if num_classes else 0.0
-    fit_exactly = bool(recent) and sum(recent) / len(recent) < floor
-    if monitor_change is not None and (
-        monitor_change > LOSS_STILL_FALLING if monitor_mode == "max" else monitor_change < -LOSS_STILL_FALLING
-    ):
-        return f"its {monitor} still improved ({monitor_change:+.1%} over the last 3 epochs)"
-    val_rises = val_change is not None and val_change > LOSS_STILL_FALLING
-    if change is not None and change < -LOSS_STILL_FALLING and not fit_exactly and not val_rises:
-        return f"its training loss still fell ({change:+.1%} over the last 3 epochs)"
+    t = _trends(history, monitor, num_classes)
+    improves = t.monitor_change is not None and (
+        t.monitor_change > LOSS_STILL_FALLING if monitor_mode == "max" else t.monitor_change < -LOSS_STILL_FALLING
+    )
+    if improves:
+        return f"its {monitor} still improved ({t.monitor_change:+.1%} over the last 3 epochs)"
+    if t.loss_falls and not t.val_rises:
+        return f"its training loss still fell ({t.change:+.1%} over the last 3 epochs)"
     return None
 
 
@@ -218,15 +246,9 @@ def convergence(
         ``None`` when unknown), ``val_se`` the binomial standard error of the validation accuracy at the kept epoch.
     """
     epochs = len(history)
-    losses = _series(history, "train_loss")
-    change = _trend(losses)
-    val_losses = _series(history, "val_loss")
-    val_change = _trend(val_losses)
+    losses, val_losses = _series(history, "train_loss"), _series(history, "val_loss")
     watched = _series(history, monitor) if monitor else []
-    monitor_change = _trend(watched) if monitor else None
-    recent = [float(v) for v in losses[-LOSS_WINDOW:] if v is not None]
-    floor = LOSS_FLOOR * math.log(max(int(num_classes), 2)) if num_classes else 0.0
-    fit_exactly = bool(recent) and sum(recent) / len(recent) < floor
+    t = _trends(history, monitor, num_classes)
     lrs = _series(history, "lr")
     lr0 = float(lrs[0]) if epochs and lrs[0] is not None else None
     lr_ratio = float(lrs[-1]) / lr0 if epochs and lrs[-1] is not None and lr0 else None
@@ -236,11 +258,9 @@ def convergence(
     kept_acc = history[best].get("val_acc") if best is not None and 0 <= best < epochs else None
     val_se = binomial_se(kept_acc, n_val)
     se_note = f" (validation split of {n_val} images: 1 binomial SE = {100 * val_se:.1f} points)" if val_se else ""
-    loss_falls = change is not None and change < -LOSS_STILL_FALLING and not fit_exactly
-    val_rises = val_change is not None and val_change > LOSS_STILL_FALLING
     # only a rate that adapts can collapse: a fixed schedule (cosine annealing) is meant to end near 0, and the budget
     # rule below judges it by how far it decayed
-    collapse = _collapse(lrs, losses, lr0, floor) if plateau else None
+    collapse = _collapse(lrs, losses, lr0, t.floor) if plateau else None
     reasons: list[str] = []
     cause = None
     if epochs < JUDGE_EPOCHS:
@@ -263,19 +283,20 @@ def convergence(
         what = f"{what}{se_note}" if what.startswith(f"its {monitor} ") else what
         why = f"early stopping ended it at min_epochs={min_epochs} while {what}"
     elif stopped_by == "budget" and (
-        (scheduled and lr_ratio is not None and lr_ratio > LR_STILL_HIGH * (1 + 1e-9)) or (not scheduled and loss_falls)
+        (scheduled and lr_ratio is not None and lr_ratio > LR_STILL_HIGH * (1 + 1e-9))
+        or (not scheduled and t.loss_falls)
     ):
-        if loss_falls and val_rises:
+        if t.loss_falls and t.val_rises:
             cause = "overfitting"
             why = (
-                f"overfitting: the budget ended it while the training loss fell ({change:+.1%} over the last 3 "
-                f"epochs) and the validation loss rose ({val_change:+.1%}){se_note}"
+                f"overfitting: the budget ended it while the training loss fell ({t.change:+.1%} over the last 3 "
+                f"epochs) and the validation loss rose ({t.val_change:+.1%}){se_note}"
             )
         elif scheduled:
             cause, why = "still_improving", f"budget ended with the learning rate still at {lr_ratio:.0%} of its start"
         else:
             cause = "still_improving"
-            why = f"budget ended while the training loss still fell ({change:+.1%} over the last 3 epochs)"
+            why = f"budget ended while the training loss still fell ({t.change:+.1%} over the last 3 epochs)"
     elif (
         stopped_by == "budget"
         and patience is not None
@@ -302,9 +323,9 @@ def convergence(
         "min_epochs": int(min_epochs),
         "stopped_by": stopped_by,
         "lr_ratio": lr_ratio,
-        "train_loss_change_last3": change,
-        "val_loss_change_last3": val_change,
-        "monitor_change_last3": monitor_change,
+        "train_loss_change_last3": t.change,
+        "val_loss_change_last3": t.val_change,
+        "monitor_change_last3": t.monitor_change,
         "best_epoch": best,
         "patience": patience,
         "max_epochs": max_epochs,
