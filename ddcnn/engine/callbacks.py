@@ -21,8 +21,10 @@ Every hook is optional; a callback defines the ones it needs. In the order of an
 Callbacks travel to spawned DDP ranks by pickling: module-level classes or functions, no lambdas or closures.
 
 The rules every training has are callbacks of the loop's own, built from its :class:`~ddcnn.settings.LoopSettings`:
-:class:`EarlyStopping`, :class:`CheckpointCadence` and :class:`DivergenceRestart`; their state is part of
-``last.ckpt`` (:class:`ddcnn.engine.state.TrainState`, one key list), so a resumed training continues each.
+:class:`EarlyStopping`, :class:`CheckpointCadence` and :class:`DivergenceRestart`. Those with a state own it: their
+``checkpoint_keys``, ``state_dict()`` and ``load_state_dict(saved)`` are their part of ``last.ckpt``
+(:class:`ddcnn.engine.state.TrainState` writes and reads it whole, its keys listed once), so a resumed training
+continues each.
 """
 
 from __future__ import annotations
@@ -67,14 +69,31 @@ class EarlyStopping:
     (:func:`~ddcnn.engine.convergence.still_improving`: the 3-epoch mean of the monitored metric, or of the training
     loss while the validation loss does not rise, by more than 1%), up to the budget, which the convergence test
     flags. The same on every rank (the monitored metric is the all-reduced
-    one). Its state, the epoch it stopped after, is ``TrainState.stopped_epoch``; the drops and the trends are read
-    from the training's history (its rows), which a resume restores."""
+    one). Its state, the epoch it stopped after (``stopped_epoch``), is its part of ``last.ckpt``; the drops and the
+    trends are read from the training's history (its rows), which a resume restores."""
+
+    checkpoint_keys = ("stopped_epoch",)
 
     def __init__(self, settings: LoopSettings) -> None:
         self.patience, self.least, self.max_epochs = settings.patience, settings.least_epochs, settings.max_epochs
         self.least_steps = settings.min_steps
         self.monitor, self.mode = settings.monitor, settings.monitor_mode
         self.plateau = schedule_kind(settings.scheduler) == "plateau"
+        self.stopped_epoch: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stopped_epoch": self.stopped_epoch}
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        self.stopped_epoch = saved["stopped_epoch"]
+
+    def decide(
+        self, epoch: int, best_epoch: int, history: Sequence[Mapping[str, Any]], num_classes: int | None
+    ) -> bool:
+        """Whether the training stops after ``epoch`` (:meth:`due`), recorded as ``stopped_epoch``."""
+        if self.due(epoch, best_epoch, history, num_classes):
+            self.stopped_epoch = epoch
+        return self.stopped_epoch is not None
 
     def due(
         self, epoch: int, best_epoch: int, history: Sequence[Mapping[str, Any]] = (), num_classes: int | None = None
@@ -122,19 +141,50 @@ class DivergenceRestart:
     kernels as large as the input). With ``divergence_restarts=0`` the fit raises :class:`Diverged`; with ``R > 0`` it
     starts again from the initial weights with every learning rate multiplied by ``divergence_lr_factor``, at most
     ``R`` times. Non-finite weights restart even where divergence is not checked, at most :data:`NOT_FINITE_RETRIES`
-    times at the same rates. Its state (the restarts, the learning-rate scale, the initial loss and weights) is part of
-    ``TrainState``, so a resumed fit continues the same attempt."""
+    times at the same rates. A callback's ``on_train_end`` that asks for another attempt is recorded here too
+    (:meth:`restart`). Its state is its part of ``last.ckpt``, so a resumed fit continues the same attempt: the
+    restarts (``{"epoch", "reason", "lr_scale"}`` each), the current attempt's learning-rate scale, its initial loss,
+    the network's number of outputs (``ln K``) and the initial weights a restart starts from (kept in ``last.ckpt``
+    only where divergence is checked; otherwise a resumed process restarts from the weights the stage built, those of
+    the same seed)."""
+
+    checkpoint_keys = ("restarts", "lr_scale", "initial_loss", "num_classes", "initial_state")
 
     def __init__(self, settings: LoopSettings) -> None:
         self.checked = settings.divergence_restarts is not None
         self.allowed = int(settings.divergence_restarts) if self.checked else NOT_FINITE_RETRIES
         self.factor, self.lr_factor = settings.divergence_factor, settings.divergence_lr_factor
+        self.restarts: list[dict] = []
+        self.lr_scale, self.initial_loss, self.num_classes = 1.0, None, 2
+        self.initial_net: dict[str, Any] | None = None
 
-    def reason(self, train_loss: float, initial_loss: float | None, num_classes: int) -> str | None:
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "restarts": self.restarts,
+            "lr_scale": self.lr_scale,
+            "initial_loss": self.initial_loss,
+            "num_classes": self.num_classes,
+            "initial_state": self.initial_net if self.checked else None,
+        }
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        self.restarts, self.lr_scale = list(saved["restarts"]), float(saved["lr_scale"])
+        self.initial_loss, self.num_classes = saved["initial_loss"], int(saved["num_classes"])
+        if saved["initial_state"] is not None:
+            self.initial_net = saved["initial_state"]
+
+    def reason(self, train_loss: float) -> str | None:
         """Why an epoch of mean training loss ``train_loss`` diverged, ``None`` if it did not (or unchecked)."""
         if not self.checked:
             return None
-        return divergence_reason(train_loss, initial_loss, num_classes, self.factor)
+        return divergence_reason(train_loss, self.initial_loss, self.num_classes, self.factor)
+
+    def restart(self, epoch: int, reason: str, lr_factor: float) -> None:
+        """A new attempt after ``epoch`` (it diverged, or a callback asked for one): the learning rates times
+        ``lr_factor`` once more, its initial loss measured again."""
+        self.lr_scale *= lr_factor
+        self.restarts.append({"epoch": epoch, "reason": reason, "lr_scale": self.lr_scale})
+        self.initial_loss = None
 
     def failure(self, where: str, restarts: int, epoch: int, reason: str) -> Diverged:
         """The error of a training that diverged with no restart left, with what to do."""

@@ -425,11 +425,11 @@ class _Training:
         with the optimizer built."""
         folder = Path(self.folder)
         last = folder / "last.ckpt"
-        checked = self.settings.divergence_restarts is not None
         # a restart starts from the initial weights (also for non-finite weights where divergence is not checked)
-        state = TrainState(clock=clock, initial_net=cpu_state(self.module), save_initial=checked)
+        self.divergence_rule.initial_net = cpu_state(self.module)
+        state = TrainState(clock=clock, owners=(self.early_stopping, self.divergence_rule))
         checkpoint = load_checkpoint(last, self.resume_settings)
-        self.build_optimizer(state.lr_scale)  # a resumed optimizer's state brings its attempt's learning rates
+        self.build_optimizer(self.divergence_rule.lr_scale)  # a resumed optimizer's state brings its attempt's rates
         rank = self.fabric.global_rank
         if checkpoint is None:
             if rank == 0:  # outputs of an earlier training of this folder (force=true) must not pass for this one's
@@ -456,14 +456,14 @@ class _Training:
             math_flags(self.policy, fabric.device),
             contextlib.closing(profile),
         ):
-            if not state.finished(s.max_epochs):
+            if not self.finished(state):
                 began_warmup = time.perf_counter()
                 with clock.outside("warmup"):
                     self.warm_up(state.epoch)
                 if self.policy["compile"]:  # the first training and evaluation passes compile the network
                     compile_time_s = time.perf_counter() - began_warmup
             compiled_before = compiled_frames() if self.policy["compile"] else None
-            while not state.finished(s.max_epochs) or self.train_again(state):
+            while not self.finished(state) or self.train_again(state):
                 self.fit_epoch(state, profile)
             if compiled_before is not None:  # compilations inside the clock: a shape the warm-up did not cover
                 engine["compile_recompiles"] = compiled_frames() - compiled_before
@@ -477,14 +477,25 @@ class _Training:
             return False
         self.module.load_state_dict(state.best_net)
         self.module.eval()
-        asked = [a for a in call(self.callbacks, "on_train_end", state.epoch - 1, self.module, state.restarts) if a]
+        restarts = self.divergence_rule.restarts
+        asked = [a for a in call(self.callbacks, "on_train_end", state.epoch - 1, self.module, restarts) if a]
         if not asked:
             return False
         reason, factor = asked[0]
-        state.restart(state.epoch - 1, reason, factor)
-        self.module.load_state_dict(state.initial_net)
-        self.build_optimizer(state.lr_scale)
+        self.start_over(state, state.epoch - 1, reason, factor)
         return True
+
+    def finished(self, state: TrainState) -> bool:
+        return state.epoch >= self.settings.max_epochs or self.early_stopping.stopped_epoch is not None
+
+    def start_over(self, state: TrainState, epoch: int, reason: str, lr_factor: float) -> None:
+        """A new attempt after ``epoch``: from the initial weights, the learning rates times ``lr_factor`` once more,
+        recorded as a restart (:class:`~ddcnn.engine.callbacks.DivergenceRestart`); nothing of the last one kept."""
+        self.divergence_rule.restart(epoch, reason, lr_factor)
+        self.early_stopping.stopped_epoch = None
+        state.start_over()
+        self.module.load_state_dict(self.divergence_rule.initial_net)
+        self.build_optimizer(self.divergence_rule.lr_scale)
 
     def fit_epoch(self, state: TrainState, profile) -> None:
         """One epoch: train; after a divergence, restart; else validate, hand the row to the hooks, select, step the
@@ -492,7 +503,7 @@ class _Training:
         epoch, lr = state.epoch, float(self.raw_opt.param_groups[0]["lr"])
         sums, points = self.train_epoch(state, profile)
         train_loss = float(sums[0] / sums[2])
-        reason = self.divergence(state, train_loss)
+        reason = self.divergence_rule.reason(train_loss)
         if reason is not None:
             self.restart(state, epoch, reason)
             return
@@ -506,7 +517,7 @@ class _Training:
         self.step_scheduler(row)
         due = self.checkpoint_due(epoch)
         self.decide_stop(state, epoch)
-        if due or state.finished(self.settings.max_epochs):
+        if due or self.finished(state):
             if self.fabric.global_rank == 0:
                 self.save(state)
             self.cadence.written()
@@ -529,9 +540,9 @@ class _Training:
             stepping = (k + 1) % s.accumulate_grad_batches == 0 or k == len(batches) - 1
             loss, logits = self.train_step(xb, yb, stepping)
             profile.step()
-            if state.initial_loss is None and first is None:
+            if self.divergence_rule.initial_loss is None and first is None:
                 first = fabric.all_reduce(loss.clone(), reduce_op="mean") if world > 1 else loss
-                state.num_classes = int(logits.shape[-1])
+                self.divergence_rule.num_classes = int(logits.shape[-1])
             sums[0] += loss.double() * len(yb)
             sums[1] += (logits.argmax(-1) == yb).sum()
             sums[2] += len(yb)
@@ -545,12 +556,8 @@ class _Training:
         if world > 1:
             sums = fabric.all_reduce(sums, reduce_op="sum")
         if first is not None:
-            state.initial_loss = float(first)
+            self.divergence_rule.initial_loss = float(first)
         return sums, points
-
-    def divergence(self, state: TrainState, train_loss: float) -> str | None:
-        """Why the epoch with mean training loss ``train_loss`` diverged, ``None`` if it did not (or unchecked)."""
-        return self.divergence_rule.reason(train_loss, state.initial_loss, state.num_classes)
 
     def restart(self, state: TrainState, epoch: int, reason: str) -> None:
         """Start again from the initial weights with lower learning rates, or raise :class:`Diverged` when no
@@ -559,14 +566,13 @@ class _Training:
         the same rates (:class:`~ddcnn.engine.callbacks.DivergenceRestart`): the same attempt again, whose draws are
         those of ``(seed, epoch)``, so only a kernel's occasional fault differs."""
         where = f"the training in {Path(self.folder)} diverged in epoch {epoch} ({reason})"
-        scale = self.divergence_rule.next_scale(len(state.restarts))
+        rule = self.divergence_rule
+        scale = rule.next_scale(len(rule.restarts))
         if scale is None:
-            raise self.divergence_rule.failure(where, len(state.restarts), epoch, reason)
-        state.restart(epoch, reason, scale)
+            raise rule.failure(where, len(rule.restarts), epoch, reason)
+        self.start_over(state, epoch, reason, scale)
         if self.fabric.global_rank == 0:
-            log.warning("%s: restarting from the initial weights with the learning rate x %g", where, state.lr_scale)
-        self.module.load_state_dict(state.initial_net)
-        self.build_optimizer(state.lr_scale)
+            log.warning("%s: restarting from the initial weights with the learning rate x %g", where, rule.lr_scale)
 
     def validate(self, epoch: int, lr: float, step: int, sums: torch.Tensor, clock: Clock) -> dict[str, float]:
         """The epoch's row of ``logs/metrics.csv``: its training sums ``sums`` and the validation's metrics."""
@@ -636,9 +642,8 @@ class _Training:
     def decide_stop(self, state: TrainState, epoch: int) -> None:
         """Early stopping after ``epoch`` (:class:`~ddcnn.engine.callbacks.EarlyStopping`)."""
         s = self.settings
-        if not self.early_stopping.due(epoch, state.best_epoch, state.history, state.num_classes):
+        if not self.early_stopping.decide(epoch, state.best_epoch, state.history, self.divergence_rule.num_classes):
             return
-        state.stopped_epoch = epoch
         if self.fabric.global_rank == 0:
             log.debug(
                 "%s: no improvement of %s by more than %g for %d epochs, stopping after epoch %d",
@@ -683,7 +688,8 @@ class _Training:
             self.module.to(memory_format=torch.contiguous_format)
         if s.precision == "64-true":  # and in the dtype it handed over (predictions, exports read it so)
             self.module.to(self.net_dtype)
-        stopped_by = "early_stopping" if state.stopped_epoch is not None else "budget"
+        stopped = self.early_stopping.stopped_epoch
+        stopped_by = "early_stopping" if stopped is not None else "budget"
         left_out = clock.left_out
         return FitResult(
             net=self.module,
@@ -694,9 +700,9 @@ class _Training:
             previous_time_s=clock.previous,
             resumed_from_epoch=state.resumed_from[-1] if state.resumed_from else None,
             hook_time_s=left_out["hook"],
-            stopped_epoch=state.stopped_epoch,
-            restarts=state.restarts,
-            initial_loss=state.initial_loss,
+            stopped_epoch=stopped,
+            restarts=self.divergence_rule.restarts,
+            initial_loss=self.divergence_rule.initial_loss,
             startup_s=left_out["startup"],
             warmup_s=left_out["warmup"],
             report_time_s=left_out["report"],
@@ -713,7 +719,7 @@ class _Training:
                 stopped_by,
                 s.min_epochs,
                 bool(s.scheduler),
-                state.num_classes,
+                self.divergence_rule.num_classes,
                 monitor=s.monitor,
                 monitor_mode=s.monitor_mode,
                 patience=s.patience,

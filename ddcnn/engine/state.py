@@ -1,5 +1,6 @@
 """A training's state and its checkpoint: :class:`TrainState` (what a training carries from epoch to epoch, saved
-whole to ``last.ckpt`` and restored whole from it; its keys listed once, :data:`CHECKPOINT_KEYS`), the training clock
+whole to ``last.ckpt`` with the state of the rules that own one, and restored whole from it; its keys listed once,
+:data:`CHECKPOINT_KEYS`), the training clock
 (:class:`Clock`), ``logs/metrics.csv`` (:func:`metrics_csv`) and the resume check (:func:`load_checkpoint`)."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "FitResult",
     "CHECKPOINT_FORMAT",
     "CHECKPOINT_KEYS",
+    "OWN_KEYS",
     "METRIC_COLUMNS",
     "RESUME_KEYS",
     "Clock",
@@ -53,8 +55,10 @@ METRIC_COLUMNS = ("epoch", "step", "lr", "train_loss", "train_acc", "val_loss", 
 # loop's own.
 RESUME_KEYS = (*LoopSettings.resume_keys(), "batch_size", "n_train", "world_size")
 
-# last.ckpt: its keys, in the order TrainState.state_dict writes them and TrainState.load_state_dict reads them back.
-# A resume reads the keys of _LATER_KEYS with these defaults: a checkpoint of an older ddcnn may lack them.
+# last.ckpt: its keys, in the order TrainState.state_dict writes them and TrainState.load_state_dict reads them back:
+# TrainState's own (OWN_KEYS) and those of the rules that own their state (EarlyStopping: stopped_epoch;
+# DivergenceRestart: the restarts, the rate scale, the initial loss, the classes and the initial weights). A resume
+# reads the keys of _LATER_KEYS with these defaults: a checkpoint of an older ddcnn may lack them.
 CHECKPOINT_KEYS = (
     "format",
     "epoch",
@@ -75,6 +79,8 @@ CHECKPOINT_KEYS = (
     "stopped_epoch",
 )
 
+
+OWN_KEYS = CHECKPOINT_KEYS[: CHECKPOINT_KEYS.index("resumed_from") + 1]
 
 _LATER_KEYS: dict[str, Any] = {
     "scheduler": None,
@@ -111,51 +117,37 @@ class Clock:
 @dataclass
 class TrainState:
     """What one training carries from epoch to epoch: with its stateful objects (the network, the optimizer, the
-    schedule, Fabric's precision plugin with the loss scaler), everything an exact resume needs. Saved whole by
-    :meth:`state_dict` and restored whole by :meth:`load_state_dict`, the one pair that knows the keys of
-    ``last.ckpt`` (:data:`CHECKPOINT_KEYS`).
+    schedule, Fabric's precision plugin with the loss scaler) and the loop's rules that keep a state of their own
+    (``owners``: early stopping, the restarts; :mod:`ddcnn.engine.callbacks`), everything an exact resume needs.
+    Saved whole by :meth:`state_dict` and restored whole by :meth:`load_state_dict`, the one pair that writes and
+    reads ``last.ckpt`` (:data:`CHECKPOINT_KEYS`): the keys of this state are :data:`OWN_KEYS`, every other key is an
+    owner's (its ``checkpoint_keys``, its ``state_dict()`` and ``load_state_dict(saved)``).
 
     Attributes:
         clock: The training clock (the time of earlier processes is in ``last.ckpt``).
+        owners: The rules whose state ``last.ckpt`` holds beside this one's.
         epoch: The next epoch to train (0-based); ``last.ckpt`` records the last finished one.
         step: Optimizer steps so far (in the current attempt).
         history: Per finished epoch, its row of ``logs/metrics.csv``.
         best_epoch: The kept epoch (the last one that improved), ``-1`` before the first.
         best_metric: Its monitored metric.
         best_net: Its weights (on the CPU).
-        restarts: One entry per divergence restart: ``{"epoch", "reason", "lr_scale"}``.
-        lr_scale: What the current attempt multiplies the learning rates by.
-        initial_loss: The first training batch's loss before the first step (of the current attempt).
-        num_classes: The number of the network's outputs, for the divergence rule's ``ln K``.
-        initial_net: The weights a restart starts from (on the CPU): the network's at the start of the training.
-        save_initial: Whether ``last.ckpt`` keeps them (where divergence is checked); otherwise a resumed process
-            restarts from the weights the stage built, those of the same seed.
-        stopped_epoch: The epoch after which early stopping ended the training.
         resumed_from: The last finished epoch of each checkpoint this training resumed from.
     """
 
     clock: Clock
+    owners: tuple[Any, ...] = ()
     epoch: int = 0
     step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     best_epoch: int = -1
     best_metric: float | None = None
     best_net: dict[str, torch.Tensor] | None = None
-    restarts: list[dict] = field(default_factory=list)
-    lr_scale: float = 1.0
-    initial_loss: float | None = None
-    num_classes: int = 2
-    initial_net: dict[str, torch.Tensor] | None = None
-    save_initial: bool = True
-    stopped_epoch: int | None = None
     resumed_from: list[int] = field(default_factory=list)
 
-    def finished(self, max_epochs: int) -> bool:
-        return self.epoch >= max_epochs or self.stopped_epoch is not None
-
     def state_dict(self, stateful: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
-        """``last.ckpt``'s content: this state, the state of the objects in ``stateful`` (:meth:`_Training.stateful`)
-        and the ``settings`` a resume must agree on (:func:`load_checkpoint`)."""
+        """``last.ckpt``'s content: this state, the owners' and the state of the objects in ``stateful``
+        (:meth:`_Training.stateful`), and the ``settings`` a resume must agree on (:func:`load_checkpoint`)."""
         scheduler = stateful["scheduler"]
         values = {
             "format": CHECKPOINT_FORMAT,
@@ -174,17 +166,13 @@ class TrainState:
             "history": self.history,
             "fit_time_s": self.clock(),
             "resumed_from": self.resumed_from,
-            "restarts": self.restarts,
-            "lr_scale": self.lr_scale,
-            "initial_loss": self.initial_loss,
-            "num_classes": self.num_classes,
-            "initial_state": self.initial_net if self.save_initial else None,
-            "stopped_epoch": self.stopped_epoch,
         }
+        for owner in self.owners:
+            values.update(owner.state_dict())
         return {key: values[key] for key in CHECKPOINT_KEYS}
 
     def load_state_dict(self, checkpoint: Mapping[str, Any], stateful: Mapping[str, Any]) -> None:
-        """Restore this state and the objects in ``stateful`` from ``checkpoint`` (a :meth:`state_dict`).
+        """Restore this state, the owners' and the objects in ``stateful`` from ``checkpoint`` (a :meth:`state_dict`).
 
         The optimizer's state brings its learning rates (those of the attempt it was in) and the schedule's its own,
         so they may have been built with any learning-rate scale."""
@@ -207,24 +195,18 @@ class TrainState:
         best = saved["best"]
         self.best_net, self.best_metric, self.best_epoch = best["net"], best["metric"], best["epoch"]
         self.resumed_from = [*saved["resumed_from"], int(saved["epoch"])]
-        self.restarts, self.lr_scale = list(saved["restarts"]), float(saved["lr_scale"])
-        self.initial_loss, self.num_classes = saved["initial_loss"], int(saved["num_classes"])
-        self.stopped_epoch = saved["stopped_epoch"]
-        if saved["initial_state"] is not None:
-            self.initial_net = saved["initial_state"]
+        for owner in self.owners:
+            owner.load_state_dict({key: saved[key] for key in owner.checkpoint_keys})
 
     def add(self, row: dict[str, float]) -> None:
         """A finished epoch's row."""
         self.history.append(row)
         self.epoch += 1
 
-    def restart(self, epoch: int, reason: str, lr_factor: float) -> None:
-        """A new attempt after ``epoch`` diverged (or a callback asked for one): from epoch 0, with the learning rates
-        times ``lr_factor`` once more (the network and the optimizer are the caller's)."""
-        self.lr_scale *= lr_factor
-        self.restarts.append({"epoch": epoch, "reason": reason, "lr_scale": self.lr_scale})
+    def start_over(self) -> None:
+        """A new attempt (a restart: the owners record why and at which rates): from epoch 0, nothing kept."""
         self.history, self.best_net, self.best_metric, self.best_epoch = [], None, None, -1
-        self.step, self.initial_loss, self.epoch, self.stopped_epoch = 0, None, 0, None
+        self.step, self.epoch = 0, 0
 
 
 def cpu_state(net: nn.Module) -> dict[str, torch.Tensor]:

@@ -163,6 +163,12 @@ def test_last_ckpt_holds_the_keys_of_its_format_and_a_checkpoint_without_the_lat
     """The one list of keys is what is written; a checkpoint of an older ddcnn, written before the keys from
     ``resumed_from`` on (and the schedule's and loss scaler's states) existed, resumes to the uninterrupted weights."""
     assert CHECKPOINT_KEYS == LAST_CKPT_KEYS
+    # each key has one owner: the training state or one of the loop's rules that keep a state (#43 item 2)
+    from ddcnn.engine.callbacks import DivergenceRestart, EarlyStopping
+    from ddcnn.engine.state import OWN_KEYS
+
+    owned = [*OWN_KEYS, *EarlyStopping.checkpoint_keys, *DivergenceRestart.checkpoint_keys]
+    assert sorted(owned) == sorted(LAST_CKPT_KEYS) and len(set(owned)) == len(owned)
     plain = {"scheduler": None}  # no schedule state, no divergence check: the later keys change nothing here
     reference = _fit(tmp_path / "reference", **plain)
     saved = torch.load(tmp_path / "reference" / "last.ckpt", weights_only=False)
