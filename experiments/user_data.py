@@ -45,6 +45,8 @@ DATASETS: dict[str, tuple[str, ...]] = {
     "icons_rgb": ("data=image_folder", "data.root=ROOT_DIR/icons_rgb"),
     "adrenal3d": ("data=adrenal3d_28", "decomposition=2x2x2"),
     "fashion_mnist": ("data=fashion_mnist",),
+    # the fix the default adrenal3d run printed for its global CNN (a validation split too small to judge), typed in
+    "adrenal3d_advice": ("data=adrenal3d_28", "decomposition=2x2x2", "optimizer.lr=0.000667"),
 }
 # what a run adds that is no part of the recipe: no export, no progress bars in a log file
 QUIET = ("report.export=false", "trainer.enable_progress_bar=false")
@@ -125,7 +127,11 @@ def summary(name: str, run_dir: Path, record: dict) -> dict:
         "classes": data.get("num_classes"),
         "splits": {k: data.get(f"n_{k}") for k in ("train", "val", "test")},
         "flags": len(results.get("flags") or []),
-        "extra": [o for o in record["command"] if o.startswith(("trainer.", "engine.", "scheduler", "optimizer."))],
+        "extra": [
+            o
+            for o in record["command"]
+            if o.startswith(("trainer.", "engine.", "scheduler", "optimizer.")) and o not in QUIET
+        ],
     }
 
 
@@ -145,8 +151,9 @@ def table(rows: list[dict]) -> list[str]:
             else "no paired test (see results.md)"
         )
         s = r["splits"]
+        typed = f" (`{' '.join(r['extra'])}`)" if r.get("extra") else ""
         lines.append(
-            f"| {r['dataset']} | {s['train']} / {s['val']} / {s['test']} | {len(t) - len(bad)} of {len(t)} | "
+            f"| {r['dataset']}{typed} | {s['train']} / {s['val']} / {s['test']} | {len(t) - len(bad)} of {len(t)} | "
             f"{', '.join(bad) or '-'} | {min(epochs, default=0)}-{max(epochs, default=0)} | "
             f"{100 * (r['cnn_dnn'] or 0):.2f} | {100 * (r['global'] or 0):.2f} | {lead} | {r['flags']} | "
             f"{r['wall_s']:.0f} / {r['cpu_s']:.0f} |"
