@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from ddcnn.io import atomic_write_text
-from ddcnn.report.results import BASELINE_FLAGGED, METHODS, TIMING_RULE, method_rows
+from ddcnn.report.results import METHODS, TIMING_RULE, baseline_flag, method_rows
 from ddcnn.report.stats import NO_VERDICT, PAIRS, all_converged, paired_difference
 from ddcnn.rundir import NON_RESULT_KEYS, RunDir, flatten
 
@@ -443,13 +443,6 @@ def _vs_ddp(run: Run, method: str) -> dict | None:
     return None
 
 
-def _baseline_flag(run: Run, row: str) -> str | None:
-    """What a verdict against ``row`` says instead of a lead when that row of ``run`` is flagged at chance or deciding
-    like a constant guess (:data:`ddcnn.report.results.BASELINE_FLAGGED`), else ``None``."""
-    kinds = [f.get("kind") for f in run.results.get("flags") or [] if f.get("method") == row]
-    return next((BASELINE_FLAGGED[kind] for kind in kinds if kind in BASELINE_FLAGGED), None)
-
-
 def _row_unconverged(run: Run, method: str) -> bool:
     return any(f.get("kind") == "unconverged" and f.get("method") == method for f in run.results.get("flags") or [])
 
@@ -561,9 +554,9 @@ def paired_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, li
                 diffs = [100 * (r.results["accuracy"][method] - r.results["accuracy"][baseline]) for _, r in pairs]
                 converged = all_converged([r.converged(training) for _, r in pairs])
                 stats = paired_difference(diffs, converged, [seed for seed, _ in pairs])
-                flagged = [seed for seed, r in pairs if _baseline_flag(r, baseline)]
+                flagged = [seed for seed, r in pairs if baseline_flag(r.results, baseline)]
                 if flagged and converged is not False:
-                    states = sorted({_baseline_flag(r, baseline) for _, r in pairs} - {None})
+                    states = sorted({baseline_flag(r.results, baseline) for _, r in pairs} - {None})
                     stats["verdict"] = f"{' / '.join(states)} (seed{'s' if len(flagged) > 1 else ''} " + (
                         ", ".join(str(seed) for seed in flagged) + ")"
                     )

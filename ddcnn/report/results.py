@@ -922,9 +922,15 @@ def _pair_state(results: Mapping[str, Any], baseline: str, row: str | None = Non
         local = (results.get("convergence") or {}).get("local") or []
         state = BASELINE_NOT_CONVERGED if any(r.get("converged") is False for r in local) else None
     if state is None and row is not None:
-        kinds = [f["kind"] for f in results.get("flags") or [] if f.get("method") == row]
-        state = next((BASELINE_FLAGGED[kind] for kind in kinds if kind in BASELINE_FLAGGED), None)
+        state = baseline_flag(results, row)
     return state
+
+
+def baseline_flag(results: Mapping[str, Any], row: str) -> str | None:
+    """What a verdict against results ``row`` says instead of a lead when the row is flagged at chance or deciding
+    like a constant guess (:data:`BASELINE_FLAGGED`), else ``None``."""
+    kinds = [f.get("kind") for f in results.get("flags") or [] if f.get("method") == row]
+    return next((BASELINE_FLAGGED[kind] for kind in kinds if kind in BASELINE_FLAGGED), None)
 
 
 def image_pairs(
