@@ -222,6 +222,7 @@ NEUTRAL_SETTINGS = {
     "data.val_target_from": "val",
     "engine.min_steps": 0,
     "methods.global_ensemble.k": "auto",
+    "engine.precise_bn": 0,
 }
 # Settings that change nothing while another one is null (setting -> the one it needs): left out of the fingerprint
 # then, whatever their value (engine.min_epochs only delays early stopping, which engine.patience=null switches off).

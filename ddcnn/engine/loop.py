@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.swa_utils import update_bn
 
 from ddcnn.data.datamodule import Batches
 from ddcnn.engine.callbacks import CheckpointCadence, DivergenceRestart, EarlyStopping, call
@@ -575,8 +576,12 @@ class _Training:
             log.warning("%s: restarting from the initial weights with the learning rate x %g", where, rule.lr_scale)
 
     def validate(self, epoch: int, lr: float, step: int, sums: torch.Tensor, clock: Clock) -> dict[str, float]:
-        """The epoch's row of ``logs/metrics.csv``: its training sums ``sums`` and the validation's metrics."""
+        """The epoch's row of ``logs/metrics.csv``: its training sums ``sums`` and the validation's metrics (batch
+        norm's statistics first recomputed from ``precise_bn`` training batches where that is set)."""
         if self.val_batches:
+            if self.settings.precise_bn and has_batch_norm(self.module):
+                batches = self.epoch_batches(epoch)[: self.settings.precise_bn]
+                update_bn((self.train_batch(idx, epoch)[0] for idx in batches), self.model)
             val = self.evaluate("val")
             val_loss, val_acc = float(val[0] / val[2]), float(val[1] / val[2])
         else:
@@ -727,6 +732,7 @@ class _Training:
                 plateau=self.early_stopping.plateau,
                 n_val=self.data.size("val") if self.val_batches else None,
                 max_epochs=s.max_epochs,
+                batch_norm=("precise" if s.precise_bn else "running") if has_batch_norm(self.module) else None,
             ),
         )
 

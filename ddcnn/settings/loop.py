@@ -23,7 +23,8 @@ Every key of ``conf/trainer`` and ``conf/engine`` changes what the loop does, or
   scheduler's patience at least 2 below ``engine.patience``;
 - the GPU policy (:mod:`ddcnn.engine.gpu`): ``engine.channels_last``, ``tf32``, ``cudnn_benchmark``,
   ``data_on_device`` (each ``auto``, ``true`` or ``false``), ``device_data_fraction``, and the opt-ins ``compile`` and
-  ``profile_steps``; ``engine.activation_checkpointing`` (``none``, ``global``, ``all``);
+  ``profile_steps``; ``engine.activation_checkpointing`` (``none``, ``global``, ``all``); ``engine.precise_bn``
+  (batch-norm statistics recomputed before each validation);
 - keys ddcnn does not read are refused with what to do: ``engine.loop`` (ddcnn has one loop: remove it),
   ``trainer.monitor`` and the other keys that live elsewhere (the key to use), any other Lightning ``Trainer``
   argument (the list of those implemented).
@@ -257,6 +258,12 @@ _fraction = _rule(
     float,
 )
 _bool = _rule(lambda v: isinstance(v, bool), "{name} must be true or false, got {value!r}.")
+_precise_bn = _rule(
+    lambda v: v is None or _is_whole(v, 0),
+    "{name} must be a whole number of training batches >= 0 (0 or null: batch norm keeps its running statistics; N: "
+    "they are recomputed from N training batches before each validation), got {value!r}.",
+    lambda v: 0 if v is None else int(v),
+)
 _profile_steps = _rule(
     lambda v: _is_whole(v, 0),
     "{name} must be a whole number >= 0 (0: no profile; N: a Chrome trace of N training steps in the stage's "
@@ -382,6 +389,9 @@ class LoopSettings:
             backward (:mod:`ddcnn.models.checkpointing`; same results, less memory, more time); ``none`` and
             ``global``: as it is. ``global`` is the run's setting for the global CNN alone: its stage hands its
             trainings ``all``, and every other training reads ``global`` as ``none``.
+        precise_bn: ``N`` > 0: before each validation, a network's batch-norm running statistics are recomputed as
+            the exact average over ``N`` training batches (``torch.optim.swa_utils.update_bn``), so that evaluation
+            does not see the lagging running averages of the last steps; ``0``: as training left them.
         seed: Seeds the sample order and dropout of every epoch with the epoch (``None``: the data's seed).
         checkpoint_every: Epochs between checkpoints when ``checkpoint_every_s`` is ``None``.
         divergence_restarts: ``None``: no divergence check; ``0``: raise; ``R``: restart at most ``R`` times with the
@@ -429,6 +439,7 @@ class LoopSettings:
     compile: bool = _setting("engine.compile", _bool, default=False)
     profile_steps: int = _setting("engine.profile_steps", _profile_steps, default=0)
     activation_checkpointing: str = _setting("engine.activation_checkpointing", _checkpointing, default="none")
+    precise_bn: int = _setting("engine.precise_bn", _precise_bn, default=0, resume="where_set")
     seed: int | None = _setting(None, _seed, default=None, resume="always")
     checkpoint_every: int = _setting(None, _positive, default=1)
     divergence_restarts: int | None = _setting(None, _restarts, default=None, resume="where_set")

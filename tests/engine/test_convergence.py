@@ -93,6 +93,73 @@ def test_an_early_epoch_kept_on_an_erratic_validation_curve_is_not_converged_and
     assert convergence(_rows(loss, acc, steady), "budget", monitor="val_acc", best_epoch=1)["converged"] is True
 
 
+def test_a_validation_loss_spiking_on_a_smooth_training_loss_in_a_batch_norm_net_names_its_running_statistics():
+    # AdrenalMNIST3D's global CNN under the default recipe (docs/user_data.md, seed 0): kept epoch 1 of 9, its
+    # validation loss 0.35 -> 1.07 at epoch 7 while the training loss fell every epoch. Recomputing batch norm's
+    # statistics over the training set gave a validation loss of 0.38-0.42 at epochs where evaluation mode gave
+    # 0.44-0.95: the running averages lagged the weights. A lower learning rate (the advice before) did not help.
+    loss = [0.466, 0.395, 0.385, 0.363, 0.363, 0.338, 0.325, 0.296, 0.28]
+    val_loss = [0.367, 0.346, 0.363, 0.534, 0.457, 0.493, 0.356, 1.075, 0.99]
+    acc = [0.878, 0.888, 0.857, 0.806, 0.827, 0.847, 0.878, 0.429, 0.541]
+    rows = _rows(loss, acc, val_loss, lr=[2e-3] * 5 + [1e-3] * 4)
+    args = {"monitor": "val_loss", "monitor_mode": "min", "patience": 4, "best_epoch": 1, "n_val": 98, "plateau": True}
+    record = convergence(rows, "early_stopping", batch_norm="running", **args)
+    assert record["cause"] == "batch_norm_statistics" and record["batch_norm"] == "running"
+    assert "while the training loss fell smoothly: batch norm's running statistics" in record["reasons"][0]
+    assert "1 binomial SE = 3.3 points" in record["reasons"][0]  # the split's noise still said
+    assert convergence_advice(record) == (
+        "a validation loss that spikes on a smoothly falling training loss (batch norm's running statistics lag the "
+        "weights): recompute them before each validation, engine.precise_bn=50"
+    )
+    # Statistics recomputed already, or no batch norm: the split's noise, with its own fix (never precise_bn again).
+    for batch_norm in ("precise", None):
+        other = convergence(rows, "early_stopping", batch_norm=batch_norm, **args)
+        assert other["cause"] == "small_validation" and "precise_bn" not in convergence_advice(other)
+    # A training loss that jumps too (by more than 10% between epochs): noise of the whole training, not of the
+    # running statistics alone.
+    jumpy = _rows([0.466, 0.395, 0.385, 0.45, 0.363, 0.338, 0.325, 0.296, 0.28], acc, val_loss)
+    assert convergence(jumpy, "early_stopping", batch_norm="running", **args)["cause"] == "small_validation"
+    # A network that fits its validation split almost exactly: 0.0004 then 0.001 is 2.5x, but changes no decision
+    # (the spread is below 1% of ln K).
+    exact = _rows([0.14, 0.014, 0.012, 0.011, 0.01, 0.009], val_loss=[0.03, 0.0004, 0.001, 0.0002, 0.0009, 0.0003])
+    assert convergence(exact, "early_stopping", batch_norm="running", num_classes=2, **args)["converged"] is True
+    # A training without the setting (names it "") gets the other fix.
+    names = {"precise_bn": ""}
+    assert convergence_advice(record, names).endswith("a lower learning rate, optimizer.lr=0.000667")
+
+
+def test_precise_bn_recomputes_the_running_statistics_from_that_many_training_batches_before_each_validation(
+    tmp_path,
+):
+    import torch
+
+    from ddcnn.engine.train import fit_tensors
+    from ddcnn.settings import LoopSettings
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.bn, self.b = torch.nn.Linear(15, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 5)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.bn(self.a(x.flatten(1)))))
+
+    runs = {}
+    for precise in (0, 3):
+        torch.manual_seed(0)
+        net = Net()
+        loop = LoopSettings(optimizer=_ADAMW, max_epochs=3, seed=7, precise_bn=precise, write_best=False)
+        result = fit_tensors(net, *_tiny(), tmp_path / str(precise), loop, batch_size=16)
+        runs[precise] = (net, result)
+    (plain, plain_result), (precise, precise_result) = runs[0], runs[3]
+    # the exact average of 3 batches (a cumulative average), where the running average counted every step
+    assert int(precise.bn.num_batches_tracked) == 3 and int(plain.bn.num_batches_tracked) % 13 == 0  # 13 a epoch
+    # training itself is untouched: the same steps, the same training losses; evaluation differs
+    assert [r["train_loss"] for r in precise_result.history] == [r["train_loss"] for r in plain_result.history]
+    assert [r["val_loss"] for r in precise_result.history] != [r["val_loss"] for r in plain_result.history]
+    assert precise_result.convergence["batch_norm"] == "precise" and plain_result.convergence["batch_norm"] == "running"
+
+
 def test_a_rate_collapsed_before_the_loss_stopped_falling_is_not_converged():
     # Issue #45: ReduceLROnPlateau(patience=0) lowered 2e-3 tenfold at each non-improving epoch: 2e-9 by epoch 9,
     # while the training loss still fell; early stopping then ends it and it used to count as converged.
@@ -186,7 +253,8 @@ _ADAMW = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 3e-2, "weigh
 _PLATEAU = {"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau", "_partial_": True}
 # the settings an advice names -> the LoopSettings field (``scheduler.x`` / ``optimizer.x``: a key of that node)
 _FIELDS = {"trainer.max_epochs": "max_epochs", "engine.patience": "patience", "engine.min_epochs": "min_epochs"}
-_FIELDS |= {"engine.monitor": "monitor", "engine.monitor_mode": "monitor_mode"}
+_FIELDS |= {"engine.monitor": "monitor", "engine.monitor_mode": "monitor_mode", "engine.precise_bn": "precise_bn"}
+_WHOLE = ("trainer.max_epochs", "engine.patience", "engine.precise_bn")
 
 
 def _tiny(n_train=200, n_val=60, noise=0.0, signal=2.0, seed=0):
@@ -228,7 +296,7 @@ def _follow(advice: str, settings: dict) -> dict:
         key, value = token.lstrip("+").split("=", 1)
         parsed = value if not value.replace(".", "", 1).replace("e-", "", 1).isdigit() else float(value)
         if key in _FIELDS:
-            out[_FIELDS[key]] = int(parsed) if key in ("trainer.max_epochs", "engine.patience") else parsed
+            out[_FIELDS[key]] = int(parsed) if key in _WHOLE else parsed
         else:
             node, field = key.split(".", 1)
             out[node] = {**out[node], field: parsed}
@@ -307,3 +375,48 @@ def test_following_the_advice_for_a_collapsed_rate_converges_and_the_default_flo
         scheduler=_PLATEAU | {"patience": 0, "factor": 0.1},
     )
     assert default.convergence["converged"] is True and default.convergence["lr_ratio"] == pytest.approx(0.01)
+
+
+@pytest.mark.slow
+def test_following_the_advice_for_lagging_batch_norm_statistics_converges(tmp_path):
+    # AdrenalMNIST3D's shape on the built-in digits: 1,200 training images, 98 validation images, batch 32 (38 steps an
+    # epoch), a two-class task (digits 0-4 against 5-9), ddcnn's vgg_tiny with PyTorch's batch norm (momentum 0.1),
+    # selection on val_loss with patience 4. The split (seed 51) is one a search over seeds found where the validation
+    # loss spikes after the kept epoch 1 (0.077 -> 0.216 -> 0.1 -> 0.307) while the training loss falls every epoch.
+    import torch
+    from sklearn.datasets import load_digits
+
+    from ddcnn.engine.train import fit_tensors
+    from ddcnn.models.vgg import vgg_tiny
+    from ddcnn.settings import LoopSettings
+
+    digits = load_digits()
+    images, labels = torch.tensor(digits.images, dtype=torch.float32)[:, None] / 16, torch.tensor(digits.target < 5)
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(51))
+    rows = {"train": order[:1200], "val": order[1200:1298], "test": order[1400:1600]}
+    data = {k: images[v] for k, v in rows.items()}, {k: labels[v].long() for k, v in rows.items()}
+    settings = {"optimizer": _ADAMW | {"lr": 0.02}, "max_epochs": 12, "seed": 51, "patience": 4}
+    settings |= {"monitor": "val_loss", "monitor_mode": "min"}
+    typed = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the trajectory is one thread's (two threads sum in another order: another trajectory)
+    try:
+        for k in range(3):
+            torch.manual_seed(51)
+            net = vgg_tiny(2, 1, 2)
+            result = fit_tensors(net, *data, tmp_path / str(k), LoopSettings(**settings), batch_size=32)
+            record = result.convergence
+            if k == 0:
+                assert record["cause"] == "batch_norm_statistics" and result.best_epoch == 1, record
+            if record["converged"]:
+                break
+            typed.append(convergence_advice(record))
+            settings = _follow(typed[-1], settings)
+    finally:
+        torch.set_num_threads(threads)
+    assert typed[0].endswith("recompute them before each validation, engine.precise_bn=50")
+    # with the statistics recomputed the validation curve is the training's: it improves past epoch 1, and the budget
+    # (doubled by the next advice) lets early stopping end it at its best epoch
+    assert typed[1:] == ["still improving at the cap: trainer.max_epochs=24"]
+    assert record["converged"] is True and record["batch_norm"] == "precise" and result.best_epoch > 1
+    assert result.history[result.best_epoch]["val_acc"] > 0.95 and result.stopped_by == "early_stopping"
