@@ -293,25 +293,7 @@ def image_folder(
             raise ValueError(f"{key} must be one of {list(allowed)}, got {value!r}.")
     if isinstance(background, bool) or not isinstance(background, int) or not 0 <= background <= 255:
         raise ValueError(f"data.source.background must be a grey level 0..255 (0 = black), got {background!r}.")
-    if in_channels not in ("auto", 1, 3) or isinstance(in_channels, bool):
-        raise ValueError(
-            f"data.in_channels={in_channels!r} cannot be read from image files: they give 1 (grey) or 3 (RGB) "
-            f"channels; set data.in_channels=1, 3 or auto (3 when the folder holds colour images)."
-        )
-    if grayscale is not None and not isinstance(grayscale, bool):
-        raise ValueError(
-            f"data.source.grayscale must be true, false or null (follow data.in_channels), got {grayscale!r}."
-        )
-    channels = None if in_channels == "auto" else int(in_channels)
-    set_by = None if channels is None else f"data.in_channels={channels}"
-    if grayscale is not None:
-        wanted = 1 if grayscale else 3
-        if channels is not None and channels != wanted:
-            raise ValueError(
-                f"data.source.grayscale={str(grayscale).lower()} reads {wanted} channel(s) but data.in_channels="
-                f"{channels}; set one of them (data.source.grayscale=null follows data.in_channels)."
-            )
-        channels, set_by = wanted, f"data.source.grayscale={str(grayscale).lower()}"
+    channels, set_by = _channels_setting(in_channels, grayscale)
     class_map = _class_map(class_map)
     if isinstance(image_size, int):
         image_size = (image_size, image_size)
@@ -345,6 +327,32 @@ def image_folder(
         report=found.report,
         files=found.files,
     )
+
+
+def _channels_setting(in_channels: int | str, grayscale: bool | None) -> tuple[int | None, str | None]:
+    """The channels the settings ask an image folder to be read with (``None``: decided from the images) and the
+    setting that asked, refusing ``data.in_channels`` other than 1, 3, ``auto`` and a ``data.source.grayscale`` that
+    contradicts it."""
+    if in_channels not in ("auto", 1, 3) or isinstance(in_channels, bool):
+        raise ValueError(
+            f"data.in_channels={in_channels!r} cannot be read from image files: they give 1 (grey) or 3 (RGB) "
+            f"channels; set data.in_channels=1, 3 or auto (3 when the folder holds colour images)."
+        )
+    if grayscale is not None and not isinstance(grayscale, bool):
+        raise ValueError(
+            f"data.source.grayscale must be true, false or null (follow data.in_channels), got {grayscale!r}."
+        )
+    channels = None if in_channels == "auto" else int(in_channels)
+    set_by = None if channels is None else f"data.in_channels={channels}"
+    if grayscale is not None:
+        wanted = 1 if grayscale else 3
+        if channels is not None and channels != wanted:
+            raise ValueError(
+                f"data.source.grayscale={str(grayscale).lower()} reads {wanted} channel(s) but data.in_channels="
+                f"{channels}; set one of them (data.source.grayscale=null follows data.in_channels)."
+            )
+        channels, set_by = wanted, f"data.source.grayscale={str(grayscale).lower()}"
+    return channels, set_by
 
 
 def _class_map(class_map: Mapping | None) -> dict[str, str] | None:

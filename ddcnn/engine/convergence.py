@@ -1,7 +1,34 @@
 """When a training has converged, and when it diverged: the loop's one improvement rule (selection, early stopping,
 the plateau scheduler), early stopping's test, the convergence record of a finished training (docs/protocol.md,
 "Convergence") with the advice for one that did not converge, and the divergence rule of an epoch. "Verdict" stays
-the statistical word of :mod:`ddcnn.report.stats`."""
+the statistical word of :mod:`ddcnn.report.stats`.
+
+A finished training is not converged (:func:`convergence`) for one of these causes, the first that applies:
+
+- ``too_short``: fewer than 3 epochs;
+- ``before_min_epochs``: early stopping ended it before ``min_epochs``;
+- ``rate_collapsed``: under the plateau scheduler, its learning rate fell below 1% of its start while its
+  training loss still fell (the mean of the 3 epochs before the collapse more than 1% below the 3 before them);
+- ``still_improving``: early stopping ended it at ``min_epochs`` while its monitored metric (3-epoch means, by more
+  than 1% in its direction) or its training loss (by more than 1%, while the validation loss did not rise) still
+  improved (:func:`still_improving`; today's early stopping waits while it holds: this names older trainings);
+  or the budget ended it with a scheduled rate (the plateau scheduler's too) above 10% of its start; or
+  at a constant rate with its training loss still falling by more than 1% (and above 1% of ``ln num_classes``);
+  or, with early stopping on (``patience``), the budget ended it while :func:`still_improving` held (early
+  stopping waited for it, the budget did not), whatever its rate;
+- ``overfitting``: one of those budget cases while its training loss fell and its validation loss rose (3-epoch
+  means, by more than 1% each): more epochs are the wrong way;
+- ``stopped_after_drop``: early stopping ended it fewer than ``patience`` epochs after the plateau scheduler's
+  last drop (the lowered rate had no time to improve the metric);
+- ``erratic_validation``: it kept one of its first two epochs (0-based <= 1) while the validation loss from the
+  kept one on varies by more than 2x (largest over smallest; and by more than 1% of ``ln K``) and moves both ways (a
+  rise and a fall of more than 10% between epochs): a peak of noise, not a minimum; with ``n_val`` given the reason
+  names the split's binomial standard error, and ``small_validation`` is the cause when that is above 1 accuracy point;
+  ``batch_norm_statistics`` instead when the network normalises with batch norm's running statistics
+  (``batch_norm="running"``; ``"precise"``: recomputed before each validation, ``None``: no batch norm) and its
+  training loss fell smoothly meanwhile (no rise of more than 10% between epochs): the running averages lagged
+  the weights.
+"""
 
 from __future__ import annotations
 
@@ -224,43 +251,19 @@ def convergence(
     """Whether a training converged, from its per-epoch ``history`` (rows with ``train_loss``, ``lr`` and, where it
     validated, ``val_loss`` and the ``monitor``), what ended it (``early_stopping``, ``budget``), the epochs early
     stopping had to wait for and whether its learning rate followed a schedule (``plateau``: ``ReduceLROnPlateau``);
-    docs/protocol.md, "Convergence" says why this test.
-
-    Not converged (one cause each, the first that applies; ``cause`` names it for :func:`convergence_advice`):
-
-    - ``too_short``: fewer than 3 epochs;
-    - ``before_min_epochs``: early stopping ended it before ``min_epochs``;
-    - ``rate_collapsed``: under the plateau scheduler, its learning rate fell below 1% of its start while its
-      training loss still fell (the mean of the 3 epochs before the collapse more than 1% below the 3 before them);
-    - ``still_improving``: early stopping ended it at ``min_epochs`` while its monitored metric (3-epoch means, by more
-      than 1% in its direction) or its training loss (by more than 1%, while the validation loss did not rise) still
-      improved (:func:`still_improving`; today's early stopping waits while it holds: this names older trainings);
-      or the budget ended it with a scheduled rate (the plateau scheduler's too) above 10% of its start; or
-      at a constant rate with its training loss still falling by more than 1% (and above 1% of ``ln num_classes``);
-      or, with early stopping on (``patience``), the budget ended it while :func:`still_improving` held (early
-      stopping waited for it, the budget did not), whatever its rate;
-    - ``overfitting``: one of those budget cases while its training loss fell and its validation loss rose (3-epoch
-      means, by more than 1% each): more epochs are the wrong way;
-    - ``stopped_after_drop``: early stopping ended it fewer than ``patience`` epochs after the plateau scheduler's
-      last drop (the lowered rate had no time to improve the metric);
-    - ``erratic_validation``: it kept one of its first two epochs (0-based <= 1) while the validation loss from the
-      kept one on varies by more than 2x (largest over smallest) and moves both ways (a rise and a fall of more than
-      10% between epochs): a peak of noise, not a minimum; with ``n_val`` given the reason names the split's binomial
-      standard error, and ``small_validation`` is the cause when that is above 1 accuracy point;
-      ``batch_norm_statistics`` instead when the network normalises with batch norm's running statistics
-      (``batch_norm="running"``; ``"precise"``: recomputed before each validation, ``None``: no batch norm) and its
-      training loss fell smoothly meanwhile (no rise of more than 10% between epochs): the running averages lagged
-      the weights.
+    docs/protocol.md, "Convergence" says why this test. Not converged for the first cause of the module's list that
+    applies (``cause`` names it for :func:`convergence_advice`).
 
     Returns:
         ``{"converged", "reasons", "cause", "epochs", "min_epochs", "stopped_by", "lr_ratio",
         "train_loss_change_last3", "val_loss_change_last3", "monitor_change_last3", "best_epoch", "patience",
-        "max_epochs", "lr_start", "n_val", "val_se", "monitor", "plateau", "batch_norm"}``: ``lr_ratio`` is the last epoch's learning
-        rate over the first's, the ``*_change_last3`` the relative change of the 3-epoch means (fewer when shorter;
-        ``None`` when unknown), ``val_se`` the binomial standard error of the validation accuracy at the kept epoch.
+        "max_epochs", "lr_start", "n_val", "val_se", "monitor", "plateau", "batch_norm"}``: ``lr_ratio`` is the last
+        epoch's learning rate over the first's, the ``*_change_last3`` the relative change of the 3-epoch means (fewer
+        when shorter; ``None`` when unknown), ``val_se`` the binomial standard error of the validation accuracy at the
+        kept epoch.
     """
     epochs = len(history)
-    losses, val_losses = _series(history, "train_loss"), _series(history, "val_loss")
+    losses = _series(history, "train_loss")
     watched = _series(history, monitor) if monitor else []
     t = _trends(history, monitor, num_classes)
     lrs = _series(history, "lr")
@@ -275,8 +278,7 @@ def convergence(
     # only a rate that adapts can collapse: a fixed schedule (cosine annealing) is meant to end near 0, and the budget
     # rule below judges it by how far it decayed
     collapse = _collapse(lrs, losses, lr0, t.floor) if plateau else None
-    reasons: list[str] = []
-    cause = None
+    cause, why = None, ""
     if epochs < JUDGE_EPOCHS:
         cause, why = "too_short", f"too short to judge: {epochs} epoch(s), fewer than {JUDGE_EPOCHS}"
     elif stopped_by == "early_stopping" and epochs < min_epochs:
@@ -294,23 +296,9 @@ def convergence(
         and (what := still_improving(history, monitor, monitor_mode, num_classes))
     ):
         cause = "still_improving"
-        what = f"{what}{se_note}" if what.startswith(f"its {monitor} ") else what
-        why = f"early stopping ended it at min_epochs={min_epochs} while {what}"
-    elif stopped_by == "budget" and (
-        (scheduled and lr_ratio is not None and lr_ratio > LR_STILL_HIGH * (1 + 1e-9))
-        or (not scheduled and t.loss_falls)
-    ):
-        if t.loss_falls and t.val_rises:
-            cause = "overfitting"
-            why = (
-                f"overfitting: the budget ended it while the training loss fell ({t.change:+.1%} over the last 3 "
-                f"epochs) and the validation loss rose ({t.val_change:+.1%}){se_note}"
-            )
-        elif scheduled:
-            cause, why = "still_improving", f"budget ended with the learning rate still at {lr_ratio:.0%} of its start"
-        else:
-            cause = "still_improving"
-            why = f"budget ended while the training loss still fell ({t.change:+.1%} over the last 3 epochs)"
+        why = f"early stopping ended it at min_epochs={min_epochs} while {_noted(what, monitor, se_note)}"
+    elif stopped_by == "budget" and (budget := _budget_cause(t, scheduled, lr_ratio, se_note)):
+        cause, why = budget
     elif (
         stopped_by == "budget"
         and patience is not None
@@ -318,21 +306,14 @@ def convergence(
     ):
         # early stopping waited while it improved (EarlyStopping: one rule) and the budget came first, whatever the
         # rate had come down to
-        cause = "still_improving"
-        what = f"{what}{se_note}" if what.startswith(f"its {monitor} ") else what
-        why = f"budget ended it while {what}"
-    else:
-        why = ""
+        cause, why = "still_improving", f"budget ended it while {_noted(what, monitor, se_note)}"
     if cause is None:
         cause, why = _stop_causes(history, stopped_by, patience, plateau, best, (val_se, se_note, t.floor), batch_norm)
-    if cause is not None and why:
-        reasons.append(why)
-    else:
-        cause = None
+    reasons = [why] if cause is not None and why else []
     return {
         "converged": not reasons,
         "reasons": reasons,
-        "cause": cause,
+        "cause": cause if reasons else None,
         "epochs": epochs,
         "min_epochs": int(min_epochs),
         "stopped_by": stopped_by,
@@ -350,6 +331,33 @@ def convergence(
         "plateau": bool(plateau),
         "batch_norm": batch_norm,
     }
+
+
+def _noted(what: str, monitor: str | None, se_note: str) -> str:
+    """What still improves, with the validation split's noise where it is the monitored metric that does."""
+    return f"{what}{se_note}" if what.startswith(f"its {monitor} ") else what
+
+
+def _budget_cause(t: _Trends, scheduled: bool, lr_ratio: float | None, se_note: str) -> tuple[str, str] | None:
+    """:func:`convergence`'s cause of a training the budget ended with a scheduled rate still above 10% of its start,
+    or at a constant rate while its training loss still fell: ``overfitting`` where the validation loss rose
+    meanwhile, else ``still_improving``; ``None`` when neither holds."""
+    if not (
+        (scheduled and lr_ratio is not None and lr_ratio > LR_STILL_HIGH * (1 + 1e-9))
+        or (not scheduled and t.loss_falls)
+    ):
+        return None
+    if t.loss_falls and t.val_rises:
+        return "overfitting", (
+            f"overfitting: the budget ended it while the training loss fell ({t.change:+.1%} over the last 3 "
+            f"epochs) and the validation loss rose ({t.val_change:+.1%}){se_note}"
+        )
+    if scheduled:
+        return "still_improving", f"budget ended with the learning rate still at {lr_ratio:.0%} of its start"
+    return (
+        "still_improving",
+        f"budget ended while the training loss still fell ({t.change:+.1%} over the last 3 epochs)",
+    )
 
 
 def _stop_causes(
