@@ -20,11 +20,12 @@ What it does, in order:
    on 2 CPU processes, the equal-time ensemble of global CNNs by mean probability and by the coarse fit, and at 2x2
    the global CNN widened to the CNN-DNN's parameter count; since issue 44 not ``local_oof``, ``e2e``, ``transfer``,
    ``global_transfer``); the larger-data point ``mnist_10k`` (MNIST 2x2, overlap 0, 10,000 training images, seeds
-   0-2); AdrenalMNIST3D 28^3 (``experiment=adrenal3d``: 2x2x2, overlap 8, checkpoint by validation loss) with the
-   same methods; seeds ``--seeds`` (default 0 to 4), each with its own training subset and validation split
-   (``data.split_seed`` left at its default: the run's seed), every 2D run on the full official test set
-   (``--test-subset`` = 0: 10,000 images), every training evaluated on ``val_target`` at every epoch
-   (``--curve-points`` = all; the test split at 6 epochs). The ensemble's ``k`` is fixed before any accuracy run:
+   0-2); AdrenalMNIST3D 28^3 (``experiment=adrenal3d``: 2x2x2, overlap 8, checkpoint by validation loss, batch-norm
+   statistics recomputed before each validation: ``engine.precise_bn=50``) with the same methods; seeds ``--seeds``
+   (default 0 to 4), each with its own training subset and validation split (``data.split_seed`` left at its
+   default: the run's seed), every 2D run on the full official test set (``--test-subset`` = 0: 10,000 images),
+   every training evaluated on ``val_target`` at every epoch (``--curve-points`` = all; the test split at 6
+   epochs). The ensemble's ``k`` is fixed before any accuracy run:
    the first seed's timing run of a dataset trains with ``methods.global_ensemble.k=auto`` (the CNN-DNN's one-device
    training time over the global CNN's, rounded, at least 2), and every other run of the dataset gets the ``k`` it
    chose (:func:`ensemble_k`). The global CNN, the global DDP and the ensemble's members do not depend on the
@@ -343,6 +344,10 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
                 *arms,
                 "methods.enabled.global_wide=true",
                 "engine.patience=null",
+                # batch norm's running statistics lag the 3D nets' weights (validation loss spiking on a smooth
+                # training loss, issue #45): every net's recomputed from 50 training batches before each validation
+                # (experiment=adrenal3d sets it too; on the command line, so that no run trained without it is reused)
+                "engine.precise_bn=50",
                 f"report.curves.points={args.curve_points}",
                 *target_3d,
             ),
@@ -365,6 +370,7 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
                 "data=adrenal3d_64",
                 "methods=default",
                 "engine.patience=null",
+                "engine.precise_bn=50",
                 f"report.curves.points={args.curve_points}",
                 *target_3d,
             ),
