@@ -381,6 +381,36 @@ def test_a_run_directory_of_todays_recipe_without_early_stopping_resumes_with_to
     )
 
 
+def test_precise_bn_auto_recomputes_batch_norm_statistics_on_volumes_and_an_older_3d_directory_resumes_without(
+    tmp_path,
+):
+    """engine.precise_bn=auto (the default): 50 training batches on volumes, 0 on images, recorded resolved; an image
+    run's fingerprint does not hold it (0 is neutral). A 3D run directory recorded before the setting existed resumes
+    as it trained (0), a new one gets 50; a value typed is kept."""
+    import json
+
+    from ddcnn.config import compose
+
+    assert yaml_default("engine.precise_bn") == "auto"
+    image = _settings()
+    assert image.loop.precise_bn == 0 and "precise_bn" not in image.identity().settings["engine"]
+    volume = _settings("data=adrenal3d_28", "decomposition=2x2x2")
+    assert volume.loop.precise_bn == 50 and volume.identity().settings["engine"]["precise_bn"] == 50
+    assert "precise_bn: 50" in volume.identity().config_yaml
+    assert _settings("data=adrenal3d_28", "decomposition=2x2x2", "engine.precise_bn=8").loop.precise_bn == 8
+    with pytest.raises(ValueError, match=r"engine\.precise_bn must be a whole number of training batches"):
+        _settings("engine.precise_bn=some")
+    # a 3D directory recorded before engine.precise_bn: its record holds no key (it trained with 0)
+    overrides = ["data=adrenal3d_28", "decomposition=2x2x2"]
+    before = RunSettings.from_config(compose([*overrides, "engine.precise_bn=0"], run_dir=str(tmp_path))).identity()
+    (tmp_path / "fingerprint.json").write_text(
+        json.dumps({"fingerprint": before.fingerprint, "settings": before.settings})
+    )
+    resumed = RunSettings.from_config(compose(overrides, run_dir=str(tmp_path))).in_run_dir(tmp_path)
+    assert resumed.loop.precise_bn == 0 and resumed.identity().fingerprint == before.fingerprint
+    assert RunSettings.from_config(compose(overrides, run_dir=str(tmp_path / "new"))).loop.precise_bn == 50
+
+
 def test_a_run_directory_that_recorded_the_monitor_under_its_old_name_resumes_with_it(tmp_path):
     """The oldest records kept the monitor under trainer.monitor / trainer.monitor_mode (rundir.RENAMED_KEYS): such a
     directory resumes with the monitor it trained with, not today's val_loss (which its fingerprint would refuse)."""

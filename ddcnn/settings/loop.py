@@ -55,6 +55,7 @@ __all__ = [
     "check_srun_ddp",
     "num_batches",
     "plain_spec",
+    "resolve_precise_bn",
 ]
 
 # What trainer.precision may say (Lightning's spellings, old aliases included) -> the precision the loop runs.
@@ -258,10 +259,24 @@ _fraction = _rule(
     float,
 )
 _bool = _rule(lambda v: isinstance(v, bool), "{name} must be true or false, got {value!r}.")
+# engine.precise_bn: auto: the training batches batch norm's statistics are recomputed from before each validation on
+# volumes (spatial_dims 3), where batches are small and a training has few steps an epoch (AdrenalMNIST3D's nets: a
+# validation loss spiking on a smoothly falling training loss, issue #45; nnU-Net avoids batch norm in 3D for the same
+# reason); 0 on images, where the running averages of many steps of larger batches follow the weights.
+PRECISE_BN_AUTO = {3: 50}
+
+
+def resolve_precise_bn(value: Any, spatial_dims: Any) -> Any:
+    """``engine.precise_bn`` as the loop uses it: ``auto`` as :data:`PRECISE_BN_AUTO` gives for ``spatial_dims``
+    (0 where it gives none), any other value as it is (checked by :class:`LoopSettings`)."""
+    return PRECISE_BN_AUTO.get(spatial_dims, 0) if value == "auto" else value
+
+
 _precise_bn = _rule(
     lambda v: v is None or _is_whole(v, 0),
     "{name} must be a whole number of training batches >= 0 (0 or null: batch norm keeps its running statistics; N: "
-    "they are recomputed from N training batches before each validation), got {value!r}.",
+    "they are recomputed from N training batches before each validation) or auto (50 on volumes, 0 on images), got "
+    "{value!r}.",
     lambda v: 0 if v is None else int(v),
 )
 _profile_steps = _rule(
@@ -511,6 +526,8 @@ class LoopSettings:
             group, _, name = key.rpartition(".")
             section = groups[group]
             values[f.name] = section.default(name) if f.metadata["null_is_default"] else section(name)
+        data = plain.get("data") if isinstance(plain.get("data"), Mapping) else {}
+        values["precise_bn"] = resolve_precise_bn(values["precise_bn"], data.get("spatial_dims"))
         keys = _keys(cls)
         for group in ("trainer", "engine"):
             _refuse_unknown(group, groups[group].given, tuple(keys[group]) + (("loop",) if group == "engine" else ()))

@@ -30,8 +30,8 @@ from typing import Any
 
 from ddcnn import registry
 from ddcnn.data.prepare import PrepareSettings
-from ddcnn.rundir import CHANGED_DEFAULTS, RunDir, RunIdentity, flatten, flatten_recorded
-from ddcnn.settings.loop import LoopSettings, check_srun_ddp
+from ddcnn.rundir import CHANGED_DEFAULTS, INERT_WITHOUT, RunDir, RunIdentity, flatten, flatten_recorded
+from ddcnn.settings.loop import LoopSettings, check_srun_ddp, resolve_precise_bn
 from ddcnn.settings.read import AUTO, Section, positive_int, yaml_default
 
 __all__ = [
@@ -567,10 +567,12 @@ OLD_RECIPE: dict[str, Any] = {
     "engine.min_epochs": None,
     "engine.min_steps": 0,
     "scheduler": None,
+    # before it existed (and its default auto), batch norm kept its running statistics on volumes too
+    "engine.precise_bn": 0,
 }
 # What a record without the key held: min_epochs is left out while patience is null (INERT_WITHOUT), min_steps at 0
 # (NEUTRAL_SETTINGS), the scheduler's null kept.
-RECORD_ABSENT_MEANS: dict[str, Any] = {"engine.min_epochs": None, "engine.min_steps": 0}
+RECORD_ABSENT_MEANS: dict[str, Any] = {"engine.min_epochs": None, "engine.min_steps": 0, "engine.precise_bn": 0}
 
 
 def _nested(plain: Mapping, dotted: str) -> Any:
@@ -646,6 +648,8 @@ class RunSettings:
         data = DataSettings.read(top.sub("data"), seed=int(seed))
         if isinstance(plain.get("data"), dict):  # config.yaml and the fingerprint record the split seed resolved
             plain["data"] = {**plain["data"], "split_seed": data.split_seed}
+        if isinstance(plain.get("engine"), dict):  # and engine.precise_bn (auto: by the data's dimensions)
+            plain["engine"] = {**plain["engine"], "precise_bn": loop.precise_bn}
         methods = MethodsSettings.read(top.sub("methods"))
         if stage == "global_ddp" or methods.enabled["global_ddp"]:
             _check_ddp_devices(methods.global_ddp.num_devices, data.batch_size)
@@ -711,12 +715,14 @@ class RunSettings:
         older = {}
         for key, old in OLD_RECIPE.items():
             new = yaml_default(key)
+            if key == "engine.precise_bn":  # the default as this run resolves it
+                new = resolve_precise_bn(new, self.data.spatial_dims)
             current = _nested(self.recorded, key) if key == "scheduler" else now.get(key)
             recorded = _nested(record, key) if key == "scheduler" else then.get(key, RECORD_ABSENT_MEANS.get(key))
             if current == new != old and recorded == old:
                 older[key] = old
         if then.get("engine.patience") is None and "engine.patience" not in older:
-            for key in RECORD_ABSENT_MEANS:  # left out of a record without early stopping as inert, not as the old
+            for key in INERT_WITHOUT:  # left out of a record without early stopping as inert, not as the old
                 if key not in then:  # defaults: today's stay (the run trains without early stopping either way)
                     older.pop(key, None)
         if not older:
