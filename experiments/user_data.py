@@ -45,11 +45,6 @@ DATASETS: dict[str, tuple[str, ...]] = {
     "icons_rgb": ("data=image_folder", "data.root=ROOT_DIR/icons_rgb"),
     "adrenal3d": ("data=adrenal3d_28", "decomposition=2x2x2"),
     "fashion_mnist": ("data=fashion_mnist",),
-    # the fix the default adrenal3d run printed for its global CNN (a validation split too small to judge), typed in
-    "adrenal3d_advice": ("data=adrenal3d_28", "decomposition=2x2x2", "optimizer.lr=0.000667"),
-    # the fix the default adrenal3d run prints since the convergence test tells batch norm's lagging running
-    # statistics apart (a validation loss that spikes on a smoothly falling training loss), typed in
-    "adrenal3d_precise_bn": ("data=adrenal3d_28", "decomposition=2x2x2", "engine.precise_bn=50"),
 }
 # what a run adds that is no part of the recipe: no export, no progress bars in a log file
 QUIET = ("report.export=false", "trainer.enable_progress_bar=false")

@@ -52,3 +52,11 @@ def test_coarse_cost_fits_the_coarse_dnn_as_its_stage_does_at_each_size(make_cfg
     stage = json.loads((run_dir / "coarse" / "meta.json").read_text())
     assert rows[-1]["kept"] == stage["fit"]["kept"]  # the whole split: the stage's own fit, same seed and settings
     assert result["exponent"] is not None and result["projected_60k"]["share"] > 0
+
+
+def test_precise_bn_bench_times_both_trainings_side_by_side(capsys) -> None:
+    bench = load_script("bench/precise_bn.py", "precise_bn")
+    bench.main(["--rounds", "1", "--epochs", "1", "--train", "40", "--batches", "1"])
+    out = capsys.readouterr().out
+    assert "round 1: precise_bn=0:" in out and "round 1: precise_bn=1:" in out
+    assert "ratio" in out and "(recomputed from 1 of 2 batches)" in out
