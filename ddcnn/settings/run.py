@@ -570,8 +570,8 @@ OLD_RECIPE: dict[str, Any] = {
     # before it existed (and its default auto), batch norm kept its running statistics on volumes too
     "engine.precise_bn": 0,
 }
-# What a record without the key held: min_epochs is left out while patience is null (INERT_WITHOUT), min_steps at 0
-# (NEUTRAL_SETTINGS), the scheduler's null kept.
+# What a record without the key held: min_epochs is left out while patience is null (INERT_WITHOUT), min_steps and
+# precise_bn at 0 (NEUTRAL_SETTINGS), the scheduler's null kept.
 RECORD_ABSENT_MEANS: dict[str, Any] = {"engine.min_epochs": None, "engine.min_steps": 0, "engine.precise_bn": 0}
 
 
