@@ -548,20 +548,54 @@ def planned_command(spec: RunSpec, workdir: Path) -> str:
     return "ddcnn-train " + " ".join(shlex.quote(o) for o in overrides) + f" hydra.run.dir={spec.name}"
 
 
-def command_differences(recorded: str, planned: str) -> list[str]:
+def command_differences(recorded: str, planned: str, config: Path | None = None) -> list[str]:
     """The overrides in which a run's recorded command and the planned one differ (``key: recorded -> planned``),
-    the store's folder left out (:func:`_portable`)."""
+    the store's folder left out (:func:`_portable`). With the run's ``config.yaml`` (``config``), an override the
+    planned command adds (the recorded one did not set it) is no difference where the run trained with that value
+    anyway: the page's
+    command now states a setting whose default changed since (``engine.min_steps=0``: a run recorded before the
+    setting existed trained without it, :data:`ddcnn.settings.run.RECORD_ABSENT_MEANS`)."""
 
     def settings(command: str) -> dict[str, str]:
         parts = shlex.split(_portable(command))[1:]
         return dict(part.split("=", 1) if "=" in part else (part, "") for part in parts)
 
     old, new = settings(recorded), settings(planned)
+    trained = _trained_with(config) if config is not None and config.is_file() else None
     return [
         f"{key}: {old.get(key, '(not set)')} -> {new.get(key, '(not set)')}"
         for key in sorted(old.keys() | new.keys())
-        if old.get(key) != new.get(key)
+        if old.get(key) != new.get(key) and not (trained is not None and key not in old and trained(key, new[key]))
     ]
+
+
+def _trained_with(config: Path) -> Callable[[str, str], bool]:
+    """Whether the run of ``config`` (its recorded ``config.yaml``) trained with setting ``key`` at the override value
+    ``value`` (read as YAML; a value Hydra's grammar writes otherwise, a dict say, never matches): its recorded value,
+    or where the record holds no such key, what an absent key means (``RECORD_ABSENT_MEANS``)."""
+    import yaml
+
+    from ddcnn.settings.run import RECORD_ABSENT_MEANS
+
+    record = yaml.safe_load(config.read_text()) or {}
+    absent = object()
+
+    def recorded(key: str):
+        node = record
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return RECORD_ABSENT_MEANS.get(key, absent)
+            node = node[part]
+        return node
+
+    def same(key: str, value: str) -> bool:
+        try:
+            planned = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return False
+        return not isinstance(planned, (dict, list)) and recorded(key) == planned
+
+    return same
 
 
 def stale_runs(specs: list[RunSpec], workdir: Path) -> dict[str, list[str]]:
@@ -572,7 +606,9 @@ def stale_runs(specs: list[RunSpec], workdir: Path) -> dict[str, list[str]]:
         record = workdir / spec.name / "experiment_run.json"
         if _finished(workdir / spec.name):
             differ = command_differences(
-                json.loads(record.read_text()).get("command", ""), planned_command(spec, workdir)
+                json.loads(record.read_text()).get("command", ""),
+                planned_command(spec, workdir),
+                workdir / spec.name / "config.yaml",
             )
             if differ:
                 stale[spec.name] = differ
@@ -612,7 +648,7 @@ def train(
     command = planned_command(spec, workdir)
     if _finished(run_dir):
         record = json.loads(record_file.read_text())
-        differ = command_differences(record.get("command", ""), command)
+        differ = command_differences(record.get("command", ""), command, run_dir / "config.yaml")
         if not differ:
             log(f"{spec.name}: finished earlier ({record.get('wall_s', 0):.0f} s wall), reused")
             return record
@@ -622,7 +658,7 @@ def train(
         shutil.rmtree(run_dir)
     if snapshots is not None and _finished(snapshots / spec.name):
         saved = json.loads((snapshots / spec.name / "experiment_run.json").read_text())
-        differ = command_differences(saved.get("command", ""), command)
+        differ = command_differences(saved.get("command", ""), command, snapshots / spec.name / "config.yaml")
         if not differ:
             shutil.rmtree(run_dir, ignore_errors=True)  # a half-finished training of it: the snapshot is finished
             shutil.copytree(snapshots / spec.name, run_dir)
@@ -669,13 +705,16 @@ def train(
 
 
 def report(specs: list[RunSpec], workdir: Path, threads: int, plots: bool) -> Path:
+    """``ddcnn-report`` over each page dataset's runs on its own, into ``workdir/report/<dataset key>/``: two page
+    datasets of one data source (MNIST and the larger-data point ``mnist_10k``) would otherwise share one report
+    table, which the page's per-dataset tables (:func:`report_lines`) never equal."""
     out = workdir / "report"
-    cmd = [*_entry("ddcnn-report"), *(str(workdir / s.name) for s in specs), "--out", str(out)]
-    proc = subprocess.run(
-        [*cmd, *([] if plots else ["--no-plots"])], cwd=ROOT, env=_env(threads), capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"ddcnn-report failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    for key in dict.fromkeys(s.dataset.key for s in specs):
+        names = [str(workdir / s.name) for s in specs if s.dataset.key == key]
+        cmd = [*_entry("ddcnn-report"), *names, "--out", str(out / key), *([] if plots else ["--no-plots"])]
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ddcnn-report of {key} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return out
 
 
@@ -1241,12 +1280,15 @@ def write_page(
             "",
         ]
         manifest_tables.append({"kind": "primary", "dataset": "all", "runs": every, "lines": primary})
+    taken: set[str] = set()
     for dataset in datasets:
         ds_names = [s.name for s in specs if s.dataset == dataset]
         tables = report_lines(workdir, ds_names)
         ((data_name, lines),) = tables.items()
         slug = _slug(data_name)
-        written = (report_dir / f"{slug}.md").read_text().splitlines()
+        written = (report_dir / dataset.key / f"{slug}.md").read_text().splitlines()
+        # the figures' prefix: the data's name, or the dataset's key where an earlier dataset took that name (mnist_10k)
+        prefix, taken = (slug if slug not in taken else dataset.key), taken | {slug}
         # the report's table comes first; the paired differences (ddcnn.report.compare.paired_markdown) follow it
         table_lines = [line for line in written if line.startswith("|")]
         if table_lines[: len(lines)] != lines:
@@ -1334,13 +1376,14 @@ def write_page(
             manifest_tables.append({"kind": "devices", "dataset": data_name, "runs": ds_names, "lines": lines})
         page += ["Flagged rows:", "", *flag_lines(workdir, ds_names), ""]
         figures = []
-        for png in sorted(report_dir.glob(f"{slug}_*.png")):
-            shutil.copy2(png, assets / png.name)
-            figures.append(png.name)
+        for png in sorted((report_dir / dataset.key).glob(f"{slug}_*.png")):
+            name = prefix + png.name[len(slug) :]
+            shutil.copy2(png, assets / name)
+            figures.append(name)
         for spec in specs:
             curve = workdir / spec.name / "plots" / "accuracy_vs_time.png"
             if spec.dataset == dataset and spec.seed == min(s.seed for s in specs) and curve.is_file():
-                name = f"{slug}_{spec.name.split('/')[-1]}_accuracy_vs_time.png"
+                name = f"{prefix}_{spec.name.split('/')[-1]}_accuracy_vs_time.png"
                 shutil.copy2(curve, assets / name)
                 figures.append(name)
         page += [f"![{Path(f).stem}]({ASSETS}/{f})" for f in figures] + ([""] if figures else [])
@@ -1986,6 +2029,7 @@ def interim(out: Path, datasets: list[Dataset], specs: list[RunSpec], command: s
             if _finished(saved) and not command_differences(
                 json.loads((saved / "experiment_run.json").read_text()).get("command", ""),
                 planned_command(spec, workdir),
+                saved / "config.yaml",
             ):
                 shutil.copytree(saved, workdir / spec.name)
                 done.append(spec)
