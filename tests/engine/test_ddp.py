@@ -155,18 +155,21 @@ def _ddp_net() -> torch.nn.Module:
 
 
 @pytest.mark.slow
-def test_two_ddp_ranks_train_as_one_device_in_float64(tmp_path):
+@pytest.mark.parametrize("precise_bn", [0, 2])
+def test_two_ddp_ranks_train_as_one_device_in_float64(tmp_path, precise_bn):
     """Two gloo ranks against one device, 3 epochs of AdamW in float64 (``64-true``), a partial last batch (44 samples
     in global batches of 16) and batch norm: the same training and validation history to float64 rounding, the same
-    selected epoch and the same weights. The ranks differ from one device only in the order of floating-point sums
-    (gradients averaged over 2 ranks, batch statistics and metric sums reduced over them): about 1e-16 relative per
-    operation, far below the 1e-9 asked here, where float32 (1e-7 per operation, amplified by Adam's normalisation of
-    near-zero gradients) could not promise it."""
+    selected epoch and the same weights; with ``precise_bn`` too (the statistics recomputed before each validation
+    from the first 2 global batches: each rank's halves, reduced by the synchronised batch norm). The ranks differ
+    from one device only in the order of floating-point sums (gradients averaged over 2 ranks, batch statistics and
+    metric sums reduced over them): about 1e-16 relative per operation, far below the 1e-9 asked here, where float32
+    (1e-7 per operation, amplified by Adam's normalisation of near-zero gradients) could not promise it."""
     from ddcnn.engine.loop import fit_batches
     from ddcnn.settings import LoopSettings
 
     adamw = {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.05, "weight_decay": 0.01}
     common = {"optimizer": adamw, "max_epochs": 3, "precision": "64-true", "monitor": "val_loss", "monitor_mode": "min"}
+    common["precise_bn"] = precise_bn
     one = fit_batches(_ddp_net(), _ddp_data(16), tmp_path / "one", LoopSettings(**common))
     two = fit_batches(_ddp_net(), _ddp_data(8), tmp_path / "two", LoopSettings(num_devices=2, **common))
     assert two.world_size == 2 and one.world_size == 1 and two.precision == one.precision == "64-true"
@@ -186,6 +189,8 @@ def test_two_ddp_ranks_train_as_one_device_in_float64(tmp_path):
     assert best[0]["0.weight"].dtype == torch.float64
     for key in best[0]:
         torch.testing.assert_close(best[1][key], best[0][key], rtol=1e-10, atol=1e-12, msg=lambda m, k=key: f"{k}: {m}")
+    # recomputed statistics: the exact average of 2 batches (update_bn counts them), not 3 steps' running averages
+    assert int(a["1.num_batches_tracked"]) == int(b["1.num_batches_tracked"]) == (2 if precise_bn else 9)
 
 
 class _FailsOnRank1(torch.nn.Module):
