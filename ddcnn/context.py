@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,6 +304,8 @@ def memory_plan(ctx: Context, nets: dict[str, nn.Module]) -> dict:
         )  # fmt: skip
     record = {role: plan.as_dict() for role, plan in plans.items()}
     record |= {"device_memory_bytes": available, "device": device}
+    if (cost := overlap_cost(ctx, nets["local"], plans["local"])) is not None:
+        record["overlap_cost"] = cost
     log.info("%s", _plan_block(record, s.loop.precision, s.data.batch_size))
     # A network whose stage has finished trains no more (stage=evaluate of a run trained elsewhere), unless force=true
     finished = {
@@ -315,6 +318,36 @@ def memory_plan(ctx: Context, nets: dict[str, nn.Module]) -> dict:
             if plans[role].peak_bytes > available and (s.force or not finished[role]):
                 raise ValueError(_does_not_fit(ctx, role, plans[role], available, device))
     return record
+
+
+# The memory plan names an overlap's cost once a local step costs this many times more FLOPs, against the overlap-free
+# sub-domain, than its voxels grow (docs/cost.md: vgg_small at 32³ 2x2x2, overlap 2: 1.72x the FLOPs for 1.2x).
+OVERLAP_COST_NOTE = 1.1
+
+
+def overlap_cost(ctx: Context, net: nn.Module, local: NetPlan) -> dict | None:
+    """What the decomposition's overlap costs one local step: its FLOPs (``local``, the plan at the overlapping
+    sub-domain) against the same net's at the overlap-free sub-domain, beside the ratio of their voxels; ``None``
+    without overlap. A net whose strided stages round a side up (pooling with ``ceil_mode``, a strided convolution
+    with padding) makes an overlap whose sides are not multiples of their total stride cost more than its voxels.
+
+    Decided (issue #47, ``docs/cost.md``): ddcnn keeps the overlap the user gave, since rounding the sides changes the
+    decomposition of every existing run, and an overlap is chosen for its accuracy; the plan names the cost instead."""
+    s, dec = ctx.settings, ctx.decomposition
+    plain = Decomposition(dec.grid, dec.image_shape, 0).sub_shape
+    if plain == dec.sub_shape:
+        return None
+    free = plan_network(
+        net, (ctx.data.in_channels, *plain), s.data.batch_size, precision=s.loop.precision,
+        optimizer=s.loop.optimizer, num_classes=ctx.data.num_classes,
+    )  # fmt: skip
+    return {
+        "overlap": list(dec.overlap),
+        "sub_shape": list(dec.sub_shape),
+        "overlap_free_shape": list(plain),
+        "flops_ratio": local.flops_per_step / max(free.flops_per_step, 1),
+        "voxel_ratio": math.prod(dec.sub_shape) / math.prod(plain),
+    }
 
 
 def _plan_block(record: dict, precision: str, batch: int) -> str:
@@ -330,6 +363,15 @@ def _plan_block(record: dict, precision: str, batch: int) -> str:
             f"  {role:7}{mib[0]:9.1f}{mib[1]:9.1f}{mib[2]:9.1f}{p['activation_bytes'] / MIB:11.1f}"
             f"{p['batch_bytes'] / MIB:9.1f}{p['peak_bytes'] / MIB:11.1f}{p['flops_per_step'] / 1e9:10.2f}  "
             f"{p['method']}{', checkpointed' if p['checkpointing'] else ''}"
+        )
+    cost = record.get("overlap_cost")
+    if cost and cost["flops_ratio"] > OVERLAP_COST_NOTE * cost["voxel_ratio"]:
+        shape = "x".join(map(str, cost["sub_shape"]))
+        lines.append(
+            f"  overlap {max(cost['overlap'])}: a local step on {shape} costs {cost['flops_ratio']:.2f}x the FLOPs of "
+            f"the overlap-free {'x'.join(map(str, cost['overlap_free_shape']))} for {cost['voxel_ratio']:.2f}x its "
+            "voxels (strided stages round a side up to a multiple of their stride; an overlap giving such sides costs "
+            "what its voxels cost: docs/cost.md)"
         )
     return "\n".join(lines)
 

@@ -19,7 +19,7 @@ from ddcnn.settings import RunSettings
 from tests.conftest import compose_config
 
 
-def _volume_context(tmp_path: Path, side: int, *overrides: str) -> Context:
+def _volume_context(tmp_path: Path, side: int, *overrides: str, overlap: int = 0) -> Context:
     """A context of 3D volumes of ``side``³ (one channel, 2 classes) cut 2x2x2, with data that hold no voxels:
     check_networks reads only their shape and counts."""
     cfg = compose_config(["model=vgg_small", "data.batch_size=2", *overrides], tmp_path / "run")
@@ -27,7 +27,7 @@ def _volume_context(tmp_path: Path, side: int, *overrides: str) -> Context:
     data = SimpleNamespace(
         image_shape=(side,) * 3, in_channels=1, spatial_dims=3, num_classes=2, y={"train": range(100)}
     )
-    dec = Decomposition((2, 2, 2), (side,) * 3, (0, 0, 0))
+    dec = Decomposition((2, 2, 2), (side,) * 3, (overlap,) * 3)
     return Context(RunDir(tmp_path / "run"), data, dec, settings)
 
 
@@ -96,7 +96,9 @@ def test_memory_plan_json_in_the_run_directory(tmp_path: Path, caplog) -> None:
     with caplog.at_level("INFO", logger="ddcnn.context"):
         ctx = build_context(cfg)
     plan = json.loads((ctx.run.root / "memory_plan.json").read_text())
-    assert set(plan) == {"global", "local", "coarse", "device_memory_bytes", "device"}
+    assert set(plan) == {"global", "local", "coarse", "device_memory_bytes", "device"} | (
+        {"overlap_cost"} if any(ctx.decomposition.overlap) else set()
+    )
     keys = {"params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "batch_bytes", "peak_bytes"}
     for role in ("global", "local", "coarse"):
         assert keys | {"flops_per_step", "method"} <= set(plan[role])
@@ -125,3 +127,28 @@ def test_the_run_directory_gets_its_split_manifest_once(tmp_path):
     written = manifest.stat().st_mtime_ns
     build_context(compose_config([], tmp_path / "run"))  # the next stage's process
     assert manifest.stat().st_mtime_ns == written
+
+
+def test_the_plan_names_what_an_overlap_costs_beyond_its_voxels(tmp_path: Path, monkeypatch, caplog) -> None:
+    """vgg_small's pooling rounds a side up at every stage: at 32³ 2x2x2 overlap 2, the 17³ sub-domains cost 1.72x the
+    FLOPs of 16³ for 1.2x the voxels (docs/cost.md, issue #47); the plan says so and records it. Overlap 16 gives
+    24³ sides, multiples of the net's total stride 8: they cost what their voxels cost, and the plan says nothing."""
+    monkeypatch.setattr(context, "device_memory_bytes", lambda device: 1 << 50)
+    ctx = _volume_context(tmp_path, 32, overlap=2)
+    with caplog.at_level("INFO", logger="ddcnn.context"):
+        check_networks(ctx)
+    cost = ctx.memory_plan["overlap_cost"]
+    assert cost["sub_shape"] == [17] * 3 and cost["overlap_free_shape"] == [16] * 3
+    assert cost["voxel_ratio"] == pytest.approx(17**3 / 16**3)
+    assert cost["flops_ratio"] == pytest.approx(1.72, abs=0.01)
+    assert "overlap 2: a local step on 17x17x17 costs 1.72x the FLOPs of the overlap-free 16x16x16" in caplog.text
+    caplog.clear()
+    multiple = _volume_context(tmp_path, 32, overlap=16)
+    with caplog.at_level("INFO", logger="ddcnn.context"):
+        check_networks(multiple)
+    cost = multiple.memory_plan["overlap_cost"]
+    assert cost["sub_shape"] == [24] * 3 and cost["flops_ratio"] <= 1.1 * cost["voxel_ratio"]
+    assert "overlap 16:" not in caplog.text
+    plain = _volume_context(tmp_path, 32)
+    check_networks(plain)
+    assert "overlap_cost" not in plain.memory_plan
