@@ -1,5 +1,5 @@
 """What ``engine.precise_bn`` costs: the epoch time of a 3D CNN with batch norm's statistics recomputed before each
-validation (``precise_bn=N``, the default ``auto`` on volumes: 50) against the running statistics (``0``).
+validation (``precise_bn=N``, the default ``auto`` on volumes: 10) against the running statistics (``0``).
 
 Both trainings run ddcnn's loop (:func:`ddcnn.engine.train.fit_tensors`) on the same network (``vgg_small`` 3D at
 width 0.5, the builder and seed of ``experiment=adrenal3d``), the same volumes (AdrenalMNIST3D 28³ when
@@ -8,7 +8,7 @@ alternate, ``--rounds`` times, each for ``--epochs`` epochs, so that a disturban
 figure is the ratio of the median epoch times (precise / running: 1.0 = free). The recomputation is ``N`` forwards
 without backward (at most one epoch's batches): about a third of an epoch's steps at ``N`` = the epoch's batches.
 
-    python bench/precise_bn.py [--rounds 3] [--epochs 2] [--batches 50] [--train 1188]
+    python bench/precise_bn.py [--rounds 3] [--epochs 2] [--batches 10] [--train 1188]
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batches", type=int, default=50, help="engine.precise_bn's N (auto on volumes: 50)")
+    parser.add_argument("--batches", type=int, default=10, help="engine.precise_bn's N (auto on volumes: 10)")
     parser.add_argument("--train", type=int, default=1188, help="training volumes (AdrenalMNIST3D has 1,188)")
     args = parser.parse_args(argv)
     quiet()

@@ -346,7 +346,7 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
                 "engine.patience=null",
                 # batch norm's running statistics lag the 3D nets' weights (validation loss spiking on a smooth
                 # training loss, issue #45): every net's recomputed from 50 training batches before each validation
-                # (experiment=adrenal3d sets it too; on the command line, so that no run trained without it is reused)
+                # (stated: what its runs trained with, before the default on volumes became 10; on the command line)
                 "engine.precise_bn=50",
                 f"report.curves.points={args.curve_points}",
                 *target_3d,

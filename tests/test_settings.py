@@ -384,7 +384,7 @@ def test_a_run_directory_of_todays_recipe_without_early_stopping_resumes_with_to
 def test_precise_bn_auto_recomputes_batch_norm_statistics_on_volumes_and_an_older_3d_directory_resumes_without(
     tmp_path,
 ):
-    """engine.precise_bn=auto (the default): 50 training batches on volumes, 0 on images, recorded resolved; an image
+    """engine.precise_bn=auto (the default): 10 training batches on volumes, 0 on images, recorded resolved; an image
     run's fingerprint does not hold it (0 is neutral). A 3D run directory recorded before the setting existed resumes
     as it trained (0), a new one gets 50; a value typed is kept."""
     import json
@@ -395,8 +395,8 @@ def test_precise_bn_auto_recomputes_batch_norm_statistics_on_volumes_and_an_olde
     image = _settings()
     assert image.loop.precise_bn == 0 and "precise_bn" not in image.identity().settings["engine"]
     volume = _settings("data=adrenal3d_28", "decomposition=2x2x2")
-    assert volume.loop.precise_bn == 50 and volume.identity().settings["engine"]["precise_bn"] == 50
-    assert "precise_bn: 50" in volume.identity().config_yaml
+    assert volume.loop.precise_bn == 10 and volume.identity().settings["engine"]["precise_bn"] == 10
+    assert "precise_bn: 10" in volume.identity().config_yaml
     assert _settings("data=adrenal3d_28", "decomposition=2x2x2", "engine.precise_bn=8").loop.precise_bn == 8
     with pytest.raises(ValueError, match=r"engine\.precise_bn must be a whole number of training batches"):
         _settings("engine.precise_bn=some")
@@ -408,7 +408,7 @@ def test_precise_bn_auto_recomputes_batch_norm_statistics_on_volumes_and_an_olde
     )
     resumed = RunSettings.from_config(compose(overrides, run_dir=str(tmp_path))).in_run_dir(tmp_path)
     assert resumed.loop.precise_bn == 0 and resumed.identity().fingerprint == before.fingerprint
-    assert RunSettings.from_config(compose(overrides, run_dir=str(tmp_path / "new"))).loop.precise_bn == 50
+    assert RunSettings.from_config(compose(overrides, run_dir=str(tmp_path / "new"))).loop.precise_bn == 10
 
 
 def test_a_run_directory_that_recorded_the_monitor_under_its_old_name_resumes_with_it(tmp_path):

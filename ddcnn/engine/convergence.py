@@ -142,8 +142,9 @@ ERRATIC_RATIO = 2.0
 # between epochs while the training loss (batch statistics) falls smoothly: AdrenalMNIST3D's global CNN, 0.35 -> 1.07
 # at epoch 7 with the training loss falling every epoch; its validation loss after recomputing the statistics over
 # the training set was 0.42 where evaluation mode gave 0.95 (epoch 0). The fix: recompute them from this many
-# training batches before each validation (engine.precise_bn), about as many forwards more per epoch.
-PRECISE_BN_BATCHES = 50
+# training batches before each validation (engine.precise_bn), about as many forwards more per epoch (enough:
+# :data:`ddcnn.settings.loop.PRECISE_BN_AUTO`).
+PRECISE_BN_BATCHES = 10
 
 
 # Validation noise: a binomial standard error of the validation accuracy above this (1 point) is a split too small to
@@ -513,7 +514,9 @@ def convergence_advice(record: Mapping[str, Any], names: Mapping[str, str] | Non
                 "overfitting (validation loss rising while the training loss falls): select on the validation loss, "
                 f"{_on_val_loss(name)}"
             )
-        return f"overfitting (validation loss rising while the training loss falls): a lower {name['lr']}"
+        lr0 = record.get("lr_start")
+        lower = f"{name['lr']}={float(lr0) / 3:.3g}" if lr0 else name["lr"]
+        return f"overfitting (validation loss rising while the training loss falls): a lower learning rate, {lower}"
     if cause == "still_improving" and stopped_by == "early_stopping":
         return f"still improving when early stopping ended it at min_epochs: {longer_wait}"
     if cause == "stopped_after_drop":

@@ -109,7 +109,7 @@ def test_a_validation_loss_spiking_on_a_smooth_training_loss_in_a_batch_norm_net
     assert "1 binomial SE = 3.3 points" in record["reasons"][0]  # the split's noise still said
     assert convergence_advice(record) == (
         "a validation loss that spikes on a smoothly falling training loss (batch norm's running statistics lag the "
-        "weights): recompute them before each validation, engine.precise_bn=50"
+        "weights): recompute them before each validation, engine.precise_bn=10"
     )
     # Statistics recomputed already, or no batch norm: the split's noise, with its own fix (never precise_bn again).
     for batch_norm in ("precise", None):
@@ -224,6 +224,9 @@ def test_the_budget_while_overfitting_says_so_and_advises_early_stopping_not_mor
     assert convergence_advice(record, names | {"monitor_mode": ""}).endswith(
         "select on the validation loss, coarse.monitor=val_loss"
     )
+    # Early stopping on the validation loss already: a third of the starting rate, with its value to type.
+    selected = dict(record, patience=3, monitor="val_loss", lr_start=0.003)
+    assert convergence_advice(selected).endswith("a lower learning rate, optimizer.lr=0.001")
 
 
 def test_the_plateau_scheduler_gets_a_floor_and_a_cooldown_where_its_node_sets_none():
@@ -414,9 +417,13 @@ def test_following_the_advice_for_lagging_batch_norm_statistics_converges(tmp_pa
             settings = _follow(typed[-1], settings)
     finally:
         torch.set_num_threads(threads)
-    assert typed[0].endswith("recompute them before each validation, engine.precise_bn=50")
-    # with the statistics recomputed the validation curve is the training's: it improves past epoch 1, and the budget
-    # (doubled by the next advice) lets early stopping end it at its best epoch
-    assert typed[1:] == ["still improving at the cap: trainer.max_epochs=24"]
+    assert typed[0].endswith("recompute them before each validation, engine.precise_bn=10")
+    # with the statistics recomputed the validation curve is the training's: it improves past epoch 1 (to 0.034 at
+    # epoch 8), then rises while the training loss falls, which the budget ends before early stopping does; at a third
+    # of the rate (the next advice) early stopping ends it at its best epoch
+    assert typed[1:] == [
+        "overfitting (validation loss rising while the training loss falls): a lower learning rate, "
+        "optimizer.lr=0.00667"
+    ]
     assert record["converged"] is True and record["batch_norm"] == "precise" and result.best_epoch > 1
     assert result.history[result.best_epoch]["val_acc"] > 0.95 and result.stopped_by == "early_stopping"
