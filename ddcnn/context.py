@@ -337,10 +337,14 @@ def overlap_cost(ctx: Context, net: nn.Module, local: NetPlan) -> dict | None:
     plain = Decomposition(dec.grid, dec.image_shape, 0).sub_shape
     if plain == dec.sub_shape:
         return None
-    free = plan_network(
-        net, (ctx.data.in_channels, *plain), s.data.batch_size, precision=s.loop.precision,
-        optimizer=s.loop.optimizer, num_classes=ctx.data.num_classes,
-    )  # fmt: skip
+    try:
+        free = plan_network(
+            net, (ctx.data.in_channels, *plain), s.data.batch_size, precision=s.loop.precision,
+            optimizer=s.loop.optimizer, num_classes=ctx.data.num_classes,
+        )  # fmt: skip
+    except (RuntimeError, ValueError) as err:  # the overlap-free side is below what the net takes (the overlap needed)
+        log.debug("no overlap cost: the local net does not run on %s sub-domains (%s)", plain, err)
+        return None
     return {
         "overlap": list(dec.overlap),
         "sub_shape": list(dec.sub_shape),
