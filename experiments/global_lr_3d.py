@@ -2,6 +2,7 @@
 
     DDCNN_DATA=../shared/data python experiments/global_lr_3d.py --out DIR [--checkout PAGE_CHECKOUT]
     python experiments/global_lr_3d.py --out DIR --table          # the table of the finished trainings again
+    python experiments/global_lr_3d.py --out DIR --table --save docs/next/global_lr_3d   # what the table is made of
 
 AdrenalMNIST3D's recipe picked its overlap for the CNN-DNN from two candidates by the CNN-DNN's mean validation AUC
 over 4 seeds; the global CNN gets a sweep of the same size, its own: learning rates :data:`RATES` (the recipe's first)
@@ -100,6 +101,33 @@ def table(out: Path) -> dict:
     return {"rows": rows, "means": means, "complete": complete, "winner": winner, "recipe_rate": RATES[0]}
 
 
+def summary(result: dict) -> str:
+    """The sweep's result in one sentence (``docs/protocol.md`` section 5b quotes it; a test compares the two)."""
+    means = ", ".join(
+        f"{m['val_auc']:.4f} at {float(rate):g} ({m['seeds']} seeds; kept validation loss {m['val_loss']:.4f})"
+        for rate, m in result["means"].items()
+    )
+    if not result["complete"]:
+        return f"Mean validation AUC so far: {means}; no decision yet."
+    kept = "the recipe's rate stands" if result["winner"] == result["recipe_rate"] else "the page retrains"
+    return f"Mean validation AUC: {means}; the higher is {result['winner']:g}: {kept}."
+
+
+def save(out: Path, to: Path) -> None:
+    """Copy what :func:`table` reads of every finished training (``global/probs_val.pt``, ``global/meta.json``) from
+    ``out`` to ``to``, so that the committed copy gives the same table."""
+    import shutil
+
+    for rate in RATES:
+        for seed in SEEDS:
+            folder = run_dir(out, rate, seed) / "global"
+            if (folder / "probs_val.pt").is_file() and (folder / "meta.json").is_file():
+                target = run_dir(to, rate, seed) / "global"
+                target.mkdir(parents=True, exist_ok=True)
+                for name in ("probs_val.pt", "meta.json"):
+                    shutil.copy2(folder / name, target / name)
+
+
 def render(result: dict) -> str:
     lines = ["| rate | seed | val AUC | kept val loss | val acc | kept epoch | converged |", "|---" * 7 + "|"]
     for r in result["rows"]:
@@ -126,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkout", type=Path, default=ROOT, help="the checkout whose code and plan train the page")
     parser.add_argument("--page-workdir", type=Path, help="the page's run directories (default: CHECKOUT/runs/results)")
     parser.add_argument("--table", action="store_true", help="only the table of the finished trainings")
+    parser.add_argument("--save", type=Path, help="copy what the table is made of there (its probabilities and meta)")
     args = parser.parse_args(argv)
     out = args.out.resolve()
     if not args.table:
@@ -141,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     result = table(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "global_lr_3d.json").write_text(json.dumps(result, indent=1) + "\n")
+    if args.save:
+        save(out, args.save.resolve())
     print(render(result))
+    print(summary(result))
     return 0
 
 

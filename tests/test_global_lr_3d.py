@@ -77,3 +77,15 @@ def test_the_higher_mean_validation_auc_wins_and_a_tie_keeps_the_recipes_rate(sw
         )
     tie = sweep.table(tmp_path)
     assert tie["winner"] == 0.002 and "the recipe's rate stands" in sweep.render(tie)
+    assert sweep.summary(tie).endswith("the higher is 0.002: the recipe's rate stands.")
+    # what the table reads, copied, gives the same table
+    sweep.save(tmp_path, tmp_path / "copy")
+    assert sweep.table(tmp_path / "copy") == tie
+
+
+def test_the_protocols_sweep_result_is_what_the_committed_trainings_give(sweep):
+    saved = REPO / "docs" / "next" / "global_lr_3d"
+    if not saved.is_dir():
+        pytest.skip("the sweep's trainings are not committed yet")
+    protocol = " ".join((REPO / "docs" / "protocol.md").read_text().split())
+    assert sweep.summary(sweep.table(saved)) in protocol
