@@ -3,9 +3,10 @@
 For 2D images of 64² to 512² and 3D volumes of 32³ to 128³, grids 2x2 / 4x4 (2x2x2 / 4x4x2), overlap 0 and 2, one
 row per (size, grid, overlap): the FLOPs of a training step of each net and their ratio, the memory the plan gives
 each (:func:`ddcnn.models.memory.plan_network`: saved for backward; and the whole step), and, where the global step
-is cheap enough (``--max-gflop``), the per-step time of each measured in this process (median of ``--repeats`` steps,
-alternating global and local) and its ratio. ``--rss`` adds what ``bench/memory3d.py`` measured (now gone into this
-script): the peak host RSS of a few training steps above the process's baseline, each net in a fresh process.
+is cheap enough (``--max-gflop``), the per-step time of each measured in this process (median of ``--repeats``
+measurements, alternating global and local, each of as many steps as take :data:`MIN_MEASURE_S`) and its ratio.
+``--rss`` adds what ``bench/memory3d.py`` measured (now gone into this script): the peak host RSS of a few training
+steps above the process's baseline, each net in a fresh process.
 
     python bench/size_cost.py [--quick] [--model vgg_small] [--batch 2] [--threads 1] [--out size_cost.json]
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -49,11 +51,19 @@ def _net(model: str, spatial_dims: int) -> torch.nn.Module:
     return _builder(model)(spatial_dims=spatial_dims, in_channels=1, num_classes=K)
 
 
-def _step_s(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+# Each timed measurement runs a net's step as many times as take at least this long (its per-step time the mean): a
+# small sub-domain's step takes a millisecond, and one step timed alone made two quiet runs differ by up to 49%
+# (128² 4x4: step-time ratio 12.1 against 8.1).
+MIN_MEASURE_S = 0.25
+
+
+def _step_s(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, count: int = 1) -> float:
+    """Seconds per training step of ``net`` (forward, loss, backward), the mean of ``count`` steps in a row."""
     began = time.perf_counter()
-    F.cross_entropy(net(x), y).backward()
-    net.zero_grad(set_to_none=True)
-    return time.perf_counter() - began
+    for _ in range(count):
+        F.cross_entropy(net(x), y).backward()
+        net.zero_grad(set_to_none=True)
+    return (time.perf_counter() - began) / count
 
 
 def _times(model: str, dims: int, full: tuple[int, ...], sub: tuple[int, ...], batch: int, repeats: int) -> dict:
@@ -63,12 +73,14 @@ def _times(model: str, dims: int, full: tuple[int, ...], sub: tuple[int, ...], b
         "global": (torch.randn(batch, 1, *full, generator=gen), torch.randint(K, (batch,), generator=gen)),
         "local": (torch.randn(batch, 1, *sub, generator=gen), torch.randint(K, (batch,), generator=gen)),
     }
-    for role in nets:  # first use of each shape's kernels
+    counts = {}
+    for role in nets:  # first use of each shape's kernels, then how many steps make one measurement
         _step_s(nets[role], *data[role])
+        counts[role] = max(1, math.ceil(MIN_MEASURE_S / max(_step_s(nets[role], *data[role]), 1e-6)))
     times = {"global": [], "local": []}
     for _ in range(repeats):
         for role in nets:
-            times[role].append(_step_s(nets[role], *data[role]))
+            times[role].append(_step_s(nets[role], *data[role], counts[role]))
     return {role: statistics.median(values) for role, values in times.items()}
 
 
@@ -138,7 +150,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model", default="vgg_small")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-gflop", type=float, default=120.0, help="time only rows whose global step is cheaper")
     parser.add_argument("--rss", action="store_true", help="also the peak RSS of each net in a fresh process")
     parser.add_argument("--out", type=Path, default=None)
