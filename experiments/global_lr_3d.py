@@ -76,15 +76,24 @@ def score(folder: Path) -> dict:
     }
 
 
-def table(out: Path) -> dict:
-    """Every finished training's score, the means per rate and the decision of section 5b (``None`` until every
-    training of the sweep has finished)."""
-    rows = []
+# What the table reads of a finished training's global stage folder.
+SCORED_FILES = ("probs_val.pt", "meta.json")
+
+
+def finished(out: Path):
+    """``(rate, seed, global stage folder)`` of every training of the sweep under ``out`` that holds
+    :data:`SCORED_FILES`."""
     for rate in RATES:
         for seed in SEEDS:
             folder = run_dir(out, rate, seed) / "global"
-            if (folder / "probs_val.pt").is_file() and (folder / "meta.json").is_file():
-                rows.append({"rate": rate, "seed": seed, **score(folder)})
+            if all((folder / name).is_file() for name in SCORED_FILES):
+                yield rate, seed, folder
+
+
+def table(out: Path) -> dict:
+    """Every finished training's score, the means per rate and the decision of section 5b (``None`` until every
+    training of the sweep has finished)."""
+    rows = [{"rate": rate, "seed": seed, **score(folder)} for rate, seed, folder in finished(out)]
     means = {}
     for rate in RATES:
         mine = [r for r in rows if r["rate"] == rate]
@@ -94,10 +103,8 @@ def table(out: Path) -> dict:
                 **{k: float(np.mean([r[k] for r in mine])) for k in ("val_auc", "val_loss", "val_acc")},
             }
     complete = len(rows) == len(RATES) * len(SEEDS)
-    winner = None
-    if complete:
-        best = max(RATES, key=lambda r: (means[str(r)]["val_auc"], r == RATES[0]))
-        winner = best
+    # the higher mean AUC; a tie keeps the recipe's rate (the first)
+    winner = max(RATES, key=lambda r: (means[str(r)]["val_auc"], r == RATES[0])) if complete else None
     return {"rows": rows, "means": means, "complete": complete, "winner": winner, "recipe_rate": RATES[0]}
 
 
@@ -109,8 +116,11 @@ def summary(result: dict) -> str:
     )
     if not result["complete"]:
         return f"Mean validation AUC so far: {means}; no decision yet."
-    kept = "the recipe's rate stands" if result["winner"] == result["recipe_rate"] else "the page retrains"
-    return f"Mean validation AUC: {means}; the higher is {result['winner']:g}: {kept}."
+    return f"Mean validation AUC: {means}; the higher is {result['winner']:g}: {_consequence(result)}."
+
+
+def _consequence(result: dict) -> str:
+    return "the recipe's rate stands" if result["winner"] == result["recipe_rate"] else "the page retrains"
 
 
 def save(out: Path, to: Path) -> None:
@@ -118,14 +128,11 @@ def save(out: Path, to: Path) -> None:
     ``out`` to ``to``, so that the committed copy gives the same table."""
     import shutil
 
-    for rate in RATES:
-        for seed in SEEDS:
-            folder = run_dir(out, rate, seed) / "global"
-            if (folder / "probs_val.pt").is_file() and (folder / "meta.json").is_file():
-                target = run_dir(to, rate, seed) / "global"
-                target.mkdir(parents=True, exist_ok=True)
-                for name in ("probs_val.pt", "meta.json"):
-                    shutil.copy2(folder / name, target / name)
+    for rate, seed, folder in finished(out):
+        target = run_dir(to, rate, seed) / "global"
+        target.mkdir(parents=True, exist_ok=True)
+        for name in SCORED_FILES:
+            shutil.copy2(folder / name, target / name)
 
 
 def render(result: dict) -> str:
@@ -141,8 +148,10 @@ def render(result: dict) -> str:
             "| | |"
         )
     if result["complete"]:
-        kept = "the recipe's rate stands" if result["winner"] == result["recipe_rate"] else "the page retrains"
-        lines.append(f"\nWinner (higher mean validation AUC): {result['winner']:g}: {kept} (docs/protocol.md 5b).")
+        lines.append(
+            f"\nWinner (higher mean validation AUC): {result['winner']:g}: {_consequence(result)} "
+            "(docs/protocol.md 5b)."
+        )
     else:
         lines.append(f"\n{len(result['rows'])} of {len(RATES) * len(SEEDS)} trainings finished: no decision yet.")
     return "\n".join(lines)

@@ -552,9 +552,8 @@ def command_differences(recorded: str, planned: str, config: Path | None = None)
     """The overrides in which a run's recorded command and the planned one differ (``key: recorded -> planned``),
     the store's folder left out (:func:`_portable`). With the run's ``config.yaml`` (``config``), an override the
     planned command adds (the recorded one did not set it) is no difference where the run trained with that value
-    anyway: the page's
-    command now states a setting whose default changed since (``engine.min_steps=0``: a run recorded before the
-    setting existed trained without it, :data:`ddcnn.settings.run.RECORD_ABSENT_MEANS`)."""
+    anyway: the page's command now states a setting whose default changed since (``engine.min_steps=0``: a run
+    recorded before the setting existed trained without it, :data:`ddcnn.settings.run.RECORD_ABSENT_MEANS`)."""
 
     def settings(command: str) -> dict[str, str]:
         parts = shlex.split(_portable(command))[1:]
