@@ -223,6 +223,7 @@ NEUTRAL_SETTINGS = {
     "engine.min_steps": 0,
     "methods.global_ensemble.k": "auto",
     "engine.precise_bn": 0,
+    "global_lr_scale": 1.0,
 }
 # Settings that change nothing while another one is null (setting -> the one it needs): left out of the fingerprint
 # then, whatever their value (engine.min_epochs only delays early stopping, which engine.patience=null switches off).

@@ -21,7 +21,8 @@ What it does, in order:
    the global CNN widened to the CNN-DNN's parameter count; since issue 44 not ``local_oof``, ``e2e``, ``transfer``,
    ``global_transfer``); the larger-data point ``mnist_10k`` (MNIST 2x2, overlap 0, 10,000 training images, seeds
    0-2); AdrenalMNIST3D 28^3 (``experiment=adrenal3d``: 2x2x2, overlap 8, checkpoint by validation loss, batch-norm
-   statistics recomputed before each validation: ``engine.precise_bn=50``) with the same methods; seeds ``--seeds``
+   statistics recomputed before each validation: ``engine.precise_bn=50``; the global-CNN arms at half the local nets'
+   learning rate, ``global_lr_scale=0.5``, by their own sweep: docs/protocol.md 5b) with the same methods; seeds ``--seeds``
    (default 0 to 4), each with its own training subset and validation split (``data.split_seed`` left at its
    default: the run's seed), every 2D run on the full official test set (``--test-subset`` = 0: 10,000 images),
    every training evaluated on ``val_target`` at every epoch (``--curve-points`` = all; the test split at 6
@@ -348,6 +349,8 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
                 # training loss, issue #45): every net's recomputed from 50 training batches before each validation
                 # (stated: what its runs trained with, before the default on volumes became 10; on the command line)
                 "engine.precise_bn=50",
+                # the global CNN's own learning rate, 0.001 (the recipe's 0.002 x 0.5), by its sweep (protocol 5b)
+                "global_lr_scale=0.5",
                 f"report.curves.points={args.curve_points}",
                 *target_3d,
             ),

@@ -97,7 +97,10 @@ def test_the_settings_say_what_the_configuration_says():
         ("report.plots=yes", r"report\.plots must be true or false .* got 'yes'"),
         ("report.curves.points=-1", r"report\.curves\.points must be a whole number >= 0 .* or 'all'"),
         ("report.curves.points=some", r"report\.curves\.points must be a whole number >= 0 .* got 'some'"),
-        ("methods.transfer.lr_scale=0", r"methods\.transfer\.lr_scale must be a positive number, got 0"),
+        (
+            "methods.transfer.lr_scale=0",
+            r"methods\.transfer\.lr_scale must be a positive number \(a factor on optimizer\.lr\), got 0",
+        ),
         ("methods.e2e.max_epochs=0", r"methods\.e2e\.max_epochs must be a positive whole number, got 0"),
         ("coarse.monitor=val_auc", r"coarse\.monitor must be val_loss or val_acc"),
         ("coarse.divergence_restarts=-1", r"coarse\.divergence_restarts must be >= 0, got -1"),

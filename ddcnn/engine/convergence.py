@@ -448,19 +448,29 @@ def _setting(names: Mapping[str, str], key: str, value: Any) -> str:
     return f"{names[key]}={value}" if names.get(key) else ""
 
 
+def _lower_lr(names: Mapping[str, Any], lr0: Any) -> str:
+    """``lr=value`` for a third of the start rate ``lr0``: the rate itself, or with ``lr_base`` a factor on it (the
+    training's rate is ``optimizer.lr`` times a setting such as ``global_lr_scale``)."""
+    if not lr0:
+        return names["lr"]
+    value = float(lr0) / 3 / float(names.get("lr_base") or 1.0)
+    return f"{names['lr']}={value:.3g}"
+
+
 def _on_val_loss(names: Mapping[str, str]) -> str:
     """The settings that select on the validation loss (its direction where the training has a setting for it)."""
     mode = f" {names['monitor_mode']}=min" if names.get("monitor_mode") else ""
     return f"{names['monitor']}=val_loss{mode}"
 
 
-def convergence_advice(record: Mapping[str, Any], names: Mapping[str, str] | None = None) -> str:
+def convergence_advice(record: Mapping[str, Any], names: Mapping[str, Any] | None = None) -> str:
     """The cause an unconverged training's record (:func:`convergence`) detected and ONE fix with the values to type,
     never one already in use. ``names`` maps ``epochs`` (the budget), ``patience``, ``min_epochs``, ``scheduler``
     (the schedule's node), ``monitor`` (with ``monitor_mode``), ``lr`` and ``precise_bn`` to the settings to name
     (default: the run's ``trainer.max_epochs``, ``engine.patience``, ``engine.min_epochs``, ``scheduler``,
     ``engine.monitor``, ``engine.monitor_mode``, ``optimizer.lr``, ``engine.precise_bn``; ``""`` where the training
-    has none) and ``plateau`` to ``""`` where the plateau scheduler is not an option.
+    has none), ``plateau`` to ``""`` where the plateau scheduler is not an option and ``lr_base`` to ``optimizer.lr``
+    where ``lr`` names a factor on it (``global_lr_scale``, ``methods.<stage>.lr_scale``).
 
     Causes and fixes: still improving at the cap (``epochs`` doubled); still improving when early stopping ended it
     at ``min_epochs`` (a ``patience`` 2 larger); overfitting (early stopping: ``patience`` 3, or, where early stopping
@@ -514,8 +524,7 @@ def convergence_advice(record: Mapping[str, Any], names: Mapping[str, str] | Non
                 "overfitting (validation loss rising while the training loss falls): select on the validation loss, "
                 f"{_on_val_loss(name)}"
             )
-        lr0 = record.get("lr_start")
-        lower = f"{name['lr']}={float(lr0) / 3:.3g}" if lr0 else name["lr"]
+        lower = _lower_lr(name, record.get("lr_start"))
         return f"overfitting (validation loss rising while the training loss falls): a lower learning rate, {lower}"
     if cause == "still_improving" and stopped_by == "early_stopping":
         return f"still improving when early stopping ended it at min_epochs: {longer_wait}"
@@ -538,7 +547,7 @@ def convergence_advice(record: Mapping[str, Any], names: Mapping[str, str] | Non
             return f"{what}: select on the validation loss, {_on_val_loss(name)}"
         lr0 = record.get("lr_start")
         if lr0 and name.get("lr"):
-            return f"{what}: a lower learning rate, {name['lr']}={float(lr0) / 3:.3g}"
+            return f"{what}: a lower learning rate, {_lower_lr(name, lr0)}"
         return f"{what}: more validation data (data.val_fraction)"
     # still improving at the cap (the budget ended it), or a record without a cause (an older ddcnn)
     return f"still improving at the cap: {more_epochs}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,11 +293,14 @@ def _method_epochs(m: Section, stage: str) -> int | None:
     return positive_int(m("max_epochs"), f"methods.{stage}.max_epochs", none=True)
 
 
-def _lr_scale(m: Section, stage: str) -> float:
-    scale = m("lr_scale")
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or scale <= 0:
-        raise ValueError(f"methods.{stage}.lr_scale must be a positive number, got {scale!r}.")
+def _positive_scale(scale: Any, name: str) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale < math.inf:
+        raise ValueError(f"{name} must be a positive number (a factor on optimizer.lr), got {scale!r}.")
     return float(scale)
+
+
+def _lr_scale(m: Section, stage: str) -> float:
+    return _positive_scale(m("lr_scale"), f"methods.{stage}.lr_scale")
 
 
 @dataclass(frozen=True)
@@ -571,8 +575,13 @@ OLD_RECIPE: dict[str, Any] = {
     "engine.precise_bn": 0,
 }
 # What a record without the key held: min_epochs is left out while patience is null (INERT_WITHOUT), min_steps and
-# precise_bn at 0 (NEUTRAL_SETTINGS), the scheduler's null kept.
-RECORD_ABSENT_MEANS: dict[str, Any] = {"engine.min_epochs": None, "engine.min_steps": 0, "engine.precise_bn": 0}
+# precise_bn at 0 and global_lr_scale at 1 (NEUTRAL_SETTINGS), the scheduler's null kept.
+RECORD_ABSENT_MEANS: dict[str, Any] = {
+    "engine.min_epochs": None,
+    "engine.min_steps": 0,
+    "engine.precise_bn": 0,
+    "global_lr_scale": 1.0,
+}
 
 
 def _nested(plain: Mapping, dotted: str) -> Any:
@@ -608,6 +617,7 @@ class RunSettings:
     store: StoreSettings
     model: dict
     global_model: dict | None
+    global_lr_scale: float
     # The configuration these settings were read from, as plain data, interpolations resolved (Hydra's own ``hydra``
     # node left out; ``paths.run_dir`` null where it cannot be resolved): what the run directory records.
     recorded: dict = field(default_factory=dict, repr=False, compare=False)
@@ -681,6 +691,7 @@ class RunSettings:
             store=StoreSettings.read(top.sub("store")),
             model=_spec(top("model")),
             global_model=_spec(top("global_model")),
+            global_lr_scale=_positive_scale(top("global_lr_scale"), "global_lr_scale"),
             recorded=plain,
         )
         top.done(extra_known=("stage",))

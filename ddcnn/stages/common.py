@@ -35,6 +35,8 @@ __all__ = [
     "stage_seed",
     "method_epochs",
     "method_optimizer",
+    "scaled_optimizer",
+    "lr_advice_names",
     "full_image_data",
     "val_accuracy",
     "train_full_images",
@@ -194,10 +196,23 @@ def method_epochs(ctx: Context, stage: str) -> int:
 def method_optimizer(ctx: Context, stage: str) -> dict:
     """The run's ``optimizer`` with its learning rate scaled by ``methods.<stage>.lr_scale`` (fine-tuning wants
     less)."""
+    return scaled_optimizer(ctx, ctx.settings.methods.settings_of(stage).lr_scale)
+
+
+def scaled_optimizer(ctx: Context, scale: float) -> dict:
+    """The run's ``optimizer`` with its learning rate times ``scale``."""
     opt = dict(ctx.settings.loop.optimizer)
     if "lr" in opt:
-        opt["lr"] = float(opt["lr"]) * ctx.settings.methods.settings_of(stage).lr_scale
+        opt["lr"] = float(opt["lr"]) * scale
     return opt
+
+
+def lr_advice_names(ctx: Context, setting: str, scale: float) -> dict:
+    """What a training at ``optimizer.lr`` times ``scale`` (the setting ``setting``) names when its advice is a lower
+    learning rate: ``setting`` with the new factor where the scale is in use (``optimizer.lr`` would move every other
+    training too, and by the wrong amount), nothing at 1 (``optimizer.lr`` then)."""
+    lr = ctx.settings.loop.optimizer.get("lr")
+    return {"lr": setting, "lr_base": float(lr)} if scale != 1.0 and lr else {}
 
 
 def full_image_data(ctx: Context, seed: int, batch: int | None = None) -> PreparedBatches:
@@ -350,6 +365,9 @@ def train_full_images(
         optimizer=optimizer,
     )
     extra = {"max_epochs": epochs, **extra}
+    names = lr_advice_names(ctx, f"methods.{stage}.lr_scale", ctx.settings.methods.settings_of(stage).lr_scale)
+    if names:
+        extra["advice_names"] = names
     if before is not None:
         extra["start_accuracy"] = {"val": before}
     meta = finish_stage(ctx, stage, result.net, dm, device, seed, result, **extra)

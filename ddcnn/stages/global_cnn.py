@@ -13,7 +13,15 @@ from ddcnn.context import Context, build_global_net
 from ddcnn.engine.train import fit, seed_everything
 from ddcnn.settings.loop import check_srun_ddp
 from ddcnn.stages import reuse
-from ddcnn.stages.common import curve_callbacks, finish_stage, full_image_data, skip, stage_seed
+from ddcnn.stages.common import (
+    curve_callbacks,
+    finish_stage,
+    full_image_data,
+    lr_advice_names,
+    scaled_optimizer,
+    skip,
+    stage_seed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +77,9 @@ def train_stage(
     devices = num_devices if num_devices > 1 else None
     # engine.activation_checkpointing=global: the global CNN's trainings recompute activations, no other training does
     checkpointing = "all" if ctx.settings.loop.activation_checkpointing == "global" else None
+    # global_lr_scale: the global baseline's own learning rate (its tuning budget, docs/protocol.md 5b)
+    scale = ctx.settings.global_lr_scale
+    optimizer = scaled_optimizer(ctx, scale) if scale != 1.0 else None
     result = fit(
         ctx.settings,
         net,
@@ -81,6 +92,7 @@ def train_stage(
         num_devices=devices,
         launcher=launcher,
         activation_checkpointing=checkpointing,
+        optimizer=optimizer,
     )
     if result.global_rank != 0:  # a peer of rank 0 in DDP across srun tasks: rank 0 alone writes the artifacts
         return {"stage": stage, "global_rank": result.global_rank}
@@ -91,6 +103,8 @@ def train_stage(
         if num_devices > 1
         else {}
     )
+    names = lr_advice_names(ctx, "global_lr_scale", scale)
+    extra = {**extra, "advice_names": names} if names else extra
     meta = finish_stage(
         ctx, stage, result.net, dm, device, seed, result, subdomain=member, num_devices=num_devices, **ddp, **extra
     )

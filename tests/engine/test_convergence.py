@@ -85,6 +85,11 @@ def test_an_early_epoch_kept_on_an_erratic_validation_curve_is_not_converged_and
     on_loss = dict(record, monitor="val_loss")
     assert "engine.monitor=val_loss" not in convergence_advice(on_loss)
     assert convergence_advice(on_loss).endswith("optimizer.lr=0.000333")
+    # A training at optimizer.lr x a setting (the global CNN at global_lr_scale=0.5 of 0.002) names that factor:
+    # optimizer.lr would move the local nets too and leave the global CNN at half the rate named.
+    scaled = dict(on_loss, lr_start=0.001)
+    names = {"lr": "global_lr_scale", "lr_base": 0.002}
+    assert convergence_advice(scaled, names).endswith("a lower learning rate, global_lr_scale=0.167")
     # A large split: an erratic curve, no small-split cause. A steady rise after the kept epoch is no noise.
     assert convergence(_rows(loss, acc, val_loss), "budget", monitor="val_acc", n_val=10_000)["cause"] == (
         "erratic_validation"

@@ -30,6 +30,7 @@ MATTERS = [
     "seed=1",
     "model=vgg_small",
     "optimizer.lr=0.01",
+    "global_lr_scale=0.5",
     "trainer.max_epochs=2",
     "trainer.precision=bf16-mixed",
     "engine.patience=6",
@@ -53,6 +54,7 @@ DOES_NOT_MATTER = [
     "force=true",
     "store.stage_to=/tmp/elsewhere",
     "+global_model=${model}",  # the same network, named as the global one
+    "global_lr_scale=1",  # its default, written out
 ]
 
 
