@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import shlex
 import shutil
 import subprocess
@@ -108,10 +109,7 @@ def _num_subdomains(overrides: list[str]) -> int:
     from ddcnn.config import compose
 
     cfg = compose([o for o in overrides if not o.startswith("hydra")])
-    n = 1
-    for g in cfg.decomposition.grid:
-        n *= int(g)
-    return n
+    return math.prod(int(g) for g in cfg.decomposition.grid)
 
 
 def slurm_commands(run_dir: str | Path, overrides: list[str], launcher: str = "slurm") -> list[list[str]]:

@@ -91,10 +91,6 @@ def disk_errors(what: str) -> Iterator[None]:
         ) from err
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.parent / f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
-
-
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike[str], fsync: bool = True) -> Iterator[IO[bytes]]:
     """A binary file handle whose content replaces ``path`` only once the ``with`` block finished without error.
@@ -107,7 +103,7 @@ def atomic_open(path: str | os.PathLike[str], fsync: bool = True) -> Iterator[IO
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_name(path)
+        tmp = path.parent / f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
         with open(tmp, "xb") as fh:
             yield fh
             fh.flush()

@@ -311,15 +311,11 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _console(main) -> None:
-    sys.exit(main())
-
-
 def predict_cli() -> None:
     """Console script ``ddcnn-predict``."""
-    _console(predict_main)
+    sys.exit(predict_main())
 
 
 def export_cli() -> None:
     """Console script ``ddcnn-export``."""
-    _console(export_main)
+    sys.exit(export_main())

@@ -41,7 +41,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -580,12 +580,6 @@ def _holder(body: Mapping) -> str:
     return f"pid {body.get('pid', '?')} on {body.get('host', '?')} (since {body.get('since', '?')})"
 
 
-def _format_rows(entries: list[Entry]) -> Iterator[str]:
-    for e in entries:
-        what = e.info.get("describe") or ""
-        yield f"{e.kind}/{e.key}  {e.nbytes / 1e6:10.1f} MB  {e.record.get('created', '?')}  {what}"
-
-
 def store_main(argv: list[str] | None = None) -> int:
     """``ddcnn-store``: list, check, remove and clean the entries of the store."""
     import argparse
@@ -611,8 +605,9 @@ def store_main(argv: list[str] | None = None) -> int:
         return 0
     entries = store.entries()
     if args.command == "list":
-        for line in _format_rows(entries):
-            print(line)
+        for e in entries:
+            what = e.info.get("describe") or ""
+            print(f"{e.kind}/{e.key}  {e.nbytes / 1e6:10.1f} MB  {e.record.get('created', '?')}  {what}")
         if not entries:
             print(f"(no entries in {store.root})")
         return 0

@@ -498,11 +498,6 @@ def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if id(p) not in sliced]
 
 
-def _replicated_tensors(model: nn.Module) -> list[torch.Tensor]:
-    prefixes = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, FilterParallelConv))
-    return [t for key, t in model.state_dict().items() if not key.startswith(prefixes) and t.is_floating_point()]
-
-
 def sync_replicated_grads(model: nn.Module, group=None) -> None:
     """Average the gradients of the replicated parameters over ranks, in one all-reduce.
 
@@ -526,7 +521,8 @@ def sync_replicated_grads(model: nn.Module, group=None) -> None:
 @torch.no_grad()
 def replicated_divergence(model: nn.Module, group=None) -> float:
     """Largest difference between ranks over the replicated parameters and float buffers (0.0 when in sync)."""
-    tensors = _replicated_tensors(model)
+    prefixes = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, FilterParallelConv))
+    tensors = [t for key, t in model.state_dict().items() if not key.startswith(prefixes) and t.is_floating_point()]
     if not tensors:
         return 0.0
     flat = torch.cat([t.reshape(-1).float() for t in tensors])

@@ -319,11 +319,8 @@ def scan_study(folder: str | os.PathLike[str]) -> Study:
             f"{folder}: no DICOM image series in the study folder ({ignored} other file(s) ignored"
             f"{'; dropped: ' + what if what else ''}). Put the study's DICOM files there, or remove the folder."
         )
-    return Study(folder, sorted(series.values(), key=_series_order), dropped, ignored, next(iter(patients), None))
-
-
-def _series_order(s: SeriesInfo) -> tuple:
-    return (s.number if s.number is not None else -1, s.uid)
+    ordered = sorted(series.values(), key=lambda s: (s.number if s.number is not None else -1, s.uid))
+    return Study(folder, ordered, dropped, ignored, next(iter(patients), None))
 
 
 # --------------------------------------------------------------------------------------------------------------

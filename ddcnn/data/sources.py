@@ -312,15 +312,10 @@ def image_folder(
         test_fraction=test_fraction,
         seed=seed,
     )
-    (x_train, y_train), (x_test, y_test) = found.splits["train"], found.splits["test"]
-    x_val, y_val = found.splits.get("val", (None, None))
     return Splits(
-        x_train,
-        y_train,
-        x_test,
-        y_test,
-        x_val,
-        y_val,
+        *found.splits["train"],
+        *found.splits["test"],
+        *found.splits.get("val", (None, None)),
         class_names=found.class_names,
         name=Path(root).expanduser().name,
         classes_listed=True,
@@ -412,13 +407,8 @@ def nifti(
             f"manifest.csv (see data/README.md)."
         )
     index = scan_nifti(root, class_names)
-    prep = NiftiPreprocess(
-        target_shape=tuple(target_shape) if target_shape is not None else None,
-        spacing=spacing if spacing is None or isinstance(spacing, int | float) else tuple(spacing),
-        window=tuple(window) if window is not None else None,
-        normalize=normalize,
-        channel_axis=channel_axis,
-    )
+    # NiftiPreprocess makes tuples of Hydra's lists; the window is made one here, as its error message shows it
+    prep = NiftiPreprocess(target_shape, spacing, None if window is None else tuple(window), normalize, channel_axis)
     if cache_dir is None:
         cache_dir = (root if root.is_dir() else root.parent) / ".ddcnn_cache"
     groups = None
@@ -462,28 +452,16 @@ def _volume_splits(
     if index.splits is not None and "train" in index.splits and "test" in index.splits:
         split = np.asarray(index.splits)
         parts = {s: np.flatnonzero(split == s) for s in ("train", "val", "test")}
-        has_val = len(parts["val"]) > 0
-        if groups is not None:
-            extra["groups"] = {s: groups[rows] for s, rows in parts.items() if len(rows) or s != "val"}
-        if files is not None:
-            extra["files"] = {s: [files[r] for r in rows] for s, rows in parts.items() if len(rows) or s != "val"}
-        return Splits(
-            take(parts["train"]),
-            y[parts["train"]],
-            take(parts["test"]),
-            y[parts["test"]],
-            take(parts["val"]) if has_val else None,
-            y[parts["val"]] if has_val else None,
-            class_names=names,
-            name=name,
-            **extra,
-        )
-    train, test = stratified_split(y, test_fraction, seed, groups, what=f"dataset {name!r}: the test split")
+        parts = {s: rows for s, rows in parts.items() if len(rows) or s != "val"}
+    else:
+        train, test = stratified_split(y, test_fraction, seed, groups, what=f"dataset {name!r}: the test split")
+        parts = {"train": train, "test": test}
     if groups is not None:
-        extra["groups"] = {"train": groups[train], "test": groups[test]}
+        extra["groups"] = {s: groups[rows] for s, rows in parts.items()}
     if files is not None:
-        extra["files"] = {"train": [files[r] for r in train], "test": [files[r] for r in test]}
-    return Splits(take(train), y[train], take(test), y[test], class_names=names, name=name, **extra)
+        extra["files"] = {s: [files[r] for r in rows] for s, rows in parts.items()}
+    xy = {s: (take(rows), y[rows]) for s, rows in parts.items()}
+    return Splits(*xy["train"], *xy["test"], *xy.get("val", (None, None)), class_names=names, name=name, **extra)
 
 
 def dicom(
@@ -533,12 +511,7 @@ def dicom(
         index, cache_dir, SeriesRule.of(series), regrid=bool(regrid), correct_tilt=bool(correct_tilt), progress=progress
     )
     volumes = NiftiIndex(tuple(paths), index.labels, index.class_names, index.splits, index.source)
-    prep = NiftiPreprocess(
-        target_shape=tuple(target_shape) if target_shape is not None else None,
-        spacing=spacing if spacing is None or isinstance(spacing, int | float) else tuple(spacing),
-        window=tuple(window) if window is not None else None,
-        normalize=normalize,
-    )
+    prep = NiftiPreprocess(target_shape, spacing, None if window is None else tuple(window), normalize)
     studies = [str(p) for p in index.studies]  # the study folders the user gave, not the converted cache files
     return _volume_splits(
         volumes, prep, cache_dir, root.stem, test_fraction, seed, progress, lazy, groups, report, files=studies

@@ -109,17 +109,9 @@ def early_stop_due(
 # K classes) the training data are fit almost exactly: a loss falling from 5e-4 to 3e-4 by then is no sign of a
 # training that needs more epochs.
 JUDGE_EPOCHS = 3
-
-
 LOSS_WINDOW = 3
-
-
 LOSS_STILL_FALLING = 0.01
-
-
 LOSS_FLOOR = 0.01
-
-
 LR_STILL_HIGH = 0.1
 
 
@@ -132,8 +124,6 @@ LR_COLLAPSED = 0.01
 # The kept epoch of an erratic validation curve: one of the first two epochs (0-based <= EARLY_KEEP) kept while the
 # validation loss from it on varies by more than ERRATIC_RATIO (largest over smallest): a peak of noise, not a minimum.
 EARLY_KEEP = 1
-
-
 ERRATIC_RATIO = 2.0
 
 

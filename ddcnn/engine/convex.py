@@ -102,11 +102,6 @@ def _solve(
 
 
 @torch.no_grad()
-def _score(x, y, weight, bias) -> tuple[float, float]:
-    logits = torch.addmm(bias, x, weight.t())
-    return float((logits.argmax(-1) == y).float().mean()), float(F.cross_entropy(logits, y))
-
-
 def fit_logistic(
     x_train: torch.Tensor,
     y_train: torch.Tensor,
@@ -157,7 +152,8 @@ def fit_logistic(
         objective, evaluations, converged, finite = _solve(x_train, y_train, weight, bias, l2, max_iter, tolerance)
         if not math.isfinite(objective):
             raise ValueError(f"logistic regression diverged at L2 strength {l2:g}: are the features finite and scaled?")
-        val_acc, val_loss = _score(x_val, y_val, weight, bias)
+        logits = torch.addmm(bias, x_val, weight.t())
+        val_acc, val_loss = float((logits.argmax(-1) == y_val).float().mean()), float(F.cross_entropy(logits, y_val))
         path.append(
             {
                 "l2": l2,

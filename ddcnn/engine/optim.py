@@ -49,8 +49,6 @@ def build_optimizer(node: Any, params: Iterable[nn.Parameter]) -> torch.optim.Op
 # a rate collapsed), and after a drop the next PLATEAU_COOLDOWN epoch(s) count no bad epochs, so one noisy epoch at the
 # lowered rate cannot drop it again at once. torch's own patience (10) stays the default patience; set values are kept.
 PLATEAU_MIN_LR = 0.01
-
-
 PLATEAU_COOLDOWN = 1
 
 

@@ -39,8 +39,6 @@ __all__ = [
 # Stored in every checkpoint. The plain loop before the Fabric loop wrote the same layout as ``ddcnn.tensor_fit/1``,
 # which resumes here too; a last.ckpt of Lightning's Trainer (older ddcnn) is refused with what to do.
 CHECKPOINT_FORMAT = "ddcnn.loop/1"
-
-
 _RESUMABLE_FORMATS = (CHECKPOINT_FORMAT, "ddcnn.tensor_fit/1")
 
 

@@ -70,10 +70,6 @@ def compute_dtype(precision: str) -> torch.dtype:
     )
 
 
-def _param_dtype(precision: str) -> torch.dtype:
-    return torch.float64 if precision == "64-true" else torch.float32
-
-
 def optimizer_state_factor(spec: Any) -> int:
     """Optimizer state per parameter, in parameter-sized tensors, of an optimizer setting (a ``_target_`` node or a
     callable): Adam and its kin 2, SGD 1 with momentum else 0, RMSprop 1 (+1 momentum, +1 centered), L-BFGS
@@ -280,7 +276,7 @@ def plan_network(
     """
     params = list(net.parameters())
     trainable = [p for p in params if p.requires_grad]
-    pdtype = _param_dtype(precision)
+    pdtype = torch.float64 if precision == "64-true" else torch.float32
     cdtype = compute_dtype(precision)
     esize = torch.empty((), dtype=pdtype).element_size()
     n_params = sum(p.numel() for p in params) + sum(b.numel() for b in net.buffers() if b.is_floating_point())

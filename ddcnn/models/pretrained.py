@@ -39,13 +39,6 @@ class WeightsError(ValueError):
     """A weights file that cannot be read or does not fit the network; the message names the setting and the fix."""
 
 
-def _missing_file(path: Path, setting: str) -> FileNotFoundError:
-    return FileNotFoundError(
-        f"{setting}={str(path)!r}: no such file (relative paths start from the directory ddcnn-train runs in); "
-        f"pass the path of a local file of weights (a state dict, a checkpoint or .safetensors), or {setting}=null."
-    )
-
-
 def read_weights(path: str | Path, setting: str = "model.weights") -> dict[str, torch.Tensor]:
     """The tensors of a weights file: a state dict, a checkpoint dict holding one, or ``.safetensors``; errors name
     ``setting``.
@@ -56,7 +49,10 @@ def read_weights(path: str | Path, setting: str = "model.weights") -> dict[str, 
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        raise _missing_file(path, setting)
+        raise FileNotFoundError(
+            f"{setting}={str(path)!r}: no such file (relative paths start from the directory ddcnn-train runs in); "
+            f"pass the path of a local file of weights (a state dict, a checkpoint or .safetensors), or {setting}=null."
+        )
     if path.suffix == ".safetensors":
         try:
             from safetensors.torch import load_file
@@ -108,13 +104,6 @@ def adapt_input_conv(in_channels: int, weight: torch.Tensor) -> torch.Tensor:
     return w.to(dtype)
 
 
-def _first_conv_key(net: nn.Module) -> str | None:
-    for name, module in net.named_modules():
-        if isinstance(module, nn.modules.conv._ConvNd):
-            return f"{name}.weight"
-    return None
-
-
 def _classifier_keys(net: nn.Module, num_classes: int) -> set[str]:
     """The parameters of the last layer (linear or convolution) with ``num_classes`` outputs."""
     last = None
@@ -154,7 +143,9 @@ def load_weights(
     """
     target = net.state_dict()
     state, prefix = _strip_prefix(state, target)
-    conv_key = _first_conv_key(net)
+    conv_key = next(
+        (f"{name}.weight" for name, m in net.named_modules() if isinstance(m, nn.modules.conv._ConvNd)), None
+    )
     classifier = _classifier_keys(net, num_classes)
     out: dict[str, torch.Tensor] = {}
     record: dict = {"first_conv": None, "classifier": None, "prefix": prefix or None}

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 from ddcnn import registry
@@ -110,17 +111,11 @@ def run_local_stage(ctx, indices: list[int], pool: _Pool | None = None) -> list[
         where = f"srun task {task.rank}/{task.ntasks} ({device})"
         log.info("%s: trains sub-domains %s", where, mine)
         started = time.time()
-        metas, failures = [], []
-        for i in mine:
-            meta, failure = _train_one(ctx, i, device, where)
-            if failure is None:
-                metas.append(meta)
-            else:
-                failures.append(failure)
-        if failures:
+        trained = [_train_one(ctx, i, device, where) for i in mine]
+        if failures := [failure for _, failure in trained if failure is not None]:
             raise LocalStageFailed(failures, ctx.run.root)
         if task.rank != 0:
-            return metas
+            return [meta for meta, _ in trained]
         # With force=true only this generation's markers count: a peer may not have reached (and cleared) a net yet.
         generation = run_generation(settings.run_generation) if settings.force else None
         wait_for_local(ctx.run, indices, since=started, generation=generation)
@@ -171,14 +166,6 @@ def wait_for_local(
 
 
 # --- P workers on this machine -------------------------------------------------------------------
-def _setup_worker_logging(rank: int) -> None:
-    """Log lines tagged with the worker; Fabric's per-run banners only at WARNING (P copies add nothing)."""
-    logging.basicConfig(
-        level=logging.INFO, format=f"[%(asctime)s][worker {rank}][%(name)s][%(levelname)s] - %(message)s", force=True
-    )
-    quiet_process()
-
-
 def _worker_costs(ctx) -> dict[int, float]:
     """Cost of every sub-domain of ``ctx`` in pixel-samples (:func:`ddcnn.parallel.schedule.local_costs`)."""
     from ddcnn.parallel.schedule import local_costs, train_samples_per_epoch
@@ -244,7 +231,13 @@ def _worker_main(
     heartbeat.start()
     try:
         configure_process(wdev)
-        _setup_worker_logging(rank)
+        # log lines tagged with the worker; Fabric's per-run banners only at WARNING (P copies add nothing)
+        logging.basicConfig(
+            level=logging.INFO,
+            format=f"[%(asctime)s][worker {rank}][%(name)s][%(levelname)s] - %(message)s",
+            force=True,
+        )
+        quiet_process()
         import torch
 
         from ddcnn.context import build_local_net, open_context
@@ -627,9 +620,7 @@ class _Session:
         hand one of two identical CPU workers more nets than the other. A worker without a calibration
         counts as the mean of all (all alike when calibration is off).
         """
-        sharing: dict[str, int] = {}
-        for r in ranks:
-            sharing[self.devices[r].device] = sharing.get(self.devices[r].device, 0) + 1
+        sharing = Counter(self.devices[r].device for r in ranks)
         groups: dict[tuple, list[float]] = {}
         kind = {r: (self.ready[r]["kind"], self.devices[r].threads, sharing[self.devices[r].device]) for r in ranks}
         for r in ranks:

@@ -689,13 +689,6 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "data"
 
 
-def _panels(rows: Sequence[Mapping]) -> dict[tuple[str, str, str], list[Mapping]]:
-    panels: dict[tuple[str, str, str], list[Mapping]] = {}
-    for r in rows:
-        panels.setdefault((r["backbone"], r["overlap"], r["settings"]), []).append(r)
-    return panels
-
-
 def _plot_vs_grid(rows: Sequence[Mapping], path: Path, title: str, kind: str) -> Path:
     """One panel per (backbone, overlap, settings); x: grids ordered by size; one line per method."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -703,7 +696,9 @@ def _plot_vs_grid(rows: Sequence[Mapping], path: Path, title: str, kind: str) ->
 
     from ddcnn.report.plots import method_style
 
-    panels = _panels(rows)
+    panels: dict[tuple[str, str, str], list[Mapping]] = {}
+    for r in rows:
+        panels.setdefault((r["backbone"], r["overlap"], r["settings"]), []).append(r)
     ncols = min(len(panels), 3)
     nrows = -(-len(panels) // ncols)
     fig = Figure(figsize=(max(5.2 * ncols, 9.0), 4.0 * nrows + 1.6), layout="constrained")

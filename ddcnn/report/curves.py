@@ -80,15 +80,8 @@ def _read_csv_curve(path) -> dict[str, list] | None:
 
 def _offset(terms: tuple[str, ...], stage: str, times: Mapping[str, Any]) -> float | None:
     """The recorded time of the terms a method builds on (all but the stage itself)."""
-    total = 0.0
-    for term in terms:
-        if term == stage:
-            continue
-        value = times.get(term)
-        if value is None:
-            return None
-        total += float(value)
-    return total
+    values = [times.get(term) for term in terms if term != stage]
+    return None if None in values else sum((float(v) for v in values), 0.0)
 
 
 def _local_ready(point: Mapping[str, Any], predict: list[float]) -> float:

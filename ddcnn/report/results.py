@@ -342,15 +342,6 @@ def _unconverged_advice(results: Mapping[str, Any], stage: str | None) -> str:
     return "Try: " + "; ".join(parts) + ". Until then no verdict against it holds."
 
 
-def _unconverged(results: Mapping[str, Any], stage: str | None) -> list[str]:
-    """The trainings behind ``stage``'s row that did not converge, in words (``local net 2 (stopped at ...)``)."""
-    out = []
-    for what, record in _unconverged_records(results, stage):
-        reasons = "; ".join(record.get("reasons") or [])
-        out.append(f"{what}" + (f" ({reasons})" if reasons else ""))
-    return out
-
-
 def _converged_cell(results: Mapping[str, Any], stage: str | None) -> str:
     """``results.md``'s converged cell of a row not flagged unconverged: ``yes`` when every training behind it
     recorded convergence, ``unknown`` when one did not record it (an older ddcnn, or a row of no training), or of a
@@ -495,11 +486,6 @@ def _chance_also(auc: float | None, balanced: float | None) -> str:
     return ""
 
 
-def _rows_fed_by_local(results: Mapping[str, Any]) -> list[dict]:
-    """The results rows built on the local nets (the combiners, the CNN-DNNs)."""
-    return [row for row in results.get("methods") or [] if "local" in row_trainings(row.get("stage"))]
-
-
 def _local_chance_flags(results: Mapping[str, Any], rate: float, counts: Sequence[int]) -> list[dict]:
     """A local net at chance on test (:func:`~ddcnn.metrics.at_chance`, as a row is): its index, test and
     validation accuracy, the majority-class rate, whether it did not learn or does not generalise, and the rows that
@@ -507,7 +493,8 @@ def _local_chance_flags(results: Mapping[str, Any], rate: float, counts: Sequenc
     metrics = results.get("metrics") or {}
     val = ((results.get("val") or {}).get("accuracy") or {}).get("local") or []
     trained = (results.get("train_accuracy") or {}).get("local") or []
-    fed = _rows_fed_by_local(results)
+    # the rows built on the local nets (the combiners, the CNN-DNNs)
+    fed = [row for row in results.get("methods") or [] if "local" in row_trainings(row.get("stage"))]
     flags = []
     for i, r in enumerate(metrics.get("local") or []):
         acc, auc, balanced = r["accuracy"], r.get("auc"), r.get("balanced_accuracy")
@@ -544,13 +531,9 @@ def _local_chance_flags(results: Mapping[str, Any], rate: float, counts: Sequenc
     return flags
 
 
-def _unconverged_names(results: Mapping[str, Any], stage: str | None) -> list[str]:
-    return [what for what, _ in _unconverged_records(results, stage)]
-
-
-def _unconverged_reason(results: Mapping[str, Any], stage: str | None) -> str:
-    """A row's short reason for its unconverged flag: its own training, and the trainings it builds on."""
-    whats = _unconverged_names(results, stage)
+def _unconverged_reason(whats: Sequence[str], stage: str | None) -> str:
+    """A row's short reason for its unconverged flag (``whats``: the unconverged trainings behind it): its own
+    training, and the trainings it builds on."""
     own = "global CNN" if stage == "global" else stage
     others = [w for w in whats if w != own]
     if not others:
@@ -577,15 +560,17 @@ def flag_rows(results: dict, rate: float, counts: Sequence[int]) -> list[dict]:
     trained = results.get("train_accuracy") or {}
     for row in results.get("methods") or []:
         acc, key, name = row["accuracy"], row["key"], row["name"]
-        unconverged = _unconverged(results, row.get("stage"))
-        if unconverged:
+        if unconverged := _unconverged_records(results, row.get("stage")):
+            whats = [what for what, _ in unconverged]
+            reasons = [(what, "; ".join(r.get("reasons") or [])) for what, r in unconverged]
+            described = [what + (f" ({text})" if text else "") for what, text in reasons]  # local net 2 (stopped ...)
             flags.append(
                 {
                     "method": key,
                     "kind": "unconverged",
-                    "trainings": _unconverged_names(results, row.get("stage")),
-                    "reason": _unconverged_reason(results, row.get("stage")),
-                    "message": f"{name}: trained without converging: {', '.join(unconverged)}.",
+                    "trainings": whats,
+                    "reason": _unconverged_reason(whats, row.get("stage")),
+                    "message": f"{name}: trained without converging: {', '.join(described)}.",
                     "try": _unconverged_advice(results, row.get("stage")),
                 }
             )
@@ -721,9 +706,10 @@ def _row_names(results: Mapping[str, Any]) -> dict[str, str]:
 
 def _unconverged_lines(results: Mapping[str, Any], flags: Sequence[Mapping[str, Any]], names: Mapping) -> list[str]:
     """The unconverged trainings once each (why, and what to try), then the rows built on them."""
+    stages = {row["key"]: row.get("stage") for row in results.get("methods") or []}
     trainings: dict[str, Mapping[str, Any]] = {}
     for flag in flags:
-        for what, record in _unconverged_records(results, _stage_of(results, flag["method"])):
+        for what, record in _unconverged_records(results, stages.get(flag["method"])):
             trainings.setdefault(what, record)
     lines = []
     for what, record in trainings.items():
@@ -749,10 +735,6 @@ def _row_lines(flags: Sequence[Mapping[str, Any]], names: Mapping[str, str]) -> 
 
 def _bold(row_names: Sequence[str]) -> str:
     return ", ".join(f"**{name}**" for name in row_names)
-
-
-def _stage_of(results: Mapping[str, Any], key: str) -> str | None:
-    return next((row.get("stage") for row in results.get("methods") or [] if row["key"] == key), None)
 
 
 def flag_lines(results: Mapping[str, Any]) -> list[str]:

@@ -9,6 +9,7 @@ a user sizes a cluster job before submitting it.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +37,7 @@ def _num_subdomains(run: RunDir) -> int | None:
     grid = json.loads(path.read_text()).get("settings", {}).get("decomposition", {}).get("grid")
     if not grid:
         return None
-    n = 1
-    for g in grid:
-        n *= int(g)
-    return n
+    return math.prod(int(g) for g in grid)
 
 
 def run_times(run_dir: str | Path) -> RunTimes:

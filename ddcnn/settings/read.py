@@ -102,7 +102,8 @@ class Section:
         name = f"{self.name}.{key}" if self.name else key
         return Section(name, {"enabled": node} if isinstance(node, bool) else node)
 
-    def done(self, extra_known: tuple[str, ...] = ()) -> None:
+    def done(self, result: Any = None, extra_known: tuple[str, ...] = ()) -> Any:
+        """Refuse what is left unread, with the known keys listed; return ``result`` (what was read from here)."""
         known = list(dict.fromkeys([*self.read, *extra_known]))
         unknown = [k for k in self.given if k not in known]
         if unknown:
@@ -113,3 +114,4 @@ class Section:
                 f"{where}{key}={self.given[key]!r} is not a setting of ddcnn; {settings}. Remove it (or fix its "
                 f"spelling)."
             )
+        return result

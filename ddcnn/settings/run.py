@@ -166,8 +166,7 @@ class DataSettings(PrepareSettings):
                 f"{split_seed!r}."
             )
         m = d.sub("memory")
-        memory = MemorySettings(str(m("mode")), float(m("auto_max_mb")), m("limit_gb"))
-        m.done()
+        memory = m.done(MemorySettings(str(m("mode")), float(m("auto_max_mb")), m("limit_gb")))
         out = cls(
             name=str(d("name")),
             source=_spec(d("source")),
@@ -206,8 +205,7 @@ class DecompositionSettings:
     def read(cls, d: Section) -> DecompositionSettings:
         overlap = d("overlap")
         out = cls(str(d("name")), tuple(d("grid")), overlap if isinstance(overlap, int | float) else tuple(overlap))
-        d.done()
-        return out
+        return d.done(out)
 
 
 # --- the coarse DNN ------------------------------------------------------------------------------
@@ -284,8 +282,7 @@ class CoarseSettings:
             optimizer=_spec(c("optimizer")),
             scheduler=_spec(c("scheduler")),
         )
-        c.done()
-        return out
+        return c.done(out)
 
 
 # --- the optional methods (one class per method with settings) -----------------------------------
@@ -423,8 +420,7 @@ class MethodsSettings:
         sections = {}
         for stage, kind in _METHOD_CLASSES.items():
             sub = m.sub(stage)
-            sections[stage] = kind.read(sub)
-            sub.done()
+            sections[stage] = sub.done(kind.read(sub))
         for stage in known - set(_METHOD_CLASSES):
             if m.given.get(stage):
                 Section(f"methods.{stage}", m.given[stage]).done()  # it has none: each key is refused
@@ -465,8 +461,7 @@ class ParallelSettings:
             heartbeat_timeout_s=_seconds(p("heartbeat_timeout_s"), "parallel.heartbeat_timeout_s"),
             startup_timeout_s=_seconds(p("startup_timeout_s"), "parallel.startup_timeout_s"),
         )
-        p.done()
-        return out
+        return p.done(out)
 
 
 # ``report.curves.points: all``: a point at every epoch, the test split evaluated at as many epochs as the default
@@ -505,11 +500,10 @@ class CurveSettings:
                 f"report.curves.points must be a whole number >= 0 (the epochs with a point) or '{ALL_EPOCHS}' (every "
                 f"epoch on the target split, the test split at {TEST_POINTS_WITH_ALL} of them), got {points!r}."
             )
-        out = cls(enabled, points if points == ALL_EPOCHS else int(points or 0), int(rows or 0))
-        if out.max_train_rows < 0:
-            raise ValueError(f"report.curves.max_train_rows must be >= 0, got {out.max_train_rows}.")
-        c.done()
-        return out
+        rows = int(rows or 0)
+        if rows < 0:
+            raise ValueError(f"report.curves.max_train_rows must be >= 0, got {rows}.")
+        return c.done(cls(enabled, points if points == ALL_EPOCHS else int(points or 0), rows))
 
 
 @dataclass(frozen=True)
@@ -522,13 +516,9 @@ class ReportSettings:
 
     @classmethod
     def read(cls, r: Section) -> ReportSettings:
-        out = cls(
-            _bool(r("plots"), "report.plots", "the PNG figures in RUN_DIR/plots/"),
-            _bool(r("export"), "report.export", "the TorchScript export in RUN_DIR/export/"),
-            CurveSettings.read(r.sub("curves")),
-        )
-        r.done()
-        return out
+        plots = _bool(r("plots"), "report.plots", "the PNG figures in RUN_DIR/plots/")
+        export = _bool(r("export"), "report.export", "the TorchScript export in RUN_DIR/export/")
+        return r.done(cls(plots, export, CurveSettings.read(r.sub("curves"))))
 
 
 @dataclass(frozen=True)
@@ -555,8 +545,7 @@ class StoreSettings:
             )
         root, stage_to = s("root"), s("stage_to")
         out = cls(None if root is None else str(root), None if stage_to is None else str(stage_to), float(stale), reuse)
-        s.done()
-        return out
+        return s.done(out)
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -694,8 +683,7 @@ class RunSettings:
             global_lr_scale=_positive_scale(top("global_lr_scale"), "global_lr_scale"),
             recorded=plain,
         )
-        top.done(extra_known=("stage",))
-        return out
+        return top.done(out, extra_known=("stage",))
 
     def with_data_counts(self, num_classes: int, in_channels: int) -> RunSettings:
         """These settings with ``data.num_classes`` / ``data.in_channels`` that were ``auto`` set to the data's."""

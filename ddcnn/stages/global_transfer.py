@@ -27,10 +27,6 @@ from ddcnn.stages.common import skip, stage_seed, train_full_images
 __all__ = ["run", "init_global_transfer"]
 
 
-def _local_states(ctx: Context, indices: list[int]) -> list[dict[str, torch.Tensor]]:
-    return [load_run_file(ctx.run.stage_dir("local", i) / "net.pt") for i in indices]
-
-
 def init_global_transfer(ctx: Context) -> tuple[nn.Module, dict]:
     """The global CNN initialised from the local nets' weights as ``methods.global_transfer.init`` says.
 
@@ -56,7 +52,7 @@ def init_global_transfer(ctx: Context) -> tuple[nn.Module, dict]:
         raise ValueError(
             f"methods.global_transfer.init must be 'best', 'mean' or a local net index 0..{n - 1}, got {init!r}."
         )
-    states = _local_states(ctx, sources)
+    states = [load_run_file(ctx.run.stage_dir("local", i) / "net.pt") for i in sources]
     source: dict[str, torch.Tensor] = {}
     for key, value in states[0].items():
         if value.is_floating_point() and len(states) > 1:

@@ -80,10 +80,6 @@ def cnn_dnn_parameters(settings: RunSettings, data: Any, num_subdomains: int) ->
     }
 
 
-def _count(settings: RunSettings, data: Any, width: float) -> int:
-    return count_parameters(build_global_net(wide_settings(settings, width), data, weights=False))
-
-
 def matched_width(settings: RunSettings, data: Any, target: int) -> dict:
     """The width factor whose global CNN's parameter count is nearest ``target``, by bisection on the factor.
 
@@ -98,7 +94,7 @@ def matched_width(settings: RunSettings, data: Any, target: int) -> dict:
 
     def count(width: float) -> int:
         if width not in tried:
-            tried[width] = _count(settings, data, width)
+            tried[width] = count_parameters(build_global_net(wide_settings(settings, width), data, weights=False))
         return tried[width]
 
     low, high = _MIN_WIDTH, _MAX_WIDTH
