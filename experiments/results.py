@@ -21,11 +21,11 @@ What it does, in order:
    the global CNN widened to the CNN-DNN's parameter count; since issue 44 not ``local_oof``, ``e2e``, ``transfer``,
    ``global_transfer``); the larger-data point ``mnist_10k`` (MNIST 2x2, overlap 0, 10,000 training images, seeds
    0-2); AdrenalMNIST3D 28^3 (``experiment=adrenal3d``: 2x2x2, overlap 8, checkpoint by validation loss, batch-norm
-   statistics recomputed before each validation: ``engine.precise_bn=50``; the global-CNN arms at half the local nets'
-   learning rate, ``global_lr_scale=0.5``, by their own sweep: docs/protocol.md 5b) with the same methods; seeds ``--seeds``
-   (default 0 to 4), each with its own training subset and validation split (``data.split_seed`` left at its
-   default: the run's seed), every 2D run on the full official test set (``--test-subset`` = 0: 10,000 images),
-   every training evaluated on ``val_target`` at every epoch (``--curve-points`` = all; the test split at 6
+   statistics recomputed before each validation: ``engine.precise_bn=50``; the global-CNN arms at half the local
+   nets' learning rate, ``global_lr_scale=0.5``, by their own sweep: docs/protocol.md 5b) with the same methods;
+   seeds ``--seeds`` (default 0 to 4), each with its own training subset and validation split (``data.split_seed``
+   left at its default: the run's seed), every 2D run on the full official test set (``--test-subset`` = 0: 10,000
+   images), every training evaluated on ``val_target`` at every epoch (``--curve-points`` = all; the test split at 6
    epochs). The ensemble's ``k`` is fixed before any accuracy run:
    the first seed's timing run of a dataset trains with ``methods.global_ensemble.k=auto`` (the CNN-DNN's one-device
    training time over the global CNN's, rounded, at least 2), and every other run of the dataset gets the ``k`` it
@@ -182,6 +182,9 @@ class Dataset:
     ensemble: bool = False
     # overrides of one seed only (the 64³ row's global DDP, on its first seed)
     seed_overrides: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    # in the page's family of primary verdicts (docs/protocol.md 5a names MNIST, Fashion-MNIST and AdrenalMNIST3D 28³;
+    # the larger-data point is secondary: its per-configuration table)
+    primary: bool = True
 
 
 @dataclass(frozen=True)
@@ -335,6 +338,7 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
             grids=("2x2",),
             overlaps=(0,),
             seeds=LARGE_SEEDS,
+            primary=False,
         ),
         # Its recipe's cosine schedule over 12 epochs, never cut short: no early stopping (engine.patience=null).
         "adrenal3d": Dataset(
@@ -848,23 +852,33 @@ PRIMARY = (
     ("CNN-DNN − equal-time ensemble of global CNNs", "cnn_dnn", "global_ensemble", "global_ensemble"),
     ("CNN-DNN − mean probability", "cnn_dnn", "mean_prob", "local"),
 )
+# Where balanced accuracy and ROC AUC are primary beside accuracy (docs/protocol.md 5a: AdrenalMNIST3D, whose majority
+# class is 77%; and the 64³ row of issue #47), the same three comparisons of each, in points of the metric (x 100).
+PRIMARY_METRICS = {"adrenal3d": ("balanced_accuracy", "auc"), "adrenal3d_64": ("balanced_accuracy", "auc")}
+METRIC_LABELS = {"balanced_accuracy": "balanced accuracy", "auc": "AUC x 100"}
 PRIMARY_HEAD = (
     "| dataset | comparison | seeds | configurations | test images | difference (points) | 95% interval over seeds "
     "and test images (points) | p | Holm-adjusted p | verdict |"
 )
 
 
+def _compact(predictions: dict, key: str, field: str):
+    """Method ``key``'s (the run's main coarse DNN for ``cnn_dnn``) compact test ``field`` (``pred``, ``prob1``)."""
+    entry = predictions["methods"].get(predictions["aliases"].get(key, key))
+    return None if entry is None or field not in entry else entry[field].numpy()
+
+
 def _correct(predictions: dict, key: str):
     """Per test image, whether method ``key`` (or the run's main coarse DNN for ``cnn_dnn``) predicted its label."""
-    key = predictions["aliases"].get(key, key)
-    entry = predictions["methods"].get(key)
-    return None if entry is None else (entry["pred"] == predictions["labels"]).numpy()
+    pred = _compact(predictions, key, "pred")
+    return None if pred is None else pred == predictions["labels"].numpy()
 
 
 def primary_rows(root: Path, names: list[str]) -> list[dict]:
     """The page's primary verdicts (docs/protocol.md section 5a): per dataset and comparison of :data:`PRIMARY`, the
-    per-seed difference of test accuracy averaged over the dataset's configurations, with a two-level paired
-    bootstrap over seeds and test images (:func:`ddcnn.report.stats.two_level_bootstrap`, seeded 0), its p-value
+    per-seed difference of test accuracy averaged over the dataset's configurations (and of balanced accuracy and AUC
+    where :data:`PRIMARY_METRICS` names them), with a two-level paired bootstrap over seeds and test images
+    (:func:`ddcnn.report.stats.two_level_bootstrap`, ``two_level_bootstrap_metric``; seeded 0), its p-value
     Holm-adjusted over the whole family (every row of every dataset: :func:`ddcnn.report.stats.holm`), and the verdict
     with the equivalence margin. Only seeds that hold every configuration count, and only runs whose snapshot kept its
     test predictions (``predictions_test.pt``) on the same test images; a baseline that did not converge in any of
@@ -880,6 +894,7 @@ def primary_rows(root: Path, names: list[str]) -> list[dict]:
         holm,
         holm_verdict,
         two_level_bootstrap,
+        two_level_bootstrap_metric,
     )
 
     def predictions(run_dir: Path) -> dict | None:  # a snapshot's file, or made from a run directory's outputs
@@ -915,21 +930,40 @@ def primary_rows(root: Path, names: list[str]) -> list[dict]:
             if not seeds:
                 continue
             d = np.stack([np.mean([per_seed[s][c] for c in sorted(configs)], axis=0) for s in seeds])
-            boot = two_level_bootstrap(d)
-            rows.append(
-                {
-                    "dataset": key,
-                    "comparison": what,
-                    "seeds": len(seeds),
-                    "configurations": len(configs),
-                    "images": boot["images"],
-                    "difference": 100 * boot["difference"],
-                    "low": 100 * boot["low"],
-                    "high": 100 * boot["high"],
-                    "p": boot["p"],
-                    "converged": all_converged(states),
-                }
-            )
+            boots = [(what, two_level_bootstrap(d))]
+            for metric in PRIMARY_METRICS.get(key, ()):
+                field = "prob1" if metric == "auc" else "pred"
+                arrays: dict[str, dict[tuple, np.ndarray]] = {method: {}, baseline: {}}
+                for name, (pred, run) in runs.items():
+                    config = name.split("/", 1)[1].rsplit("_s", 1)[0]
+                    for k in arrays:
+                        if run.seed in seeds and (got := _compact(pred, k, field)) is not None:
+                            arrays[k][run.seed, config] = got
+                cells = [(s, c) for s in seeds for c in sorted(configs)]
+                if all(cell in arrays[k] for k in arrays for cell in cells):
+                    a, b = (
+                        np.stack([arrays[k][cell] for cell in cells]).reshape(len(seeds), len(configs), -1)
+                        for k in arrays
+                    )
+                    labels = next(iter(runs.values()))[0]["labels"].numpy()
+                    boots.append(
+                        (f"{what} ({METRIC_LABELS[metric]})", two_level_bootstrap_metric(metric, labels, a, b))
+                    )
+            for comparison, boot in boots:
+                rows.append(
+                    {
+                        "dataset": key,
+                        "comparison": comparison,
+                        "seeds": len(seeds),
+                        "configurations": len(configs),
+                        "images": boot["images"],
+                        "difference": 100 * boot["difference"],
+                        "low": 100 * boot["low"],
+                        "high": 100 * boot["high"],
+                        "p": boot["p"],
+                        "converged": all_converged(states),
+                    }
+                )
     for row, adjusted in zip(rows, holm([row["p"] for row in rows]), strict=True):
         row["p_holm"] = adjusted
         row["verdict"] = (
@@ -1264,8 +1298,9 @@ def write_page(
     ]
     manifest_tables: list[dict] = []
     report_dir = workdir / "report"
-    every = [s.name for s in specs]
-    primary = primary_lines(workdir, every)
+    in_family = [s.name for s in specs if s.dataset.primary]
+    primary = primary_lines(workdir, in_family)
+    secondary = sorted({s.dataset.title for s in specs if not s.dataset.primary})
     if primary:
         page += [
             "## Primary verdicts",
@@ -1276,12 +1311,15 @@ def write_page(
             "resample, the test images, with replacement); p Holm-adjusted over every row of this table (one family); "
             "better or worse only where the adjusted p is at most 0.05 and the interval excludes 0, equivalent only "
             "where the whole interval lies within ±0.5 points, not distinguishable otherwise. The per-configuration "
-            "tables below are secondary.",
+            "tables below are secondary"
+            + (f", and so is {' and '.join(secondary)} (not in the protocol's family)" if secondary else "")
+            + ". Where balanced accuracy and AUC are primary beside accuracy (AdrenalMNIST3D), their differences are "
+            "in points of the metric (AUC x 100), with the same margin.",
             "",
             *primary,
             "",
         ]
-        manifest_tables.append({"kind": "primary", "dataset": "all", "runs": every, "lines": primary})
+        manifest_tables.append({"kind": "primary", "dataset": "all", "runs": in_family, "lines": primary})
     taken: set[str] = set()
     for dataset in datasets:
         ds_names = [s.name for s in specs if s.dataset == dataset]
@@ -1516,12 +1554,13 @@ INPUTS_PAIR = ("cnn_dnn_logits", "cnn_dnn_probs")  # the comparison that decides
 
 
 def summary_block(manifest: dict, root: Path) -> list[str]:
-    """README's lines on the committed page: what it ran, what it cost, and a table of the CNN-DNN's paired
+    """README's lines on the committed page: what it ran, what it cost, and its primary verdicts (docs/protocol.md
+    5a, :func:`primary_rows`); for a page from before them (no kept test predictions), a table of the CNN-DNN's paired
     differences, each with its 95% interval and verdict (:func:`lead_cell`, as the page's glance tables print them)."""
     names = sorted(manifest["runs"])
     runs = runs_summary(root, names)
     interim = manifest.get("interim")
-    lines = [
+    head = (
         (
             f"The committed page is interim ({interim.split(' are finished')[0]}; its header names the rest)"
             if interim
@@ -1529,9 +1568,29 @@ def summary_block(manifest: dict, root: Path) -> list[str]:
         )
         + f": {runs['runs']} runs, {runs['cpu_s'] / 3600:.1f} CPU-hours, {runs['span_h']:.1f} h from "
         f"the first run's start to the last one's end ({'; '.join(runs['machines']) or 'machine not recorded'}). "
-        "The CNN-DNN (the paper's: the coarse DNN on the local probabilities, as the page's command pins it) minus "
-        "the other method in test-accuracy points, paired by seed: the mean, its 95% interval and the verdict the "
-        "interval gives. The last column is the coarse DNN on the local logits minus on the probabilities, the "
+    )
+    family = next((t["runs"] for t in manifest.get("tables", []) if t.get("kind") == "primary"), None)
+    primary = primary_rows(root, family) if family else []
+    if primary:
+        return [
+            head + "Its primary verdicts (fixed in advance: docs/protocol.md section 5a): the CNN-DNN minus each "
+            "baseline, per seed averaged over the dataset's configurations, in points of test accuracy (AdrenalMNIST3D "
+            "also of balanced accuracy and AUC x 100); the 95% interval over seeds and test images (a two-level paired "
+            "bootstrap); p Holm-adjusted over the family; equivalent only within ±0.5 points. Per-configuration rows, "
+            "the cost and the time to target are on the page; `coarse.input`'s evidence is in docs/coarse.md.",
+            "",
+            "| dataset | comparison | seeds | difference (points) | 95% interval | Holm-adjusted p | verdict |",
+            "|---|---|---|---|---|---|---|",
+            *(
+                f"| {r['dataset']} | {r['comparison']} | {r['seeds']} | {r['difference']:+.2f} | "
+                f"[{r['low']:+.2f}, {r['high']:+.2f}] | {r['p_holm']:.2g} | {r['verdict']} |"
+                for r in primary
+            ),
+        ]
+    lines = [
+        head + "The CNN-DNN (the paper's: the coarse DNN on the local probabilities, as the page's command pins it) "
+        "minus the other method in test-accuracy points, paired by seed: the mean, its 95% interval and the verdict "
+        "the interval gives. The last column is the coarse DNN on the local logits minus on the probabilities, the "
         "evidence that decides `coarse.input`'s default (docs/protocol.md section 6, docs/coarse.md).",
         "",
         "| dataset | seeds | grid, overlap | CNN-DNN − global CNN | CNN-DNN − mean probability "

@@ -434,6 +434,55 @@ def test_the_committed_results_page_is_what_its_runs_wrote(results):
     assert summary and all(r[1] == paired[r[0].lstrip("| "), r[2]] for r in summary)
 
 
+def test_readmes_summary_states_the_primary_verdicts_of_a_page_that_has_them(results, tiny):
+    out, _ = tiny
+    _, manifest = _page_and_manifest(out)
+    lines = results.summary_block(manifest, out / "results" / "runs")
+    assert "Its primary verdicts (fixed in advance: docs/protocol.md section 5a)" in lines[0]
+    rows = [line.split(" | ") for line in lines if line.startswith("| digits |")]
+    assert [r[1] for r in rows] == [what for what, *_ in results.PRIMARY]
+    primary = results.primary_rows(out / "results" / "runs", next(t["runs"] for t in manifest["tables"]))
+    assert [r[-1].rstrip(" |") for r in rows] == [row["verdict"] for row in primary]
+
+
+def test_adrenal3d_has_primary_verdicts_of_balanced_accuracy_and_auc_beside_accuracy(results):
+    """docs/protocol.md 5a: on AdrenalMNIST3D the three comparisons of balanced accuracy and of AUC are primary too;
+    their differences are scikit-learn's metrics on the snapshot's kept test predictions (one seed here)."""
+    from sklearn.metrics import balanced_accuracy_score, roc_auc_score
+
+    from ddcnn.report.predictions import read_compact_predictions
+
+    found = sorted((REPO / "docs").glob("*/results/runs/adrenal3d/*_s0/predictions_test.pt"))
+    found += sorted((REPO / "docs").glob("results/runs/adrenal3d/*_s0/predictions_test.pt"))
+    if not found:
+        pytest.skip("no committed AdrenalMNIST3D snapshot with its test predictions")
+    run = found[0].parent
+    rows = results.primary_rows(run.parents[1], [f"adrenal3d/{run.name}"])
+    assert [r["comparison"] for r in rows] == [
+        f"{what}{suffix}" for what, *_ in results.PRIMARY for suffix in ("", " (balanced accuracy)", " (AUC x 100)")
+    ]
+    pred = read_compact_predictions(found[0])
+    y = pred["labels"].numpy()
+
+    def entry(key):
+        return pred["methods"][pred["aliases"].get(key, key)]
+
+    for row in rows:
+        method, baseline = next((m, b) for what, m, b, _ in results.PRIMARY if row["comparison"].startswith(what))
+        if row["comparison"].endswith("(AUC x 100)"):
+            expected = roc_auc_score(y, entry(method)["prob1"].float()) - roc_auc_score(
+                y, entry(baseline)["prob1"].float()
+            )
+        elif row["comparison"].endswith("(balanced accuracy)"):
+            expected = balanced_accuracy_score(y, entry(method)["pred"]) - balanced_accuracy_score(
+                y, entry(baseline)["pred"]
+            )
+        else:
+            expected = (entry(method)["pred"].numpy() == y).mean() - (entry(baseline)["pred"].numpy() == y).mean()
+        assert row["difference"] == pytest.approx(100 * expected), row["comparison"]
+        assert row["low"] <= row["difference"] <= row["high"]
+
+
 def test_tiny_mode_never_writes_into_docs(results, capsys):
     with pytest.raises(SystemExit):
         results.main(["--tiny"])

@@ -42,6 +42,7 @@ __all__ = [
     "t_quantile_975",
     "paired_difference",
     "two_level_bootstrap",
+    "two_level_bootstrap_metric",
     "holm_verdict",
     "verdict",
     "all_converged",
@@ -248,20 +249,116 @@ def two_level_bootstrap(
     d = np.asarray(differences, dtype=np.float64)
     if d.ndim != 2 or d.shape[0] < 1 or d.shape[1] < 1:
         raise ValueError(f"a two-level bootstrap needs (seeds, images) differences, got shape {d.shape}.")
-    n_seeds, n_images = d.shape
+    n_images = d.shape[1]
+
+    def per_seed(counts: np.ndarray) -> np.ndarray:
+        return (counts @ d.T) / n_images
+
+    return _two_level(per_seed, *d.shape, resamples, seed, level, chunk, observed=d.mean())
+
+
+def two_level_bootstrap_metric(
+    metric: str,
+    labels: np.ndarray,
+    method: np.ndarray,
+    baseline: np.ndarray,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+    level: float = 0.95,
+    chunk: int = 250,
+) -> dict:
+    """:func:`two_level_bootstrap` of a metric that is no mean over images: the balanced accuracy (the mean of the
+    per-class recalls) or the ROC AUC of two classes, recomputed on each resample's image draw (an image drawn ``c``
+    times counts ``c`` times) for each seed and configuration; a seed's difference is the mean over the
+    configurations of method minus baseline. The same draws as :func:`two_level_bootstrap` with the same ``seed``.
+
+    Args:
+        metric: ``balanced_accuracy`` or ``auc``.
+        labels: ``(images,)``: the test labels (for ``auc``: 0 and 1).
+        method, baseline: ``(seeds, configurations, images)``: the predicted class (``balanced_accuracy``) or the
+            probability of class 1 (``auc``; ties count one half).
+        resamples, seed, level, chunk: As :func:`two_level_bootstrap`.
+
+    Returns:
+        As :func:`two_level_bootstrap`, differences as fractions (``x 100`` for points). A resample that draws no
+        image of a class leaves that class out of its balanced accuracy (and out of its AUC: the AUC is then 0.5 for
+        both, a difference of 0).
+
+    Raises:
+        ValueError: For another metric, mismatched shapes, or an AUC of other than two classes.
+    """
+    y = np.asarray(labels).astype(np.int64)
+    a, b = np.asarray(method), np.asarray(baseline)
+    if a.shape != b.shape or a.ndim != 3 or a.shape[2] != len(y) or min(a.shape) < 1:
+        raise ValueError(
+            f"a two-level bootstrap of {metric} needs method and baseline of shape (seeds, configurations, images) "
+            f"with images = {len(y)} labels, got {a.shape} and {b.shape}."
+        )
+    n_seeds, n_configs, _ = a.shape
+    if metric == "balanced_accuracy":
+        # per class: the difference of the correct indicators (method minus baseline) of its images
+        d = ((a == y).astype(np.float64) - (b == y)).reshape(n_seeds * n_configs, -1)
+        masks = [y == c for c in np.unique(y)]
+
+        def per_seed(counts: np.ndarray) -> np.ndarray:
+            total, present = 0.0, 0
+            for mask in masks:
+                drawn = counts[:, mask].sum(axis=1, keepdims=True)
+                recall = np.zeros((len(counts), len(d)))
+                total = total + np.divide(counts[:, mask] @ d[:, mask].T, drawn, where=drawn > 0, out=recall)
+                present = present + (drawn > 0)
+            return (total / np.maximum(present, 1)).reshape(-1, n_seeds, n_configs).mean(axis=2)
+
+    elif metric == "auc":
+        if not set(np.unique(y)) <= {0, 1}:
+            raise ValueError(f"the bootstrap's AUC is of two classes (labels 0 and 1), got labels {np.unique(y)}.")
+        pos, neg = y == 1, y == 0
+        sa, sb = (x.reshape(n_seeds * n_configs, -1).astype(np.float64) for x in (a, b))
+
+        def per_seed(counts: np.ndarray) -> np.ndarray:
+            diff = _weighted_auc(sa, counts, pos, neg) - _weighted_auc(sb, counts, pos, neg)
+            return diff.reshape(-1, n_seeds, n_configs).mean(axis=2)
+
+    else:
+        raise ValueError(f"metric must be balanced_accuracy or auc, got {metric!r}.")
+    return _two_level(per_seed, n_seeds, len(y), resamples, seed, level, chunk)
+
+
+def _weighted_auc(scores: np.ndarray, counts: np.ndarray, pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
+    """The ROC AUC of each row of ``scores`` ``(m, images)`` with image ``i`` counted ``counts[:, i]`` times
+    ``(r, images)``: per resample, the weighted share of (positive, negative) pairs the positive scores above, ties
+    one half (0.5 where a resample drew no image of a class). Returns ``(r, m)``."""
+    cp, cn = counts[:, pos].astype(np.float64), counts[:, neg].astype(np.float64)
+    norm = cp.sum(axis=1) * cn.sum(axis=1)
+    out = np.full((len(counts), len(scores)), 0.5)
+    for k, row in enumerate(scores):
+        order = np.argsort(row[neg], kind="stable")
+        sorted_neg = row[neg][order]
+        cum = np.concatenate([np.zeros((len(counts), 1)), np.cumsum(cn[:, order], axis=1)], axis=1)
+        below = cum[:, np.searchsorted(sorted_neg, row[pos], side="left")]  # negatives scored lower: (r, positives)
+        upto = cum[:, np.searchsorted(sorted_neg, row[pos], side="right")]  # ... lower or equal
+        wins = (cp * (below + 0.5 * (upto - below))).sum(axis=1)
+        np.divide(wins, norm, where=norm > 0, out=out[:, k])
+    return out
+
+
+def _two_level(
+    per_seed, n_seeds: int, n_images: int, resamples: int, seed: int, level: float, chunk: int, observed=None
+) -> dict:
+    """The two-level bootstrap's draws and summary; ``per_seed(counts)``: for image counts ``(r, images)`` each seed's
+    difference ``(r, seeds)``; ``observed``: the difference at counts of 1 where the caller has it exactly."""
     rng = np.random.default_rng(seed)
     stats = np.empty(int(resamples))
     for start in range(0, int(resamples), chunk):
         r = min(chunk, int(resamples) - start)
         images = rng.multinomial(n_images, np.full(n_images, 1.0 / n_images), size=r)  # (r, images): counts
         seeds = rng.multinomial(n_seeds, np.full(n_seeds, 1.0 / n_seeds), size=r)  # (r, seeds)
-        per_seed = (images @ d.T) / n_images  # (r, seeds): each seed's difference on this resample's images
-        stats[start : start + r] = (seeds * per_seed).sum(axis=1) / n_seeds
+        stats[start : start + r] = (seeds * per_seed(images)).sum(axis=1) / n_seeds
     tail = 100 * (1 - level) / 2
     low, high = np.percentile(stats, [tail, 100 - tail])
     p = min(1.0, 2 * min(float(np.mean(stats <= 0)), float(np.mean(stats >= 0))))
     return {
-        "difference": float(d.mean()),
+        "difference": float(per_seed(np.ones((1, n_images))).mean()) if observed is None else float(observed),
         "low": float(low),
         "high": float(high),
         "p": max(p, 1.0 / int(resamples)),

@@ -206,3 +206,64 @@ def test_a_holm_verdict_needs_the_adjusted_p_and_equivalence_the_margin():
     assert holm_verdict(0.1, 0.4, 0.2, 0.5) == "equivalent"  # inside the margin
     assert holm_verdict(-1.2, -0.3, 0.001, 0.5) == "worse"
     assert holm_verdict(-0.3, 0.8, 0.5, 0.5) == "not distinguishable"
+
+
+def test_the_metric_bootstraps_observed_differences_are_sklearns_and_each_resample_is_the_metric_on_its_draw():
+    """Balanced accuracy and the AUC of two classes: at counts of 1 the observed difference is scikit-learn's metric
+    of the method minus the baseline's, per seed and configuration averaged; for one resample's image counts, the
+    metric equals scikit-learn's on the images repeated as drawn (a hand-made resample)."""
+    from sklearn.metrics import balanced_accuracy_score, roc_auc_score
+
+    from ddcnn.report.stats import _weighted_auc, two_level_bootstrap_metric
+
+    rng = np.random.default_rng(3)
+    y = (rng.random(120) < 0.25).astype(int)
+    # 2 seeds x 2 configurations; scores with ties (rounded) and a method better than its baseline
+    method = np.round(np.clip(y + rng.normal(0, 0.8, (2, 2, 120)), 0, 1), 1)
+    baseline = np.round(np.clip(y + rng.normal(0, 1.2, (2, 2, 120)), 0, 1), 1)
+    auc = two_level_bootstrap_metric("auc", y, method, baseline, resamples=2000)
+    expected = np.mean(
+        [roc_auc_score(y, method[s, c]) - roc_auc_score(y, baseline[s, c]) for s in (0, 1) for c in (0, 1)]
+    )
+    assert auc["difference"] == pytest.approx(expected) and auc["low"] < auc["difference"] < auc["high"]
+    pred_m, pred_b = (method > 0.5).astype(int), (baseline > 0.5).astype(int)
+    bal = two_level_bootstrap_metric("balanced_accuracy", y, pred_m, pred_b, resamples=2000)
+    expected = np.mean(
+        [
+            balanced_accuracy_score(y, pred_m[s, c]) - balanced_accuracy_score(y, pred_b[s, c])
+            for s in (0, 1)
+            for c in (0, 1)
+        ]
+    )
+    assert bal["difference"] == pytest.approx(expected) and bal["low"] < bal["difference"] < bal["high"]
+    # one resample: image i drawn counts[i] times
+    counts = rng.multinomial(120, np.full(120, 1 / 120))
+    drawn = np.repeat(np.arange(120), counts)
+    weighted = _weighted_auc(method[0], counts[None, :], y == 1, y == 0)[0]
+    assert weighted == pytest.approx([roc_auc_score(y[drawn], method[0, c][drawn]) for c in (0, 1)])
+
+
+def test_the_metric_bootstrap_of_one_seed_is_the_image_bootstrap_of_the_metric_and_refuses_what_it_cannot_compute():
+    from sklearn.metrics import roc_auc_score
+
+    from ddcnn.report.stats import two_level_bootstrap_metric
+
+    rng = np.random.default_rng(5)
+    y = (rng.random(300) < 0.3).astype(int)
+    a, b = y + rng.normal(0, 0.7, 300), y + rng.normal(0, 0.9, 300)
+    out = two_level_bootstrap_metric("auc", y, a[None, None], b[None, None], resamples=500, seed=2)
+    # the same image draws by hand (NumPy's generator, seeded as the function seeds it: images, then seeds)
+    gen, stats = np.random.default_rng(2), []
+    for _ in range(0, 500, 250):
+        images = gen.multinomial(300, np.full(300, 1 / 300), size=250)
+        gen.multinomial(1, [1.0], size=250)
+        for counts in images:
+            drawn = np.repeat(np.arange(300), counts)
+            stats.append(roc_auc_score(y[drawn], a[drawn]) - roc_auc_score(y[drawn], b[drawn]))
+    assert (out["low"], out["high"]) == pytest.approx(tuple(np.percentile(stats, [2.5, 97.5])))
+    with pytest.raises(ValueError, match="two classes"):
+        two_level_bootstrap_metric("auc", np.arange(300) % 3, a[None, None], b[None, None])
+    with pytest.raises(ValueError, match=r"\(seeds, configurations, images\)"):
+        two_level_bootstrap_metric("auc", y, a[None], b[None])
+    with pytest.raises(ValueError, match="balanced_accuracy or auc"):
+        two_level_bootstrap_metric("f1", y, a[None, None], b[None, None])
