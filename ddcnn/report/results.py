@@ -895,14 +895,15 @@ BASELINE_FLAGGED = {"chance": "baseline at chance", "constant": "baseline decide
 
 
 def _pair_state(results: Mapping[str, Any], baseline: str, row: str | None = None) -> str | None:
-    """``baseline not converged`` when the training a pair's baseline is read from (``global`` or every ``local``
-    net) did not converge; else, when the baseline's results ``row`` is flagged at chance or deciding like a constant
-    guess (``results["flags"]``), what :data:`BASELINE_FLAGGED` says; else ``None``."""
-    if baseline == "global":
-        state = _baseline_state(results)
-    else:
+    """``baseline not converged`` when the training a pair's baseline is read from (the pair's own in
+    :data:`~ddcnn.report.stats.PAIRS`: ``global``, ``global_ensemble``, ``global_wide``, ... or every ``local`` net)
+    did not converge; else, when the baseline's results ``row`` is flagged at chance or deciding like a constant guess
+    (``results["flags"]``), what :data:`BASELINE_FLAGGED` says; else ``None``."""
+    if baseline == "local":
         local = (results.get("convergence") or {}).get("local") or []
         state = BASELINE_NOT_CONVERGED if any(r.get("converged") is False for r in local) else None
+    else:
+        state = _baseline_state(results, baseline)
     if state is None and row is not None:
         state = baseline_flag(results, row)
     return state

@@ -214,6 +214,32 @@ def test_no_lead_is_printed_against_a_baseline_at_chance_or_deciding_like_a_cons
         assert "CNN-DNN − mean probability: +23.50 points" in line
 
 
+def test_a_pairs_baseline_convergence_is_its_own_trainings_not_the_local_nets():
+    """CNN-DNN − ensemble of global CNNs and − the wide global CNN are judged on the ensemble's members and the wide
+    CNN's training (PAIRS' fourth field), as the multi-seed tables do, not on the local nets'."""
+    import torch
+
+    from ddcnn.report.results import image_pairs
+
+    results = _results({"cnn_dnn_probs": ("coarse", 0.9), "global": ("global", 0.8)})
+    results["accuracy"] = {"cnn_dnn": 0.9, "global_ensemble": 0.8, "global_wide": 0.8, "mean_prob": 0.8}
+    correct = {key: torch.arange(200) % (10 if key == "cnn_dnn" else 5) != 0 for key in results["accuracy"]}
+    results["convergence"] = {
+        "local": [{"converged": True}],
+        "global_ensemble": {"converged": False},
+        "global_wide": {"converged": True},
+    }
+    pairs = {p["baseline"]: p for p in image_pairs(results, correct)}
+    assert pairs["global_ensemble"]["verdict"] == "baseline not converged"
+    assert pairs["global_ensemble"]["baseline_converged"] is False
+    assert pairs["global_wide"]["verdict"] == "better" and pairs["mean_prob"]["verdict"] == "better"
+    # and the other way round: unconverged local nets leave the wide CNN's verdict alone
+    results["convergence"] |= {"local": [{"converged": False}], "global_ensemble": {"converged": True}}
+    pairs = {p["baseline"]: p for p in image_pairs(results, correct)}
+    assert pairs["global_wide"]["verdict"] == "better" and pairs["global_ensemble"]["verdict"] == "better"
+    assert pairs["mean_prob"]["verdict"] == "baseline not converged"
+
+
 def test_results_md_explains_a_flag_once_and_gives_each_row_its_reason():
     """Issue #45 item 7: one long paragraph repeated for each of 7 rows (about 9 KB for a demo). Every fact stays:
     which nets, which cause, which fix, which rows."""
