@@ -538,12 +538,13 @@ def save_snapshot(run_dir: Path, snapshot: Path) -> None:
             (partial / file).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(run_dir / file, partial / file)
     from ddcnn.report.predictions import PREDICTIONS_FILE, write_compact_predictions
+    from ddcnn.rundir import RunDir
 
     # Every method's per-image test predictions, compactly (paired tests over test images need them): written from the
     # run's probs_test.pt files, or kept from a snapshot that was restored as the run directory.
     if (run_dir / PREDICTIONS_FILE).is_file():
         shutil.copy2(run_dir / PREDICTIONS_FILE, partial / PREDICTIONS_FILE)
-    elif (run_dir / "local").is_dir():
+    elif RunDir(run_dir).is_done("local", 0):  # a snapshot of a page from before them has no test outputs to keep
         write_compact_predictions(run_dir, partial / PREDICTIONS_FILE)
     shutil.rmtree(snapshot, ignore_errors=True)
     partial.rename(snapshot)
@@ -896,11 +897,12 @@ def primary_rows(root: Path, names: list[str]) -> list[dict]:
         two_level_bootstrap,
         two_level_bootstrap_metric,
     )
+    from ddcnn.rundir import RunDir
 
     def predictions(run_dir: Path) -> dict | None:  # a snapshot's file, or made from a run directory's outputs
         if (run_dir / PREDICTIONS_FILE).is_file():
             return read_compact_predictions(run_dir / PREDICTIONS_FILE)
-        if (run_dir / "local").is_dir():
+        if RunDir(run_dir).is_done("local", 0):  # a run directory (a snapshot of before them has no test outputs)
             made = compact_test_predictions(run_dir)
             methods = {k: {**v, "pred": v["pred"].long()} for k, v in made["methods"].items()}
             return {**made, "labels": made["labels"].long(), "methods": methods}
@@ -1255,12 +1257,16 @@ def write_page(
     """Write ``OUT/results.md``, ``OUT/results_manifest.json`` and ``OUT/results/`` (plots, run snapshots)."""
     assets = out / ASSETS
     snapshot = assets / "runs"
-    if snapshot.exists():
-        shutil.rmtree(snapshot)
     names = [s.name for s in specs]
+    # the snapshots are written beside the committed ones and replace them only when all are written: a failure
+    # leaves the committed snapshots as they were (--rewrite reads them back through a copy)
+    fresh = assets / "runs.partial"
+    shutil.rmtree(fresh, ignore_errors=True)
     for name in names:
-        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
-        save_snapshot(workdir / name, snapshot / name)
+        (fresh / name).parent.mkdir(parents=True, exist_ok=True)
+        save_snapshot(workdir / name, fresh / name)
+    shutil.rmtree(snapshot, ignore_errors=True)
+    fresh.rename(snapshot)
     head = training_header(workdir, names, meta)
     page = [
         "# Results: the CNN-DNN and its method family against the global CNN",
@@ -1386,12 +1392,15 @@ def write_page(
             "the method's with its stages one after another on one device. Speedup vs DDP, P devices: the global "
             "DDP's time on P devices over the CNN-DNN's with its local nets placed on as many devices, then its "
             "coarse DNN. Speedup to target, 1 device: the time to a fixed target set by the global CNN alone, its "
-            "best validation accuracy minus one binomial standard error of the validation split (not the CNN-DNN's "
-            "own validation accuracy, which its selection chose). Each method's time to the target is its training "
+            "accuracy on the held-out target split (`val_target`, which no selection of any method saw) minus one "
+            "binomial standard error of that split (runs without that split: its best validation accuracy minus one "
+            "standard error of the validation split). Each method's time to the target is its training "
             "clock at its first evaluation at or above it, the CNN-DNN's on one device: its local nets one after "
             "another with their output inference, then the coarse fit's training clock. The column is the global "
-            "CNN's time over the CNN-DNN's, the mean over the runs where both reached the target (reached/runs); - "
-            "where the runs recorded no target (runs of a ddcnn before it).",
+            "CNN's time over the CNN-DNN's: the geometric mean over the runs where both reached the target and whose "
+            "timing is comparable, with its 95% interval on the log scale (reached/runs; runs whose timing is not "
+            "comparable, a global CNN reused from another run or trained beside another load, are counted and left "
+            "out); - where the runs recorded no target (runs of a ddcnn before it).",
             "",
         ]
         page += [*lines, ""]

@@ -731,6 +731,33 @@ def test_rewrite_writes_the_page_again_from_its_snapshots_without_training(resul
 
 
 @pytest.mark.slow
+def test_rewrite_of_a_page_from_before_kept_predictions_keeps_its_snapshots(results, tiny, tmp_path):
+    """The committed page of before #44 has snapshots without predictions_test.pt (and without the stages' test
+    outputs to make them from): --rewrite must write it again without them, and a failure must never leave the
+    snapshots deleted (it once removed all 45 before failing on the first)."""
+    out, _ = tiny
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    runs = copy / "results" / "runs"
+    for kept in runs.rglob("predictions_test.pt"):
+        kept.unlink()
+    files = sorted(p.relative_to(runs) for p in runs.rglob("*") if p.is_file())
+    assert results.main(["--rewrite", "--out", str(copy)]) == 0
+    assert sorted(p.relative_to(runs) for p in runs.rglob("*") if p.is_file()) == files
+    assert results.main(["--check", "--out", str(copy)]) == 0
+    # a snapshot whose predictions cannot be made (a local net marked done whose test outputs are unreadable) fails
+    # the rewrite and leaves every snapshot in place
+    local = runs / "digits" / "2x2_o2_s0" / "local" / "00"
+    (local / "done").write_text("")
+    (local / "probs_test.pt").write_bytes(b"")
+    with pytest.raises(Exception):  # noqa: B017 (torch's error for an empty file)
+        results.main(["--rewrite", "--out", str(copy)])
+    (local / "done").unlink()
+    (local / "probs_test.pt").unlink()
+    assert sorted(p.relative_to(runs) for p in runs.rglob("*") if p.is_file()) == files
+
+
+@pytest.mark.slow
 def test_an_interim_page_holds_the_finished_runs_of_the_plan_and_says_so(results, tiny, tmp_path, capsys):
     """--interim: a checked page from the finished snapshots of the planned command only (a missing run and one of
     other settings are left out and named), marked interim; a later invocation restores its runs."""

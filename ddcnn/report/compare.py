@@ -41,7 +41,7 @@ import numpy as np
 
 from ddcnn.io import atomic_write_text
 from ddcnn.report.results import METHODS, TIMING_RULE, baseline_flag, method_rows
-from ddcnn.report.stats import NO_VERDICT, PAIRS, all_converged, paired_difference
+from ddcnn.report.stats import NO_VERDICT, PAIRS, all_converged, paired_difference, t_quantile_975
 from ddcnn.rundir import NON_RESULT_KEYS, RunDir, flatten
 
 log = logging.getLogger(__name__)
@@ -107,10 +107,14 @@ CSV_COLUMNS = (
     "ddp_devices",
     "timing_comparable",
     "speedup_to_target_mean",
-    "speedup_to_target_std",
+    "speedup_to_target_low",
+    "speedup_to_target_high",
+    "target_not_comparable",
     "target_reached",
     "speedup_to_reverse_target_mean",
-    "speedup_to_reverse_target_std",
+    "speedup_to_reverse_target_low",
+    "speedup_to_reverse_target_high",
+    "reverse_target_not_comparable",
     "reverse_target_reached",
     "unconverged_runs",
     "params",
@@ -356,6 +360,29 @@ def _mean_std(values: Sequence[float | None]) -> tuple[float | None, float | Non
     return float(np.mean(vals)), (float(np.std(vals, ddof=1)) if len(vals) > 1 else None)
 
 
+def geometric_summary(ratios: Sequence[float]) -> tuple[float | None, float | None, float | None]:
+    """The geometric mean of speedups (ratios of times) and its 95% t-interval on the log scale, exponentiated
+    (``docs/protocol.md`` section 4: a ratio's mean is taken on its logarithm, so 2x and 0.5x average to 1x);
+    ``(None, None, None)`` without a ratio, no interval for one."""
+    logs = [math.log(float(r)) for r in ratios if r is not None and r > 0]
+    if not logs:
+        return None, None, None
+    mean = float(np.mean(logs))
+    if len(logs) < 2:
+        return math.exp(mean), None, None
+    half = t_quantile_975(len(logs) - 1) * float(np.std(logs, ddof=1)) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def _target_summary(entries: Sequence[tuple[Run, dict]]) -> tuple[tuple, int, int]:
+    """The geometric summary of the reached speedups to a target of the runs whose timing is comparable (no mark:
+    not reused from another run's training, not measured beside another load), with the counts reached and left out
+    for their marks."""
+    reached = [(run, e) for run, e in entries if e.get("reached")]
+    kept = [e["speedup"] for run, e in reached if not run.timing_marks]
+    return geometric_summary(kept), len(reached), len(reached) - len(kept)
+
+
 def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, list[dict]]:
     """Per dataset, one row per (backbone, grid, overlap, settings, method), averaged over seeds.
 
@@ -377,16 +404,14 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
             context, method = key[5:]
             entries = cells[key]
             acc = [float(row["accuracy"]) for _, row in entries]
-            equal = [e for e in (_to_target(run, method) for run, _ in entries) if e is not None]
-            back = [e for e in (_to_target(run, method, "time_to_target_reverse") for run, _ in entries) if e]
-            back_reached = [e for e in back if e.get("reached")]
-            back_speedup = _mean_std([e["speedup"] for e in back_reached]) if back_reached else (None, None)
+            equal = [(run, e) for run, _ in entries if (e := _to_target(run, method)) is not None]
+            back = [(run, e) for run, _ in entries if (e := _to_target(run, method, "time_to_target_reverse"))]
+            equal_speedup, n_reached, n_marked = _target_summary(equal)
+            back_speedup, n_back, n_back_marked = _target_summary(back)
             vs_ddp = [e for e in (_vs_ddp(run, method) for run, _ in entries) if e is not None]
             marks = sorted({m for run, _ in entries for m in run.timing_marks})
             marked = sum(bool(run.timing_marks) for run, _ in entries)
             unconverged = sum(bool(_row_unconverged(run, method)) for run, _ in entries)
-            reached = [e for e in equal if e.get("reached")]
-            equal_speedup = _mean_std([e["speedup"] for e in reached]) if reached else (None, None)
             balanced = _mean_std([row.get("balanced_accuracy") for _, row in entries])
             auc = _mean_std([row.get("auc") for _, row in entries])
             rows.append(
@@ -415,15 +440,15 @@ def comparison_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str
                     ),
                     "unconverged_runs": f"{unconverged}/{len(entries)}" if unconverged else None,
                     "speedup_to_target_mean": equal_speedup[0],
-                    "speedup_to_target_std": equal_speedup[1],
-                    "target_reached": (
-                        f"{len(reached)}/{sum(e is not None for e in equal)}"
-                        if any(e is not None for e in equal)
-                        else None
-                    ),
+                    "speedup_to_target_low": equal_speedup[1],
+                    "speedup_to_target_high": equal_speedup[2],
+                    "target_not_comparable": n_marked,
+                    "target_reached": f"{n_reached}/{len(equal)}" if equal else None,
                     "speedup_to_reverse_target_mean": back_speedup[0],
-                    "speedup_to_reverse_target_std": back_speedup[1],
-                    "reverse_target_reached": f"{len(back_reached)}/{len(back)}" if back else None,
+                    "speedup_to_reverse_target_low": back_speedup[1],
+                    "speedup_to_reverse_target_high": back_speedup[2],
+                    "reverse_target_not_comparable": n_back_marked,
+                    "reverse_target_reached": f"{n_back}/{len(back)}" if back else None,
                     "params": _mean(row.get("params") for _, row in entries),
                 }
             )
@@ -584,13 +609,17 @@ def paired_markdown(rows: Sequence[Mapping]) -> str:
 
 
 def _target_cell(row: Mapping, which: str = "target") -> str:
+    """The geometric mean speedup to a target with its 95% interval on the log scale (:func:`geometric_summary`), the
+    runs that reached it, and those left out because their timing is not comparable."""
     reached = row.get(f"{which}_reached")
     if not reached:
         return "-"
-    mean, std = row.get(f"speedup_to_{which}_mean"), row.get(f"speedup_to_{which}_std")
+    mean, low, high = (row.get(f"speedup_to_{which}_{k}") for k in ("mean", "low", "high"))
+    left_out = row.get(f"{which}_not_comparable") or 0
+    counts = f"{reached}" + (f"; {left_out} not comparable, left out" if left_out else "")
     if mean is None:
-        return f"not reached ({reached})"
-    return (f"{mean:.2f}x" if std is None else f"{mean:.2f} ± {std:.2f}x") + f" ({reached})"
+        return f"not reached ({counts})" if not left_out else f"- ({counts})"
+    return (f"{mean:.2f}x" if low is None else f"{mean:.2f}x [{low:.2f}, {high:.2f}]") + f" ({counts})"
 
 
 def _num(value: Any, digits: int) -> str:
@@ -805,9 +834,12 @@ def write_report(
         "1 device = global CNN time / the method's time on one device (its sequential time); speedup vs DDP, P "
         "devices = the DDP global CNN's time on P devices / the CNN-DNN's local nets placed on P devices plus its "
         "coarse DNN; speedup to target, "
-        "1 device = the global CNN's time to the fixed target (its best validation accuracy minus one binomial "
-        "standard error) / the CNN-DNN's on one device, training clocks only, mean over the runs where both reached "
-        "it (reached/runs). " + TIMING_RULE + " Runs whose times were measured in different contexts (device, "
+        "1 device = the global CNN's time to the fixed target (its accuracy on the held-out `val_target` split, "
+        "which no selection saw, minus one binomial standard error of that split; without that split its best "
+        "validation accuracy minus one standard error of the validation split) / the CNN-DNN's on one device, "
+        "training clocks only: the geometric mean over the runs where both reached it and whose timing is "
+        "comparable, with its 95% t-interval on the log scale (reached/runs; runs whose timing is not comparable "
+        "are counted and left out). " + TIMING_RULE + " Runs whose times were measured in different contexts (device, "
         "threads, trainings sharing the machine, host, code) are never averaged together; a `timing context` column "
         "appears when a table holds more than one, and `mixed (...)` marks a run whose own compared times come from "
         "different contexts; `timing comparable` says in how many runs the load differed or a stage was reused from "

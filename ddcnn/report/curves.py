@@ -11,8 +11,10 @@ epoch plus the inference of its outputs (its recorded ``time_s - fit_time_s``: t
 the slowest of these, then the coarse fit's training clock.
 
 **Time to a fixed target** (:func:`time_to_target`, ``results.json`` ``time_to_target``; the protocol of
-``docs/protocol.md``, after MLPerf Training): the target is set by the global CNN alone (its best validation accuracy
-minus one binomial standard error of the validation split), never by the CNN-DNN's own selection. Each method's time
+``docs/protocol.md``, after MLPerf Training): the target is set by the global CNN alone, never by the CNN-DNN's own
+selection: its accuracy on the held-out ``val_target`` split (:func:`held_out_target`, which no selection saw) minus one
+binomial standard error of that split, or, without that split, its best validation accuracy minus one standard error
+of the validation split. Each method's time
 is its training clock at its first evaluation at or above the target, no interpolation; a method that never gets
 there says why (``budget``: it trained every epoch; ``stopped``: early stopping ended it; ``no curve``).
 

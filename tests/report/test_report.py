@@ -336,13 +336,44 @@ def test_the_speedup_to_the_fixed_target_compares_one_device_with_one_device(swe
 
         return edit
 
+    def comparable(edit):  # whatever the load of the machine that trained the sweep
+        def both(results):
+            edit(results)
+            results["timing"]["comparable"], results["timing"]["differences"] = True, {}
+
+        return both
+
     runs = [
-        _edited(sweep, tmp_path, "0_1x2_s0", reached(30.0, 15.0, 8.0)),
-        _edited(sweep, tmp_path, "1_1x2_s1", reached(30.0, None, None)),
+        _edited(sweep, tmp_path, "0_1x2_s0", comparable(reached(30.0, 15.0, 8.0))),
+        _edited(sweep, tmp_path, "1_1x2_s1", comparable(reached(30.0, None, None))),
     ]
     row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_logits")
     assert row["speedup_to_target_mean"] == pytest.approx(2.0) and row["target_reached"] == "1/2"
     assert "| 2.00x (1/2) |" in table_markdown([row])
+
+    # Issue #44 item 5: speedups are summarised by their geometric mean with a t-interval on the log scale (2x and
+    # 0.5x average to 1x, not 1.25x), over the runs whose timing is comparable only.
+    runs = [
+        _edited(sweep, tmp_path / "geometric", "0_1x2_s0", comparable(reached(30.0, 15.0, 8.0))),
+        _edited(sweep, tmp_path / "geometric", "1_1x2_s1", comparable(reached(30.0, 60.0, 30.0))),
+    ]
+    row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_logits")
+    half = 12.7062047 * np.std([np.log(2), np.log(0.5)], ddof=1) / np.sqrt(2)  # t(0.975, 1)
+    assert row["speedup_to_target_mean"] == pytest.approx(1.0) and row["target_reached"] == "2/2"
+    assert (row["speedup_to_target_low"], row["speedup_to_target_high"]) == pytest.approx((np.exp(-half), np.exp(half)))
+
+    def loaded(edit):
+        def both(results):
+            edit(results)
+            results["timing"]["comparable"] = False
+            results["timing"]["differences"] = {"reused": ["global"]}
+
+        return both
+
+    runs[1] = _edited(sweep, tmp_path / "reused", "1_1x2_s1", loaded(reached(30.0, 60.0, 30.0)))
+    row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_logits")
+    assert row["speedup_to_target_mean"] == pytest.approx(2.0) and row["target_not_comparable"] == 1
+    assert "| 2.00x (2/2; 1 not comparable, left out) |" in table_markdown([row])
 
 
 def test_a_split_seed_that_follows_the_seed_keeps_the_seeds_in_one_group():
