@@ -239,9 +239,9 @@ def two_level_bootstrap(
         chunk: Resamples drawn at once (their image counts are ``chunk x images`` integers).
 
     Returns:
-        ``{"difference", "low", "high", "p", "seeds", "images", "resamples", "seed"}``: the observed mean difference,
-        the percentile interval, the two-sided p (twice the smaller share of resamples at or beyond 0 on either side,
-        at least ``1 / resamples``), all as fractions (``x 100`` for points).
+        ``{"difference", "per_seed", "low", "high", "p", "seeds", "images", "resamples", "seed"}``: the observed mean
+        difference and each seed's, the percentile interval, the two-sided p (twice the smaller share of resamples at
+        or beyond 0 on either side, at least ``1 / resamples``), all as fractions (``x 100`` for points).
 
     Raises:
         ValueError: Without a seed or an image.
@@ -357,8 +357,10 @@ def _two_level(
     tail = 100 * (1 - level) / 2
     low, high = np.percentile(stats, [tail, 100 - tail])
     p = min(1.0, 2 * min(float(np.mean(stats <= 0)), float(np.mean(stats >= 0))))
+    seeds_observed = per_seed(np.ones((1, n_images)))[0]  # each seed's difference on every image once
     return {
-        "difference": float(per_seed(np.ones((1, n_images))).mean()) if observed is None else float(observed),
+        "difference": float(seeds_observed.mean()) if observed is None else float(observed),
+        "per_seed": [float(v) for v in seeds_observed],
         "low": float(low),
         "high": float(high),
         "p": max(p, 1.0 / int(resamples)),
