@@ -965,6 +965,9 @@ def syncbn_rank(
         if rank == 0:
             out = {**check, "ddp_step_ms": 1e3 * seconds / steps, "peak_mib": peak_mib(dev), "world": world}
             Path(out_file).write_text(json.dumps(out))
+        # both ranks done before either tears gloo down: a rank that destroys the group while its peer still uses it
+        # can abort the peer at exit ("terminate called without an active exception", SIGABRT; seen once in CI)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
