@@ -806,7 +806,8 @@ def paired_lines(root: Path, names: list[str]) -> list[str]:
 
 
 POOLED_HEAD = (
-    "| difference | seeds | configurations | mean ± std over the seeds (points) | 95% interval (points) | verdict |"
+    "| difference | seeds | configurations | mean ± std over the seeds (points) | 95% interval (points) | p "
+    "| Holm-adjusted p | verdict |"
 )
 
 
@@ -817,12 +818,14 @@ def pooled_rows(root: Path, names: list[str]) -> list[dict]:
     configuration count; a seed's first run counts where it has several. Empty where the runs hold fewer than two
     configurations (the paired table is already the dataset's). Rows keyed as :func:`paired_table`'s, with
     ``configurations``."""
-    from ddcnn.report.compare import paired_columns
+    from ddcnn.report.compare import CONFIGURATION_FREE, holm_adjust, paired_columns
     from ddcnn.report.stats import PAIRS, all_converged, paired_difference
 
     runs = sorted(_load_runs(root, names), key=lambda r: str(r.path))
     rows = []
     for what, method, baseline, training in PAIRS:
+        if (method, baseline) in CONFIGURATION_FREE:  # one comparison whatever the grid: the paired table's one row
+            continue
         per_seed: dict[int, dict[tuple, float]] = {}
         states = []
         for run in runs:
@@ -839,19 +842,57 @@ def pooled_rows(root: Path, names: list[str]) -> list[dict]:
         means = [sum(per_seed[s].values()) / len(configs) for s in seeds]
         stats = paired_difference(means, all_converged(states), seeds)
         rows.append({**paired_columns(what, method, baseline, stats), "configurations": len(configs)})
+    holm_adjust(rows)
     return rows
 
 
 def pooled_lines(root: Path, names: list[str]) -> list[str]:
-    """The page's table of :func:`pooled_rows` (empty without rows)."""
+    """The table of :func:`pooled_rows` of the runs ``names`` (their p Holm-adjusted over its rows)."""
+    return pooled_markdown(pooled_rows(root, names))
+
+
+def pooled_markdown(rows: list[dict]) -> list[str]:
+    """The lines of a table of :func:`pooled_rows` (empty without rows)."""
     lines = []
-    for row in pooled_rows(root, names):
+    for row in rows:
         spread = f"{row['mean_points']:+.2f}" + ("" if row["std_points"] is None else f" ± {row['std_points']:.2f}")
         low, high = row["ci_low_points"], row["ci_high_points"]
         interval = "-" if low is None else f"[{low:+.2f}, {high:+.2f}]"
-        cells = [row["comparison"], str(row["n"]), str(row["configurations"]), spread, interval, row["verdict"]]
+        cells = [row["comparison"], str(row["n"]), str(row["configurations"]), spread, interval]
+        cells += ["-" if row[k] is None else f"{row[k]:.2g}" for k in ("p", "p_holm")] + [row["verdict"]]
         lines.append("| " + " | ".join(cells) + " |")
     return [POOLED_HEAD, "|" + "---|" * (POOLED_HEAD.count("|") - 1), *lines] if lines else []
+
+
+def secondary_tables(root: Path, family: list[str], primary: list[str]) -> dict[str, tuple[list[str], list[str]]]:
+    """Per dataset (key) of the page's runs ``family``, the lines of its paired table (per configuration, as
+    ``ddcnn-report`` has them) and of its table over the configurations (:func:`pooled_lines`), their p Holm-adjusted
+    over every row of both tables of every dataset: the page's secondary family (docs/protocol.md 5a). A comparison
+    that the primary table prints (``primary``: its lines) is left out of the table over the configurations, where it
+    would be printed twice; the per-configuration rows stay (secondary)."""
+    from ddcnn.report.compare import holm_adjust, paired_markdown
+
+    labels = {label: (method, baseline) for label, method, baseline, _ in PRIMARY}
+    printed = set()
+    for line in primary[2:]:
+        dataset, comparison = (cell.strip() for cell in line.strip("|").split("|")[:2])
+        if comparison in labels:
+            printed.add((dataset, *labels[comparison]))
+    by_dataset: dict[str, list[str]] = {}
+    for name in family:
+        by_dataset.setdefault(_dataset_of(name), []).append(name)
+    tables = {
+        key: (
+            paired_table(root, names),
+            [r for r in pooled_rows(root, names) if (key, r["method_key"], r["baseline_key"]) not in printed],
+        )
+        for key, names in by_dataset.items()
+    }
+    holm_adjust([row for paired, pooled in tables.values() for row in (*paired, *pooled)])
+    return {
+        key: (paired_markdown(paired).splitlines() if paired else [], pooled_markdown(pooled))
+        for key, (paired, pooled) in tables.items()
+    }
 
 
 # The page's primary comparisons (docs/protocol.md section 5a): (label, method, baseline, the training whose
@@ -1346,6 +1387,7 @@ def write_page(
             "",
         ]
         manifest_tables.append({"kind": "primary", "dataset": "all", "runs": in_family, "lines": primary})
+    secondary_family = secondary_tables(workdir, names, primary)
     taken: set[str] = set()
     for dataset in datasets:
         ds_names = [s.name for s in specs if s.dataset == dataset]
@@ -1359,11 +1401,12 @@ def write_page(
         table_lines = [line for line in written if line.startswith("|")]
         if table_lines[: len(lines)] != lines:
             raise RuntimeError(f"ddcnn-report's table of {data_name} differs from the one recomputed from the runs")
-        paired = paired_lines(workdir, ds_names)
-        if table_lines[len(lines) :] != paired:
+        if table_lines[len(lines) :] != paired_lines(workdir, ds_names):
             raise RuntimeError(
                 f"ddcnn-report's paired differences of {data_name} differ from the ones recomputed from the runs"
             )
+        # the page's: as ddcnn-report's, their p Holm-adjusted over the page's secondary family instead of the dataset
+        paired, pooled = secondary_family[dataset.key]
         overrides = runs_overrides(workdir, ds_names)
         page += [
             f"## {dataset.title}",
@@ -1386,27 +1429,30 @@ def write_page(
             "",
         ]
         manifest_tables.append({"kind": "glance", "dataset": data_name, "runs": ds_names, "lines": glance})
+        secondary = {"dataset": data_name, "runs": ds_names, "family": names}
         if paired:
             page += [
-                "Paired differences (test accuracy, points; `ddcnn-report`'s table): each method minus its baseline "
-                "per seed within a configuration, mean ± sample std, 95% t-interval and verdict (as above); where the "
-                "runs trained one, the global DDP against the global CNN on one device too:",
+                "Paired differences (secondary: no headline rests on them; test accuracy, points; `ddcnn-report`'s "
+                "table): each method minus its baseline per seed within a configuration, mean ± sample std, 95% "
+                "t-interval and verdict (as above); p the paired t-test's, and Holm-adjusted over every row of this "
+                "page's paired tables and tables over configurations (the page's secondary family; the verdict stays "
+                "the interval's); where the runs trained one, the global DDP against the global CNN on one device, "
+                "one row of grid and overlap all (the same two trainings serve every grid of a seed):",
                 "",
                 *paired,
                 "",
             ]
-            manifest_tables.append({"kind": "paired", "dataset": data_name, "runs": ds_names, "lines": paired})
-        pooled = pooled_lines(workdir, ds_names)
+            manifest_tables.append({"kind": "paired", **secondary, "lines": paired})
         if pooled:
             page += [
-                "Over the dataset's configurations: each difference of the paired table averaged over the "
-                "configurations within each seed, then paired by seed (one interval for the dataset; seeds that hold "
-                "every configuration):",
+                "Over the dataset's configurations (secondary, p as in the paired table): each difference of the "
+                "paired table averaged over the configurations within each seed, then paired by seed (one interval "
+                "for the dataset; seeds that hold every configuration), but for those the primary table gives:",
                 "",
                 *pooled,
                 "",
             ]
-            manifest_tables.append({"kind": "pooled", "dataset": data_name, "runs": ds_names, "lines": pooled})
+            manifest_tables.append({"kind": "pooled", **secondary, "lines": pooled})
         page += [
             "Every method. Times: training clocks in seconds. Speedup vs global, 1 device: the global CNN's time over "
             "the method's with its stages one after another on one device. Speedup vs DDP, P devices: the global "
@@ -1508,6 +1554,8 @@ def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
             if figures[key] != entry.get(key):
                 problems.append(f"{name}: the manifest's {key} figures differ from its results.json")
     allowed = set(manifest["header_lines"])
+    primary = next((t["lines"] for t in manifest["tables"] if t["kind"] == "primary"), [])
+    secondary: dict[tuple, dict] = {}  # the page's secondary family, recomputed once
     for table in manifest["tables"]:
         missing = [n for n in table["runs"] if not (root / n / "results.json").is_file()]
         if missing:
@@ -1517,10 +1565,12 @@ def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
             recomputed = report_lines(root, table["runs"]).get(table["dataset"])
         elif table["kind"] == "glance":
             recomputed = glance_lines(root, table["runs"])
-        elif table["kind"] == "paired":
-            recomputed = paired_lines(root, table["runs"])
-        elif table["kind"] == "pooled":
-            recomputed = pooled_lines(root, table["runs"])
+        elif table["kind"] in ("paired", "pooled"):
+            family = tuple(table.get("family") or table["runs"])
+            if family not in secondary:
+                secondary[family] = secondary_tables(root, list(family), primary)
+            paired, pooled = secondary[family].get(_dataset_of(table["runs"][0]), ([], []))
+            recomputed = paired if table["kind"] == "paired" else pooled
         elif table["kind"] == "primary":
             recomputed = primary_lines(root, table["runs"])
         elif table["kind"] == "devices":

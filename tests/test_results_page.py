@@ -86,9 +86,11 @@ def test_tiny_page_holds_the_runs_figures(results, tiny):
         "projected_time_s_by_devices" in json.loads((workdir / n / "results.json").read_text())
         for n in manifest["runs"]
     )
-    # the paired differences over the two configurations (overlap 0 and 2) too
-    # first the primary verdicts of docs/protocol.md section 5a: Holm-adjusted, one family, each comparison once
-    assert kinds == ["primary", "glance", "paired", "pooled", "report", "auc"] + (["devices"] if projected else [])
+    # first the primary verdicts of docs/protocol.md section 5a: Holm-adjusted, one family, each comparison once: the
+    # differences over the two configurations (overlap 0 and 2) are the primary table's, so no table over
+    # configurations repeats them (the global DDP's row is one comparison, in the paired table)
+    assert kinds == ["primary", "glance", "paired", "report", "auc"] + (["devices"] if projected else [])
+    assert not any(line.startswith("| CNN-DNN − global CNN |") for line in page.splitlines())
     assert "## Primary verdicts" in page and "| Holm-adjusted p |" in page
     primary = results.primary_rows(workdir, sorted(manifest["runs"]))
     assert [row["comparison"] for row in primary] == [what for what, *_ in results.PRIMARY]
@@ -159,7 +161,10 @@ def test_the_page_carries_the_reports_paired_differences_and_check_verifies_them
     # ddcnn-report's "Paired differences" of the dataset, line for line, on the page after the glance table
     report = (workdir / "report" / "digits" / "digits.md").read_text().split("Paired differences")[1]
     assert paired["lines"] == [line for line in report.splitlines() if line.startswith("|")]
-    assert "| difference | seeds | mean ± std (points) | 95% interval (points) | verdict |" in paired["lines"][0]
+    assert (
+        "| difference | seeds | mean ± std (points) | 95% interval (points) | p | Holm-adjusted p | verdict |"
+        in (paired["lines"][0])
+    )
     rows = paired["lines"][2:]
     # per overlap, the CNN-DNN against the global CNN, the mean probability and the ensemble of global CNNs whose k
     # the first run chose (the tiny page has no DDP), one seed
@@ -175,7 +180,7 @@ def test_the_page_carries_the_reports_paired_differences_and_check_verifies_them
     for r in rows:  # one seed: no interval; no verdict either against a baseline that did not converge
         run = load_run(workdir / f"digits/2x2_o{r.split(' | ')[2]}_s0")
         verdict = _one_seed_verdict(run.converged(PAIRED[r.split(" | ")[3]]))
-        assert r.endswith(f"| 1 | {r.split(' | ')[5]} | - | {verdict} |")
+        assert r.endswith(f"| 1 | {r.split(' | ')[5]} | - | - | - | {verdict} |")  # no interval, no p
     assert page.index(paired["lines"][0]) > page.index(results.GLANCE_HEAD)
     # a paired line edited on the page (its verdict, or its mean) fails the check, and so does one dropped
     line = rows[0]
@@ -267,7 +272,8 @@ def test_the_glance_leads_carry_the_paired_interval_and_verdict_of_the_report_st
     for comparison, baseline in (("CNN-DNN − mean probability", "mean_prob"), ("CNN-DNN − global CNN", "global")):
         (row,) = [line for line in paired if f"| {comparison} |" in line]
         stats = expected(baseline, True)
-        assert f"| [{stats['low']:+.2f}, {stats['high']:+.2f}] | {stats['verdict']} |" in row
+        assert f"| [{stats['low']:+.2f}, {stats['high']:+.2f}] | {stats['p']:.2g} | " in row
+        assert row.endswith(f" | {stats['verdict']} |")
     # one seed's global CNN did not converge: no verdict against it, only against the (converged) local nets
     _set_convergence(root, names[-1], False)
     to_mean_prob, to_global = cells(results.glance_lines(root, names))
@@ -351,16 +357,89 @@ def test_the_pooled_table_averages_each_seed_over_the_configurations_then_pairs_
             for s in seeds
         ]
         stats = paired_difference(per_seed, True)
-        assert rows[label].endswith(
-            f"| {len(seeds)} | 2 | {stats['mean']:+.2f} ± {stats['std']:.2f} "
-            f"| [{stats['low']:+.2f}, {stats['high']:+.2f}] | {stats['verdict']} |"
-        ), (rows[label], lonely)
+        assert f"| {len(seeds)} | 2 | {stats['mean']:+.2f} ± {stats['std']:.2f} " in rows[label], (rows[label], lonely)
+        assert f"| [{stats['low']:+.2f}, {stats['high']:+.2f}] | {stats['p']:.2g} | " in rows[label]
+        assert rows[label].endswith(f" | {stats['verdict']} |")
+    # the global DDP against the global CNN is the same two trainings in both configurations: the paired table's one
+    # row, not a difference over configurations
+    assert not any("global DDP − global CNN" in line for line in lines)
     # an unconverged global CNN in any seed: no verdict against it
     _set_convergence(root, names[0], False)
     (row,) = [line for line in results.pooled_lines(root, names) if "| CNN-DNN − global CNN |" in line]
     assert row.endswith("| baseline not converged |")
     # one configuration: the paired table is already the dataset's, no pooled table
     assert results.pooled_lines(root, [n for n in names if n.startswith("mnist/2x2_o0")]) == []
+
+
+def test_a_comparison_of_trainings_shared_by_every_grid_is_one_row(results, tmp_path):
+    """The global CNN and its DDP are trained once per seed and serve every grid: their difference is one comparison
+    (one row of grid and overlap "all", one p in the family), not one per configuration; where a configuration's
+    trainings differ, each is its own row."""
+    root, names = _committed_seeds(tmp_path, "mnist/2x2_o0")
+    other_root, other = _committed_seeds(tmp_path / "other", "mnist/4x4_o0")
+    for name in other:
+        shutil.copytree(other_root / name, root / name)
+    both = [*names, *other]
+
+    def accuracy(name: str) -> dict:
+        return json.loads((root / name / "results.json").read_text())["accuracy"]
+
+    shared = all(
+        accuracy(f"mnist/4x4_o0_s{n.rsplit('_s', 1)[1]}")[k] == accuracy(n)[k]
+        for n in names
+        if f"mnist/4x4_o0_s{n.rsplit('_s', 1)[1]}" in other
+        for k in ("global", "global_ddp")
+    )
+    if not shared or len(names) != len(other):
+        pytest.skip("the committed page's 2x2/0 and 4x4/0 runs do not share their global CNN and DDP")
+    ddp = [r for r in results.paired_table(root, both) if r["method_key"] == "global_ddp"]
+    assert [(r["grid"], r["overlap"], r["num_subdomains"], r["n"]) for r in ddp] == [("all", "all", None, len(names))]
+    # another DDP in one seed of 4x4: the two configurations' comparisons differ, two rows
+    path = root / other[0] / "results.json"
+    data = json.loads(path.read_text())
+    data["accuracy"]["global_ddp"] -= 0.01
+    path.write_text(json.dumps(data))
+    ddp = [r for r in results.paired_table(root, both) if r["method_key"] == "global_ddp"]
+    assert sorted(r["grid"] for r in ddp) == ["2x2", "4x4"]
+
+
+def test_the_secondary_rows_are_holm_adjusted_over_the_pages_secondary_family(results, tmp_path):
+    """Per-configuration rows and rows over configurations show the paired t-test's p and beside it p Holm-adjusted
+    over every such row of the page (two datasets here); a comparison the primary table prints is not printed again
+    over the configurations."""
+    from ddcnn.report.stats import holm
+
+    root, names = _committed_seeds(tmp_path, "mnist/2x2_o0")
+    other_root, other = _committed_seeds(tmp_path / "other", "mnist/4x4_o0")
+    fashion_root, fashion = _committed_seeds(tmp_path / "fashion", "fashion_mnist/2x2_o0")
+    for source, group in ((other_root, other), (fashion_root, fashion)):
+        for name in group:
+            shutil.copytree(source / name, root / name)
+    family = [*names, *other, *fashion]
+    rows = [r for group in (names + other, fashion) for r in results.paired_table(root, group)]
+    pooled = results.pooled_rows(root, [*names, *other])
+    tested = [r["p"] for r in (*rows, *pooled) if r["p"] is not None]
+    assert len(tested) > len(pooled) > 0
+    adjusted = sorted(f"{p:.2g}" for p in holm(tested))
+    tables = results.secondary_tables(root, family, [])
+    printed = []
+    for paired_lines, pooled_lines in tables.values():
+        for line in [*paired_lines[2:], *pooled_lines[2:]]:
+            p, p_holm = line.rstrip(" |").split(" | ")[-3:-1]
+            if p != "-":
+                printed.append(p_holm)
+                assert float(p_holm) >= float(p)
+    assert sorted(printed) == adjusted
+    # ddcnn-report of one dataset adjusts within that dataset: a smaller family, never a larger adjusted p
+    own = [r["p_holm"] for r in results.paired_table(root, fashion)]
+    page = [line.rstrip(" |").split(" | ")[-2] for line in tables["fashion_mnist"][0][2:]]
+    assert len(own) == len(page) and any(p is not None for p in own)
+    assert all(p is None and q == "-" or p <= float(q) + 5e-3 for p, q in zip(own, page, strict=True))
+    # the primary table prints CNN-DNN − global CNN of MNIST: not again over its configurations
+    primary = [results.PRIMARY_HEAD, "|---|", "| mnist | CNN-DNN − global CNN | 5 | 2 | 10,000 | +0.10 | [x] |"]
+    _, mnist_pooled = results.secondary_tables(root, family, primary)["mnist"]
+    assert not any("| CNN-DNN − global CNN |" in line for line in mnist_pooled)
+    assert any("| CNN-DNN − mean probability |" in line for line in mnist_pooled)
 
 
 def test_check_fails_when_a_paired_line_of_the_committed_page_is_edited(results):

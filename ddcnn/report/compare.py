@@ -16,8 +16,9 @@ Files written into the output folder:
 - ``report.md``: every dataset's table, the plots and any external baseline rows;
 - ``<dataset>.md`` and ``<dataset>.csv``: the table of one dataset, then its paired differences;
 - ``<dataset>_paired.csv``: the paired differences (CNN-DNN − global CNN, CNN-DNN − mean probability, global DDP −
-  global CNN; test accuracy in points, paired by seed within a configuration) with their 95% t-interval and verdict
-  (:func:`paired_rows`, :mod:`ddcnn.report.stats`);
+  global CNN and the other pairs of :data:`~ddcnn.report.stats.PAIRS`; test accuracy in points, paired by seed within
+  a configuration) with their 95% t-interval, the paired t-test's p, p Holm-adjusted over the report's rows, and the
+  verdict (:func:`paired_rows`, :mod:`ddcnn.report.stats`);
 - ``<dataset>_accuracy_vs_grid.png``, ``<dataset>_time_vs_grid.png``: one panel per backbone and overlap;
 - ``<dataset>_<backbone>_<grid>_o<overlap>_subdomains.png``: mean test accuracy of every local net, laid out like the
   grid (3D grids: one panel per layer of the first axis);
@@ -41,7 +42,7 @@ import numpy as np
 
 from ddcnn.io import atomic_write_text
 from ddcnn.report.results import METHODS, TIMING_RULE, baseline_flag, method_rows
-from ddcnn.report.stats import NO_VERDICT, PAIRS, all_converged, paired_difference, t_quantile_975
+from ddcnn.report.stats import NO_VERDICT, PAIRS, all_converged, holm, paired_difference, t_quantile_975
 from ddcnn.rundir import NON_RESULT_KEYS, RunDir, flatten
 
 log = logging.getLogger(__name__)
@@ -131,9 +132,15 @@ PAIRED_COLUMNS = (
     "std_points",
     "ci_low_points",
     "ci_high_points",
+    "p",
+    "p_holm",
     "verdict",
     "baseline_converged",
 )
+# Comparisons of two arms trained once per dataset and seed whatever the grid (the global CNN and its DDP): their rows
+# of every configuration hold the same differences where the runs share those trainings, and are then one row.
+CONFIGURATION_FREE = (("global_ddp", "global"),)
+ALL_CONFIGURATIONS = "all"
 
 # Differences of a run's timing that mark its rows but do not split groups (they vary from run to run).
 _MARK_ONLY = ("load", "reused")
@@ -547,6 +554,8 @@ def paired_columns(what: str, method: str, baseline: str, stats: Mapping) -> dic
         "std_points": stats["std"],
         "ci_low_points": stats["low"],
         "ci_high_points": stats["high"],
+        "p": stats.get("p"),
+        "p_holm": None,
         "verdict": stats["verdict"],
         "baseline_converged": {True: "yes", False: "no", None: "unknown"}[converged],
     }
@@ -558,13 +567,16 @@ def paired_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, li
     mean, sample std, n, 95% t-interval and verdict (:func:`ddcnn.report.stats.paired_difference`). A seed with several
     runs (timed in different contexts) counts once, with its first run. The verdict is ``baseline not converged`` when
     the baseline of any seed did not converge, and names the seeds whose baseline row is at chance or decides like a
-    constant guess (no lead against those)."""
+    constant guess (no lead against those). Each comparison is one row: the rows of :data:`CONFIGURATION_FREE` whose
+    per-seed differences are the same in every configuration (one global CNN and DDP per seed, reused across grids)
+    are one row of grid and overlap ``all``. ``p`` is the paired t-test's; ``p_holm`` is Holm-adjusted over every row
+    of the report that has a ``p`` (:func:`holm_adjust`; the verdict stays the t-interval's)."""
     tables: dict[str, list[dict]] = {}
     for dataset, group, keys in _by_dataset(runs, ignore):
         configs: dict[tuple, dict[int, Run]] = {}
         for run in sorted(group, key=lambda r: str(r.path)):
             configs.setdefault(_config_key(run, keys), {}).setdefault(run.seed, run)
-        rows = []
+        rows, differences = [], {}
         for key in sorted(configs):
             by_seed = configs[key]
             for what, method, baseline, training in PAIRS:
@@ -586,15 +598,49 @@ def paired_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, li
                         ", ".join(str(seed) for seed in flagged) + ")"
                     )
                 rows.append({**_config_columns(dataset, key), **paired_columns(what, method, baseline, stats)})
-        tables[dataset] = rows
+                differences[id(rows[-1])] = tuple(zip(stats["seeds"], (round(d, 9) for d in diffs), strict=True))
+        tables[dataset] = _one_row_per_comparison(rows, differences)
+    holm_adjust([row for rows in tables.values() for row in rows])
     return tables
+
+
+def _one_row_per_comparison(rows: list[dict], differences: Mapping[int, tuple]) -> list[dict]:
+    """``rows`` with the rows of a :data:`CONFIGURATION_FREE` comparison (of one backbone and settings) that hold the
+    same per-seed ``differences`` (keyed by the row's ``id``) merged into one row of grid and overlap
+    :data:`ALL_CONFIGURATIONS`."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if (row["method_key"], row["baseline_key"]) in CONFIGURATION_FREE:
+            groups.setdefault((row["backbone"], row["settings"], row["comparison"]), []).append(row)
+    merged: dict[int, dict | None] = {}
+    for group in groups.values():
+        if len(group) > 1 and len({differences[id(row)] for row in group}) == 1:
+            merged[id(group[0])] = {
+                **group[0],
+                "grid": ALL_CONFIGURATIONS,
+                "overlap": ALL_CONFIGURATIONS,
+                "num_subdomains": None,
+            }
+            merged.update(dict.fromkeys((id(row) for row in group[1:]), None))
+    return [kept for row in rows if (kept := merged.get(id(row), row)) is not None]
+
+
+def holm_adjust(rows: Sequence[dict]) -> None:
+    """Set ``p_holm`` of each row of ``rows`` that has a ``p``: Holm-adjusted over them (one family,
+    :func:`ddcnn.report.stats.holm`); ``None`` for the others."""
+    tested = [row for row in rows if row.get("p") is not None]
+    for row, adjusted in zip(tested, holm([row["p"] for row in tested]), strict=True):
+        row["p_holm"] = adjusted
+    for row in rows:
+        if row.get("p") is None:
+            row["p_holm"] = None
 
 
 def paired_markdown(rows: Sequence[Mapping]) -> str:
     """The Markdown table of one dataset's :func:`paired_rows`."""
     with_settings = any(r["settings"] for r in rows)
     head = ["backbone", "grid", "overlap", *(["settings"] if with_settings else []), "difference", "seeds"]
-    head += ["mean ± std (points)", "95% interval (points)", "verdict"]
+    head += ["mean ± std (points)", "95% interval (points)", "p", "Holm-adjusted p", "verdict"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         spread = "" if r["std_points"] is None else f" ± {r['std_points']:.2f}"
@@ -603,7 +649,8 @@ def paired_markdown(rows: Sequence[Mapping]) -> str:
         if r["baseline_converged"] == "unknown" and verdict not in NO_VERDICT:
             verdict += " (convergence unknown)"
         cells = [r["backbone"], r["grid"], r["overlap"], *([r["settings"]] if with_settings else [])]
-        cells += [r["comparison"], str(r["n"]), f"{r['mean_points']:+.2f}{spread}", interval, verdict]
+        cells += [r["comparison"], str(r["n"]), f"{r['mean_points']:+.2f}{spread}", interval]
+        cells += ["-" if r[k] is None else f"{r[k]:.2g}" for k in ("p", "p_holm")] + [verdict]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -846,7 +893,10 @@ def write_report(
         "another run's training. Paired differences: test accuracy of the method minus the baseline's, paired by "
         "seed within a configuration, mean ± sample std, 95% t-interval and the verdict that follows it (better / "
         "worse when the interval excludes 0, else within noise; n<2: no interval; no spread: no interval where every "
-        "seed gave the same difference; baseline not converged: no verdict against it).",
+        "seed gave the same difference; baseline not converged: no verdict against it); p the paired t-test's and "
+        "beside it Holm-adjusted over every paired row of this report (all its datasets: one family, the "
+        "multiplicity of reading many rows at once; the verdict stays the interval's). The global DDP against the "
+        "global CNN is one row of grid and overlap `all` where the same two trainings serve every grid.",
         "",
     ]
     for dataset, rows in tables.items():

@@ -98,6 +98,13 @@ def t_quantile_975(df: int) -> float:
     return float(t.ppf(0.975, df))
 
 
+def _t_test_p(statistic: float, df: int) -> float:
+    """The two-sided p of a t ``statistic`` with ``df`` degrees of freedom (SciPy's Student t)."""
+    from scipy.stats import t
+
+    return float(min(1.0, 2 * t.sf(abs(statistic), df)))
+
+
 def all_converged(states: Sequence[bool | None]) -> bool | None:
     """The convergence of a baseline over seeds: ``False`` if any seed's did not converge, else ``None`` if any seed's
     is not recorded, else ``True`` (the ``baseline_converged`` that :func:`verdict` takes)."""
@@ -122,16 +129,18 @@ def verdict(low: float | None, high: float | None, n: int, baseline_converged: b
 def paired_difference(
     differences: Sequence[float], baseline_converged: bool | None = True, seeds: Sequence[int] | None = None
 ) -> dict:
-    """Mean, sample standard deviation, ``n``, 95% t-interval and verdict of paired ``differences`` (one per seed).
+    """Mean, sample standard deviation, ``n``, 95% t-interval, the paired t-test's two-sided p and the verdict of
+    paired ``differences`` (one per seed).
 
     Returns:
-        ``{"n", "mean", "std", "low", "high", "half_width", "verdict", "baseline_converged", "seeds"}``; ``std`` and the
-        interval are ``None`` for fewer than 2 differences, the interval also when they are all equal.
+        ``{"n", "mean", "std", "low", "high", "half_width", "p", "verdict", "baseline_converged", "seeds"}``; ``std``,
+        the interval and ``p`` are ``None`` for fewer than 2 differences, the interval and ``p`` also when they are all
+        equal (``p`` is the t-interval's: at most 0.05 exactly when the interval excludes 0).
     """
     values = [float(d) for d in differences]
     n = len(values)
     mean = sum(values) / n if n else None
-    std = low = high = half = None
+    std = low = high = half = p = None
     if n >= 2:
         std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
         if std <= SPREAD_TOLERANCE:  # equal differences, up to floating-point rounding
@@ -139,6 +148,7 @@ def paired_difference(
         else:
             half = t_quantile_975(n - 1) * std / math.sqrt(n)
             low, high = mean - half, mean + half
+            p = _t_test_p(mean / (std / math.sqrt(n)), n - 1)
     return {
         "n": n,
         "mean": mean,
@@ -146,6 +156,7 @@ def paired_difference(
         "low": low,
         "high": high,
         "half_width": half,
+        "p": p,
         "verdict": NO_SPREAD
         if std == 0 and baseline_converged is not False
         else verdict(low, high, n, baseline_converged),

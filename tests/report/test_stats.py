@@ -50,6 +50,15 @@ def test_known_differences_give_the_known_interval():
     assert out["half_width"] == pytest.approx(t2 * std / math.sqrt(3))
     assert (out["low"], out["high"]) == pytest.approx((mean - t2 * std / math.sqrt(3), mean + t2 * std / 3**0.5))
     assert out["verdict"] == WITHIN_NOISE and out["seeds"] == [0, 1, 2]
+    # the paired t-test's two-sided p, by hand: Student's t with 2 degrees of freedom has the closed-form CDF
+    # 1/2 + t / (2 sqrt(2 + t^2)), so p = 1 - |t| / sqrt(2 + t^2)
+    t = mean / (std / math.sqrt(3))
+    assert out["p"] == pytest.approx(1 - t / math.sqrt(2 + t * t)) and out["p"] > 0.05
+    # p at most 0.05 exactly when the t-interval excludes 0; none without an interval
+    for values in ([1.0, 1.2, 0.8, 1.1, 0.9], [0.1, -0.3, 0.5, 0.2], [2.0, 2.1]):
+        got = paired_difference(values)
+        assert (got["p"] <= 0.05) == (got["low"] > 0 or got["high"] < 0)
+    assert paired_difference([1.0])["p"] is None and paired_difference([0.5, 0.5, 0.5])["p"] is None
     # Five seeds all clearly above 0: better; all below: worse.
     assert paired_difference([1.0, 1.2, 0.8, 1.1, 0.9])["verdict"] == BETTER
     assert paired_difference([-1.0, -1.2, -0.8, -1.1, -0.9])["verdict"] == WORSE
