@@ -926,6 +926,15 @@ def _correct(predictions: dict, key: str):
     return None if pred is None else pred == predictions["labels"].numpy()
 
 
+def _stacked(grid: list[list[dict]], key: str, field: str):
+    """Method ``key``'s compact test ``field`` of each run of ``grid`` (per seed, per configuration: compact
+    predictions) as one array (seeds, configurations, images); None where a run lacks it."""
+    import numpy as np
+
+    got = [[_compact(pred, key, field) for pred in row] for row in grid]
+    return None if any(g is None for row in got for g in row) else np.stack([np.stack(row) for row in got])
+
+
 def primary_rows(root: Path, names: list[str]) -> list[dict]:
     """The page's primary verdicts (docs/protocol.md section 5a): per dataset and comparison of :data:`PRIMARY`, the
     per-seed difference of test accuracy averaged over the dataset's configurations (and of balanced accuracy and AUC
@@ -960,49 +969,37 @@ def primary_rows(root: Path, names: list[str]) -> list[dict]:
             return {**made, "labels": made["labels"].long(), "methods": methods}
         return None
 
-    by_dataset: dict[str, dict[str, tuple]] = {}
+    # per dataset, per (seed, configuration): the first run's compact test predictions and the run
+    by_dataset: dict[str, dict[tuple[int, str], tuple]] = {}
     for name in sorted(names):
         if (pred := predictions(root / name)) is not None:
-            by_dataset.setdefault(_dataset_of(name), {})[name] = (pred, load_run(root / name))
+            run = load_run(root / name)
+            config = name.split("/", 1)[1].rsplit("_s", 1)[0]
+            by_dataset.setdefault(_dataset_of(name), {}).setdefault((run.seed, config), (pred, run))
     rows = []
-    for key, runs in by_dataset.items():
-        labels = {tuple(pred["labels"].tolist()) for pred, _ in runs.values()}
-        if len(labels) != 1:  # test images that differ between runs (test subsets): no pairing over images
-            continue
+    for key, cells in by_dataset.items():
+        if len({tuple(pred["labels"].tolist()) for pred, _ in cells.values()}) != 1:
+            continue  # test images that differ between runs (test subsets): no pairing over images
+        labels = next(iter(cells.values()))[0]["labels"].numpy()
         for what, method, baseline, training in PRIMARY:
-            per_seed: dict[int, dict[str, np.ndarray]] = {}
-            states = []
-            for name, (pred, run) in runs.items():
-                a, b = _correct(pred, method), _correct(pred, baseline)
-                if a is None or b is None:
-                    continue
-                config = name.split("/", 1)[1].rsplit("_s", 1)[0]
-                per_seed.setdefault(run.seed, {}).setdefault(config, a.astype(np.int8) - b.astype(np.int8))
-                states.append(run.converged(training))
-            configs = set().union(*per_seed.values()) if per_seed else set()
-            seeds = sorted(seed for seed, diffs in per_seed.items() if set(diffs) == configs)
+            held = {
+                cell: (pred, run)
+                for cell, (pred, run) in cells.items()
+                if _correct(pred, method) is not None and _correct(pred, baseline) is not None
+            }
+            configs = sorted({config for _, config in held})
+            seeds = sorted({seed for seed, _ in held if all((seed, c) in held for c in configs)})
             if not seeds:
                 continue
-            d = np.stack([np.mean([per_seed[s][c] for c in sorted(configs)], axis=0) for s in seeds])
-            boots = [(what, two_level_bootstrap(d))]
+            grid = [[held[seed, config][0] for config in configs] for seed in seeds]  # (seeds, configurations)
+            a, b = ((_stacked(grid, k, "pred") == labels).astype(np.int8) for k in (method, baseline))
+            boots = [(what, two_level_bootstrap((a - b).mean(axis=1)))]
             for metric in PRIMARY_METRICS.get(key, ()):
-                field = "prob1" if metric == "auc" else "pred"
-                arrays: dict[str, dict[tuple, np.ndarray]] = {method: {}, baseline: {}}
-                for name, (pred, run) in runs.items():
-                    config = name.split("/", 1)[1].rsplit("_s", 1)[0]
-                    for k in arrays:
-                        if run.seed in seeds and (got := _compact(pred, k, field)) is not None:
-                            arrays[k][run.seed, config] = got
-                cells = [(s, c) for s in seeds for c in sorted(configs)]
-                if all(cell in arrays[k] for k in arrays for cell in cells):
-                    a, b = (
-                        np.stack([arrays[k][cell] for cell in cells]).reshape(len(seeds), len(configs), -1)
-                        for k in arrays
-                    )
-                    labels = next(iter(runs.values()))[0]["labels"].numpy()
-                    boots.append(
-                        (f"{what} ({METRIC_LABELS[metric]})", two_level_bootstrap_metric(metric, labels, a, b))
-                    )
+                scores = [_stacked(grid, k, "prob1" if metric == "auc" else "pred") for k in (method, baseline)]
+                if all(score is not None for score in scores):
+                    comparison = f"{what} ({METRIC_LABELS[metric]})"
+                    boots.append((comparison, two_level_bootstrap_metric(metric, labels, *scores)))
+            converged = all_converged([run.converged(training) for _, run in held.values()])
             for comparison, boot in boots:
                 rows.append(
                     {
@@ -1016,7 +1013,7 @@ def primary_rows(root: Path, names: list[str]) -> list[dict]:
                         "high": 100 * boot["high"],
                         "p": boot["p"],
                         "t_interval": paired_difference([100 * v for v in boot["per_seed"]]),
-                        "converged": all_converged(states),
+                        "converged": converged,
                     }
                 )
     for row, adjusted in zip(rows, holm([row["p"] for row in rows]), strict=True):
@@ -1344,9 +1341,13 @@ def write_page(
         "",
         "**Training rule, one for every method.** Every training (local nets, out-of-fold local nets, global CNN, end"
         " to end, transfer, global transfer, global DDP) stops once its monitored validation metric "
-        "(`engine.monitor`) has not improved by more than `engine.min_delta` for `engine.patience` epochs (where the "
-        "engine has `engine.min_epochs`, not before that epoch), capped at `trainer.max_epochs` (all in each run's "
-        "`config.yaml`; `engine.patience: null`: every epoch of the cap), and keeps the weights of its best epoch; "
+        "(`engine.monitor`) has not improved by more than `engine.min_delta` for `engine.patience` epochs, counted "
+        "from its kept epoch and, under the plateau scheduler, from its last drop of the rate (each rate gets "
+        "`patience` epochs; runs of a ddcnn before that counted from the kept epoch only); not before "
+        "`engine.min_epochs` epochs and `engine.min_steps` optimizer steps where the engine has them, and a stop that "
+        "these held back waits while the training still improves (docs/protocol.md section 2); capped at "
+        "`trainer.max_epochs` (all in each run's `config.yaml`; `engine.patience: null`: every epoch of the cap), and "
+        "keeps the weights of its best epoch; "
         "every coarse DNN stops the same way after `coarse.patience` epochs. Where each training stopped is in its "
         "`meta.json` (`stopped_epoch` where early stopping ended it, `best_epoch` the epoch kept) and its epochs in "
         "`logs/metrics.csv`, both in the run's snapshot "
@@ -1354,7 +1355,9 @@ def write_page(
         "learning-rate schedule of every training is the `scheduler` of its `config.yaml` (MNIST and Fashion-MNIST: "
         "the rate multiplied by `factor` once the validation accuracy has not improved by more than its `threshold` "
         "for more than `patience` epochs, so that one noisy epoch makes the step smaller rather than ending the "
-        "training).",
+        "training; never below `min_lr` and not again for `cooldown` epochs after a drop, where the config sets "
+        "them). Whether each training converged is its `meta.json` `convergence` record, by the test of section 2 "
+        "of the protocol that the run was trained under.",
         "",
         "Each run's settings are its `config.yaml` in `results/runs/<run>/`; the command of each is in its "
         "`experiment_run.json`. Accuracy: mean ± sample standard deviation over the seeds. Times: training clocks of "
