@@ -40,7 +40,9 @@ What it does, in order:
    the flag, unless ``--retrain`` trains it again. Each finished run is snapshotted at once under
    ``OUT/results/runs/`` (``--snapshot`` does it for the finished runs of a workdir), and a run whose run directory
    is gone but whose snapshot of the planned command is there is restored from it, not trained again: commit the
-   snapshots of an unfinished invocation and a later one, on another machine, trains only the rest.
+   snapshots of an unfinished invocation and a later one, on another machine, trains only the rest. One invocation
+   trains into a workdir at a time: a second one is refused at once, naming the first (``WORKDIR/.results.lock``,
+   released by the kernel however the first ends).
 2. **Reports** them with ``ddcnn-report`` (tables with accuracy mean ± std over the seeds, times, speedups at equal
    device counts and to the fixed target of ``docs/protocol.md``; the paired differences with their 95% intervals and
    verdicts; plots) into ``WORKDIR/report``.
@@ -2157,6 +2159,30 @@ def rewrite(out: Path, command: str) -> int:
     return 1 if problems else 0
 
 
+LOCK = ".results.lock"  # in WORKDIR: held by the invocation that trains into it, released by the kernel at its exit
+
+
+def hold_workdir(workdir: Path):
+    """The workdir's lock (an exclusive ``flock``, ``filelock.FileLock``), taken at once or refused: two invocations
+    training into one workdir would each remove what the other is training (``--retrain``), write the same snapshots
+    and race for the page. A dead holder's lock is free (the kernel releases it), so a killed invocation never blocks
+    the next. The returned lock is held until it is released or collected."""
+    from filelock import FileLock, Timeout
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    lock, owner = FileLock(workdir / LOCK, thread_local=False), workdir / f"{LOCK}.owner"
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        holder = owner.read_text().strip() if owner.is_file() else "another process"
+        raise SystemExit(
+            f"results.py: {holder} is training into {workdir}; wait for it to finish or stop it (kill its process "
+            "group) before starting another invocation, or give this one another --workdir."
+        ) from None
+    owner.write_text(f"results.py (pid {os.getpid()} on {platform.node()}, since {time.strftime('%Y-%m-%d %H:%M')})\n")
+    return lock
+
+
 def interim(out: Path, datasets: list[Dataset], specs: list[RunSpec], command: str, threads: int, tiny: bool) -> int:
     """Write ``OUT/results.md`` from the finished runs of an unfinished invocation: those of ``specs`` whose snapshot
     under ``OUT/results/runs`` holds the planned command; the header says the page is interim, with what is missing.
@@ -2237,6 +2263,18 @@ def main(argv: list[str] | None = None) -> int:
     stale = stale_runs(specs, workdir)
     if stale and not args.retrain:
         raise SystemExit(stale_message(stale, workdir))
+    lock = hold_workdir(workdir)
+    try:
+        return train_and_write(args, datasets, specs, workdir, out, command)
+    finally:
+        lock.release()
+
+
+def train_and_write(
+    args: argparse.Namespace, datasets: list[Dataset], specs: list[RunSpec], workdir: Path, out: Path, command: str
+) -> int:
+    """Train every run of ``specs`` not finished yet into ``workdir`` (``args.jobs`` at a time, the timing runs first),
+    then the report and the page into ``out``; 1 when the page's own check fails."""
     start = time.time()
     print(f"results.py: {len(specs)} runs into {workdir}, page into {out} (load {_loadavg()})", flush=True)
 

@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -560,6 +561,36 @@ def test_adrenal3d_has_primary_verdicts_of_balanced_accuracy_and_auc_beside_accu
             expected = (entry(method)["pred"].numpy() == y).mean() - (entry(baseline)["pred"].numpy() == y).mean()
         assert row["difference"] == pytest.approx(100 * expected), row["comparison"]
         assert row["low"] <= row["difference"] <= row["high"]
+
+
+def test_a_second_invocation_into_a_training_workdir_is_refused_until_the_first_is_gone(results, tmp_path):
+    """Two invocations training into one workdir would remove each other's runs (--retrain) and race for the page:
+    the second is refused at once, naming the first; once the first is killed, its lock is free."""
+    workdir = tmp_path / "runs"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import importlib.util, sys, time; from pathlib import Path; "
+            "spec = importlib.util.spec_from_file_location('results', sys.argv[1]); "
+            "m = sys.modules['results'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "held = m.hold_workdir(Path(sys.argv[2])); print('held', flush=True); time.sleep(120)",
+            str(REPO / "experiments" / "results.py"),
+            str(workdir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SystemExit, match=rf"results.py \(pid {holder.pid} on .*\) is training into {workdir}"):
+            results.main(["--tiny", "--out", str(tmp_path / "page"), "--workdir", str(workdir)])
+        assert not (tmp_path / "page").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    held = results.hold_workdir(workdir)  # the kernel released the killed holder's lock
+    held.release()
 
 
 def test_tiny_mode_never_writes_into_docs(results, capsys):
