@@ -1186,6 +1186,39 @@ def flag_lines(root: Path, names: list[str]) -> list[str]:
     ]
 
 
+KEPT_LABELS = {"trained": "the trained DNN", "linear": "its linear path", "averaging": "averaging the local nets"}
+
+
+def coarse_kept_lines(root: Path, names: list[str]) -> list[str]:
+    """Per coarse stage of the runs ``names`` (the CNN-DNN at ``coarse.input``; the paper's probabilities beside it),
+    which candidate its fit kept on validation (``meta.json`` ``fit.kept``, docs/coarse.md): where it kept averaging,
+    the CNN-DNN's predictions are the mean probability's, and their difference is 0 by construction, not by
+    measurement. Empty when no run records it."""
+    lines = []
+    for stage, label in (("coarse", "CNN-DNN"), ("coarse_alt", "CNN-DNN on the other coarse input")):
+        kept: dict[str, list[str]] = {}
+        for name in names:
+            meta = root / name / stage / "meta.json"
+            if meta.is_file():
+                choice = (json.loads(meta.read_text()).get("fit") or {}).get("kept")
+                if choice:
+                    kept.setdefault(choice, []).append(name)
+        if not kept:
+            continue
+        counts = ", ".join(f"{KEPT_LABELS.get(k, k)} in {len(v)}" for k, v in sorted(kept.items()))
+        runs = sum(map(len, kept.values()))
+        line = f"- {label} (`{stage}/meta.json` `fit.kept`), of {runs} run{'s' * (runs != 1)}: {counts}"
+        averaged = kept.get("averaging", [])
+        if averaged:
+            shown = ", ".join(f"`{n}`" for n in averaged[:5]) + (", ..." if len(averaged) > 5 else "")
+            line += (
+                f"; where it kept averaging ({shown}) its predictions are the mean probability's, a difference of 0 "
+                "to that row by construction"
+            )
+        lines.append(line + ".")
+    return lines
+
+
 def _machine() -> dict[str, str]:
     model = "unknown"
     try:
@@ -1495,6 +1528,14 @@ def write_page(
             ]
             manifest_tables.append({"kind": "devices", "dataset": data_name, "runs": ds_names, "lines": lines})
         page += ["Flagged rows:", "", *flag_lines(workdir, ds_names), ""]
+        kept = coarse_kept_lines(workdir, ds_names)
+        if kept:
+            page += [
+                "What the coarse fit kept, per run: the candidate it chose on the validation split (docs/coarse.md):",
+                "",
+                *kept,
+                "",
+            ]
         figures = []
         for png in sorted((report_dir / dataset.key).glob(f"{slug}_*.png")):
             name = prefix + png.name[len(slug) :]
@@ -1602,6 +1643,9 @@ def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
             unlisted = [line for line in flag_lines(root, table["runs"]) if line not in page_lines]
             if unlisted:
                 problems.append(f"flags of {table['dataset']}: {len(unlisted)} line(s) not on the page")
+            unlisted = [line for line in coarse_kept_lines(root, table["runs"]) if line not in page_lines]
+            if unlisted:
+                problems.append(f"coarse fits kept of {table['dataset']}: {len(unlisted)} line(s) not on the page")
     return problems
 
 

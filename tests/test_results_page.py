@@ -130,6 +130,30 @@ def test_check_fails_when_a_figure_on_the_page_is_altered(results, tiny):
     assert any("not on the page" in p for p in results.check_manifest(dropped, manifest, workdir))
 
 
+def test_the_page_says_which_candidate_each_coarse_fit_kept(results, tiny, tmp_path):
+    out, workdir = tiny
+    page, manifest = _page_and_manifest(out)
+    names = sorted(manifest["runs"])
+    kept = [json.loads((workdir / n / "coarse" / "meta.json").read_text())["fit"]["kept"] for n in names]
+    lines = results.coarse_kept_lines(workdir, names)
+    assert lines and all(line in page for line in lines)
+    assert f"of {len(names)} runs: " in lines[0] and all(results.KEPT_LABELS[k] in lines[0] for k in kept)
+    # a fit that kept averaging is named: its CNN-DNN is the mean probability by construction
+    copy = tmp_path / "runs"
+    for name in names:
+        shutil.copytree(workdir / name / "coarse", copy / name / "coarse")
+    meta = copy / names[0] / "coarse" / "meta.json"
+    record = json.loads(meta.read_text())
+    record["fit"]["kept"] = "averaging"
+    meta.write_text(json.dumps(record))
+    (line,) = results.coarse_kept_lines(copy, names)
+    assert f"of {len(names)} runs: " in line and "averaging the local nets in 1" in line
+    assert f"(`{names[0]}`) its predictions are the mean probability's" in line
+    # check_manifest names the line when the page drops it
+    dropped = page.replace(lines[0] + "\n", "")
+    assert any("coarse fits kept" in p for p in results.check_manifest(dropped, manifest, workdir))
+
+
 @pytest.mark.slow
 def test_the_glance_table_pairs_the_cnn_dnn_with_averaging_by_seed(results, tiny):
     out, workdir = tiny
