@@ -390,7 +390,10 @@ def test_following_the_advice_for_lagging_batch_norm_statistics_converges(tmp_pa
     # AdrenalMNIST3D's shape on the built-in digits: 1,200 training images, 98 validation images, batch 32 (38 steps an
     # epoch), a two-class task (digits 0-4 against 5-9), ddcnn's vgg_tiny with PyTorch's batch norm (momentum 0.1),
     # selection on val_loss with patience 4. The split (seed 51) is one a search over seeds found where the validation
-    # loss spikes after the kept epoch 1 (0.077 -> 0.216 -> 0.1 -> 0.307) while the training loss falls every epoch.
+    # loss spikes after the kept epoch 1 while the training loss falls every epoch. The trajectory's float rounding
+    # follows the CPU's kernels (same code and packages, one thread): on the machine the split was found on the
+    # validation loss ran 0.077 -> 0.216 -> 0.1 -> 0.307, on an AVX2-only EPYC 0.077 -> 0.157 -> 0.12 -> 0.114 ->
+    # 0.245; both are the lagging statistics' spikes.
     import torch
     from sklearn.datasets import load_digits
 
@@ -423,12 +426,13 @@ def test_following_the_advice_for_lagging_batch_norm_statistics_converges(tmp_pa
     finally:
         torch.set_num_threads(threads)
     assert typed[0].endswith("recompute them before each validation, engine.precise_bn=10")
-    # with the statistics recomputed the validation curve is the training's: it improves past epoch 1 (to 0.034 at
-    # epoch 8), then rises while the training loss falls, which the budget ends before early stopping does; at a third
-    # of the rate (the next advice) early stopping ends it at its best epoch
-    assert typed[1:] == [
-        "overfitting (validation loss rising while the training loss falls): a lower learning rate, "
-        "optimizer.lr=0.00667"
-    ]
+    # with the statistics recomputed the validation curve is the training's: it improves past epoch 1. Whether it then
+    # rises while the training loss falls before the budget ends depends on the CPU's rounding (where the split was
+    # found: it did, and the next advice, a third of the rate, let early stopping end it at its best epoch; on the AVX2
+    # EPYC: the budget ended it, its best epoch 8 of 12). Either way no advice names the statistics again, and the
+    # training converges.
+    overfitting = "overfitting (validation loss rising while the training loss falls): a lower learning rate, "
+    assert typed[1:] in ([], [overfitting + "optimizer.lr=0.00667"]), typed
     assert record["converged"] is True and record["batch_norm"] == "precise" and result.best_epoch > 1
-    assert result.history[result.best_epoch]["val_acc"] > 0.95 and result.stopped_by == "early_stopping"
+    assert result.history[result.best_epoch]["val_acc"] > 0.95
+    assert result.stopped_by == ("early_stopping" if typed[1:] else "budget")
