@@ -1640,12 +1640,10 @@ def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
         if absent:
             problems.append(f"table {table['kind']} of {table['dataset']}: {len(absent)} line(s) not on the page")
         if table["kind"] == "report" and all((root / n / "results.json").is_file() for n in table["runs"]):
-            unlisted = [line for line in flag_lines(root, table["runs"]) if line not in page_lines]
-            if unlisted:
-                problems.append(f"flags of {table['dataset']}: {len(unlisted)} line(s) not on the page")
-            unlisted = [line for line in coarse_kept_lines(root, table["runs"]) if line not in page_lines]
-            if unlisted:
-                problems.append(f"coarse fits kept of {table['dataset']}: {len(unlisted)} line(s) not on the page")
+            for what, lines_of in (("flags", flag_lines), ("coarse fits kept", coarse_kept_lines)):
+                unlisted = [line for line in lines_of(root, table["runs"]) if line not in page_lines]
+                if unlisted:
+                    problems.append(f"{what} of {table['dataset']}: {len(unlisted)} line(s) not on the page")
     return problems
 
 

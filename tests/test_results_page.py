@@ -130,6 +130,7 @@ def test_check_fails_when_a_figure_on_the_page_is_altered(results, tiny):
     assert any("not on the page" in p for p in results.check_manifest(dropped, manifest, workdir))
 
 
+@pytest.mark.slow
 def test_the_page_says_which_candidate_each_coarse_fit_kept(results, tiny, tmp_path):
     out, workdir = tiny
     page, manifest = _page_and_manifest(out)
