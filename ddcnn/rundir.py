@@ -146,6 +146,26 @@ ADDED_DEFAULTS: dict[str, Any] = {
     "data.source.duplicates": "report",
     "data.source.class_map": None,
 }
+# What a record without the key held, where today's default differs (ddcnn.settings.run.OLD_RECIPE): min_epochs is
+# left out while patience is null (INERT_WITHOUT), min_steps and precise_bn at 0 and global_lr_scale at 1
+# (NEUTRAL_SETTINGS), the scheduler's null kept.
+RECORD_ABSENT_MEANS: dict[str, Any] = {
+    "engine.min_epochs": None,
+    "engine.min_steps": 0,
+    "engine.precise_bn": 0,
+    "global_lr_scale": 1.0,
+}
+
+
+def absent_means(key: str, absent: Any = None) -> Any:
+    """What a record (maybe of an older ddcnn) that lacks ``key`` trained with: the key's value before it was
+    recorded (:data:`RECORD_ABSENT_MEANS`) or its default when added (:data:`ADDED_DEFAULTS`); ``absent`` for a key
+    of neither."""
+    if key in RECORD_ABSENT_MEANS:
+        return RECORD_ABSENT_MEANS[key]
+    return ADDED_DEFAULTS.get(key, absent)
+
+
 # Defaults that changed: a record with the old default matches a configuration with the new one (key -> (old, new)).
 # The coarse DNN's recipe: a finished coarse stage stays finished, and its meta.json records how it was
 # trained (coarse_net, fit); force=true retrains it with today's recipe.

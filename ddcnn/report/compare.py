@@ -43,7 +43,7 @@ import numpy as np
 from ddcnn.io import atomic_write_text
 from ddcnn.report.results import METHODS, TIMING_RULE, baseline_flag, method_rows
 from ddcnn.report.stats import NO_VERDICT, PAIRS, all_converged, holm, paired_difference, t_quantile_975
-from ddcnn.rundir import NON_RESULT_KEYS, RunDir, flatten
+from ddcnn.rundir import NON_RESULT_KEYS, RunDir, absent_means, flatten, flatten_recorded
 
 log = logging.getLogger(__name__)
 
@@ -329,9 +329,27 @@ def load_baseline_rows(path: str | Path) -> list[dict]:
 
 
 # --- tables --------------------------------------------------------------------------------------
-def _flatten(d: Mapping) -> dict[str, Any]:
+def _hashable(value: Any) -> Any:
     # Lists and dicts as JSON text: group labels and comparisons need hashable values.
-    return {k: json.dumps(v, sort_keys=True) if isinstance(v, list | dict) else v for k, v in flatten(d).items()}
+    return json.dumps(value, sort_keys=True) if isinstance(value, list | dict) else value
+
+
+def _flatten(d: Mapping) -> dict[str, Any]:
+    """A run's recorded settings, flattened under today's names (:func:`ddcnn.rundir.flatten_recorded`)."""
+    return {k: _hashable(v) for k, v in flatten_recorded(d).items()}
+
+
+_UNSET = "<unset>"
+
+
+def _setting(flat: Mapping[str, Any], key: str) -> Any:
+    """A run's value of setting ``key``; where its record lacks the key (recorded by a ddcnn from before the setting
+    existed), what it trained with (:func:`ddcnn.rundir.absent_means`: ``engine.precise_bn`` 0, say, which newer
+    runs record), so that seeds trained by two versions of ddcnn with the same settings are one configuration."""
+    if key in flat:
+        return flat[key]
+    meant = absent_means(key, _UNSET)
+    return meant if meant == _UNSET else _hashable(meant)
 
 
 def _ignored(key: str, extra: Sequence[str] = ()) -> bool:
@@ -346,12 +364,12 @@ def _varying_settings(runs: Sequence[Run], ignore: Sequence[str] = ()) -> list[s
     keys = sorted({k for f in flat for k in f if not _ignored(k, ignore)})
     if all(f.get("data.split_seed") == r.seed for f, r in zip(flat, runs, strict=True)):
         keys = [k for k in keys if k != "data.split_seed"]
-    return [k for k in keys if len({repr(f.get(k, "<unset>")) for f in flat}) > 1]
+    return [k for k in keys if len({repr(_setting(f, k)) for f in flat}) > 1]
 
 
 def _settings_label(run: Run, keys: Sequence[str]) -> str:
     flat = _flatten(run.config)
-    return ", ".join(f"{k}={flat.get(k, '<unset>')}" for k in keys)
+    return ", ".join(f"{k}={_setting(flat, k)}" for k in keys)
 
 
 def _mean(values: Iterable[float | None]) -> float | None:

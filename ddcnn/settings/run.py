@@ -31,7 +31,15 @@ from typing import Any
 
 from ddcnn import registry
 from ddcnn.data.prepare import PrepareSettings
-from ddcnn.rundir import CHANGED_DEFAULTS, INERT_WITHOUT, RunDir, RunIdentity, flatten, flatten_recorded
+from ddcnn.rundir import (
+    CHANGED_DEFAULTS,
+    INERT_WITHOUT,
+    RECORD_ABSENT_MEANS,
+    RunDir,
+    RunIdentity,
+    flatten,
+    flatten_recorded,
+)
 from ddcnn.settings.loop import LoopSettings, check_srun_ddp, resolve_precise_bn
 from ddcnn.settings.read import AUTO, Section, positive_int, yaml_default
 
@@ -562,14 +570,6 @@ OLD_RECIPE: dict[str, Any] = {
     "scheduler": None,
     # before it existed (and its default auto), batch norm kept its running statistics on volumes too
     "engine.precise_bn": 0,
-}
-# What a record without the key held: min_epochs is left out while patience is null (INERT_WITHOUT), min_steps and
-# precise_bn at 0 and global_lr_scale at 1 (NEUTRAL_SETTINGS), the scheduler's null kept.
-RECORD_ABSENT_MEANS: dict[str, Any] = {
-    "engine.min_epochs": None,
-    "engine.min_steps": 0,
-    "engine.precise_bn": 0,
-    "global_lr_scale": 1.0,
 }
 
 

@@ -390,3 +390,38 @@ def test_a_split_seed_that_follows_the_seed_keeps_the_seeds_in_one_group():
     assert _varying_settings([run(0, 0), run(1, 1), run(2, 2)]) == []
     assert _varying_settings([run(0, 0), run(1, 0), run(2, 0)]) == []
     assert _varying_settings([run(0, 0), run(1, 1), run(2, 0)]) == ["data.split_seed"]
+
+
+def test_seeds_trained_by_two_versions_of_ddcnn_with_the_same_settings_are_one_configuration():
+    """A run recorded before a setting existed trained with what its absence meant (``engine.precise_bn`` 0,
+    ``engine.min_steps`` 0, ``global_lr_scale`` 1, an added default such as ``coarse.linear.enabled``, a key under
+    its old name): it is the same configuration as a later seed that records those values, so a page whose seeds
+    straddle a release pairs them in one row; a seed that trained otherwise still splits, labelled with the value
+    each run trained with."""
+    from pathlib import Path
+
+    from ddcnn.report.compare import Run, _settings_label, _varying_settings
+
+    def run(seed: int, **recorded) -> Run:
+        config = {"seed": seed, "data": {"split_seed": seed}, "trainer": {}, "engine": {}, "coarse": {"linear": {}}}
+        for dotted, value in recorded.items():
+            section, key = dotted.split("__")
+            node = config[section] if section != "coarse_linear" else config["coarse"]["linear"]
+            node[key] = value
+        return Run(Path(f"run{seed}"), {}, config, "mnist", "vgg_small", (2, 2), (2, 2), seed)
+
+    older = run(0, trainer__monitor="val_acc")
+    newer = run(1, engine__monitor="val_acc", engine__precise_bn=0, engine__min_steps=0, coarse_linear__enabled=True)
+    newer.config["global_lr_scale"] = 1.0
+    assert _varying_settings([older, newer]) == []
+
+    other = run(2, engine__monitor="val_acc", engine__precise_bn=10)
+    assert _varying_settings([older, newer, other]) == ["engine.precise_bn"]
+    assert [_settings_label(r, ["engine.precise_bn"]) for r in (older, newer, other)] == [
+        "engine.precise_bn=0",
+        "engine.precise_bn=0",
+        "engine.precise_bn=10",
+    ]
+    # a key no record explains stays a difference, named as unset where a run lacks it
+    assert _varying_settings([older, run(3, engine__monitor="val_acc", engine__ema=0.99)]) == ["engine.ema"]
+    assert _settings_label(older, ["engine.ema"]) == "engine.ema=<unset>"
