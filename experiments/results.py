@@ -1231,10 +1231,16 @@ def _machine() -> dict[str, str]:
     return {"cpu": model, "cores": str(os.cpu_count()), "system": f"{platform.system()} {platform.release()}"}
 
 
-def _git_commit() -> str:
+def _git_commit(root: Path = ROOT) -> str:
+    """The checkout's commit, "(with uncommitted changes)" where a tracked file outside ``docs/`` differs from it:
+    the page writes its snapshots into ``docs/`` of the checkout that trains it, which are not uncommitted code."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs"],
+            cwd=root,
+            capture_output=True,
+        )
         if head.returncode != 0 or not head.stdout.strip():
             return "unknown (not a git checkout)"
         return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")

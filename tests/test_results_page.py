@@ -1021,3 +1021,25 @@ def test_a_page_figure_copied_outside_a_generated_block_fails_the_check(results,
     if (REPO / "docs" / "results.md").is_file():
         page = (REPO / "docs" / "results.md").read_text()
         assert results.figures_outside_blocks(page, results.prose_files(), results.__doc__) == []
+
+
+def test_a_run_trained_where_only_docs_differ_from_the_commit_records_the_commit_clean(results, tmp_path):
+    """The page writes its snapshots into the training checkout's ``docs/``: that is no uncommitted code, and a run
+    trained beside them records the bare commit; a changed tracked file elsewhere is still named."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "snapshot.json").write_text("{}\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    head = git("rev-parse", "--short", "HEAD")
+
+    (tmp_path / "docs" / "snapshot.json").write_text('{"retrained": true}\n')
+    (tmp_path / "untracked.py").write_text("y = 2\n")
+    assert results._git_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert results._git_commit(tmp_path) == f"{head} (with uncommitted changes)"
