@@ -135,6 +135,15 @@ def shard(indices: Sequence[int], task: SrunTask) -> list[int]:
     return [i for i in indices if i % task.ntasks == task.rank]
 
 
+def cpu_capability() -> str:
+    """The vector instructions torch's CPU kernels use here (``AVX512``, ``AVX2``, ``DEFAULT``...): two machines that
+    report one CPU model name may differ in them, and then so do their times and the rounding of their floats."""
+    import torch
+
+    get = getattr(torch.backends.cpu, "get_cpu_capability", None)
+    return str(get()) if get is not None else "unknown"
+
+
 def execution_context(device: str | None = None, num_devices: int = 1, threads_by_design: str | None = None) -> dict:
     """The context a stage's time was measured in, recorded in its ``meta.json`` beside ``time_s``.
 
@@ -159,6 +168,7 @@ def execution_context(device: str | None = None, num_devices: int = 1, threads_b
         "torch_threads": int(torch.get_num_threads()),
         "concurrent_trainings": workers,
         "cpu_count": os.cpu_count(),
+        "cpu_capability": cpu_capability(),
         "host": socket.gethostname(),
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -1228,7 +1228,14 @@ def _machine() -> dict[str, str]:
                 break
     except OSError:
         pass
-    return {"cpu": model, "cores": str(os.cpu_count()), "system": f"{platform.system()} {platform.release()}"}
+    from ddcnn.runtime import cpu_capability
+
+    return {
+        "cpu": model,
+        "cpu_capability": cpu_capability(),  # one model name, other vector instructions: other times and rounding
+        "cores": str(os.cpu_count()),
+        "system": f"{platform.system()} {platform.release()}",
+    }
 
 
 def _git_commit(root: Path = ROOT) -> str:
@@ -1277,7 +1284,11 @@ def runs_summary(root: Path, names: list[str]) -> dict:
     last = max(starts[n].timestamp() + r["wall_s"] for n, r in records.items())
     loads = [float(r[k].split()[0]) for r in records.values() for k in ("load_before", "load_after") if r.get(k)]
     machines = sorted(
-        {f"{m['cpu']}, {m['cores']} cores, {m['system']}" for r in records.values() if (m := r.get("machine"))}
+        {
+            f"{m['cpu']}{f' ({isa})' if (isa := m.get('cpu_capability')) else ''}, {m['cores']} cores, {m['system']}"
+            for r in records.values()
+            if (m := r.get("machine"))
+        }
     )
     jobs: dict[str, dict[int, int]] = {}
     for r in records.values():

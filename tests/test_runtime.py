@@ -153,11 +153,15 @@ def test_a_timing_context_records_the_load_and_the_code_it_timed(no_slurm):
     too)."""
     import os
 
+    import torch
+
     from ddcnn.runtime import execution_context, source_hash
     from ddcnn.stages.reuse import source_hash as reuse_hash
 
     context = execution_context("cpu")
     assert context["code"] == source_hash() == reuse_hash() and len(context["code"]) == 16
+    # the instructions torch's CPU kernels use: machines of one model name differ in them, and so do their times
+    assert context["cpu_capability"] == str(torch.backends.cpu.get_cpu_capability())
     if hasattr(os, "getloadavg"):
         load = context["load_avg"]
         assert len(load) == 3 and all(isinstance(v, float) and v >= 0 for v in load)

@@ -177,8 +177,10 @@ class Run:
             return "unknown"
         c = contexts[0]
         trainings = c.get("concurrent_trainings", 1)
+        isa = f" ({c['cpu_capability']})" if c.get("cpu_capability") else ""
         return (
-            f"{c.get('device')}, {c.get('torch_threads')} thread(s), {trainings} training(s) at once, {c.get('host')}"
+            f"{c.get('device')}{isa}, {c.get('torch_threads')} thread(s), {trainings} training(s) at once, "
+            f"{c.get('host')}"
         )
 
     @property
@@ -905,10 +907,11 @@ def write_report(
         "training clocks only: the geometric mean over the runs where both reached it and whose timing is "
         "comparable, with its 95% t-interval on the log scale (reached/runs; runs whose timing is not comparable "
         "are counted and left out). " + TIMING_RULE + " Runs whose times were measured in different contexts (device, "
-        "threads, trainings sharing the machine, host, code) are never averaged together; a `timing context` column "
-        "appears when a table holds more than one, and `mixed (...)` marks a run whose own compared times come from "
-        "different contexts; `timing comparable` says in how many runs the load differed or a stage was reused from "
-        "another run's training. Paired differences: test accuracy of the method minus the baseline's, paired by "
+        "threads, trainings sharing the machine, host, CPU instructions, code) are never averaged together; a "
+        "`timing context` column appears when a table holds more than one, and `mixed (...)` marks a run whose own "
+        "compared times come from different contexts; `timing comparable` says in how many runs the load differed or "
+        "a stage was reused from another run's training. Paired differences: test accuracy of the method minus the "
+        "baseline's, paired by "
         "seed within a configuration, mean ± sample std, 95% t-interval and the verdict that follows it (better / "
         "worse when the interval excludes 0, else within noise; n<2: no interval; no spread: no interval where every "
         "seed gave the same difference; baseline not converged: no verdict against it); p the paired t-test's and "

@@ -106,8 +106,9 @@ TIMING_RULE = (
 
 # The fields of a stage's recorded context that must agree for two of its times to be comparable. Device kind (not
 # the index: two workers on cuda:0 and cuda:1 of one model are alike), device count, threads, trainings side by side,
-# the machine and the code that was timed. The load is compared apart (_load_differences): it is a number, not a label.
-CONTEXT_KEYS = ("device_kind", "num_devices", "torch_threads", "concurrent_trainings", "host", "code")
+# the machine (its name and the CPU instructions torch's kernels used: a run resumed on another machine of the same
+# name) and the code that was timed. The load is compared apart (_load_differences): it is a number, not a label.
+CONTEXT_KEYS = ("device_kind", "num_devices", "torch_threads", "concurrent_trainings", "host", "cpu_capability", "code")
 # Stages whose device count is part of the method (DDP on P devices): each of its devices (a rank, its threads) is
 # compared with the one device of the others; equal device counts are the business of speedup_equal_devices.
 _MULTI_DEVICE_STAGES = ("global_ddp",)
@@ -203,7 +204,7 @@ def _load_differences(contexts: Mapping[str, dict]) -> dict[str, list[str]] | No
 
 def timing_contexts(contexts: dict[str, dict | None], reused: Mapping[str, dict] | None = None) -> dict:
     """Whether the times of ``contexts`` (stage -> recorded context) were measured alike: same device kind, device
-    count, threads, trainings side by side, host and code, a like load (:func:`_excess_load` within
+    count, threads, trainings side by side, host, CPU instructions and code, a like load (:func:`_excess_load` within
     :func:`load_tolerance`), and none copied from another run's training (``reused``: stage -> its ``reused_from``),
     except for threads a stage records as chosen by design (``threads_by_design``, the coarse DNN's
     ``coarse.num_threads``) and the device count of a method that trains on several devices (DDP: each rank is

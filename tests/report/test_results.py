@@ -381,6 +381,12 @@ def test_times_under_another_load_of_another_code_or_reused_from_another_run_are
     assert timing_contexts({"local 0": workers, "local 1": workers})["excess_load"] == {"local 0": 0.0, "local 1": 0.0}
     # Other code (a stage resumed after the package changed), another host: not comparable.
     assert set(timing_contexts({"local 0": quiet, "global": {**quiet, "code": "b"}})["differences"]) == {"code"}
+    # A stage resumed on another machine of the same name whose CPU kernels use other instructions (AVX-512 and an
+    # AVX2-only EPYC: both "AMD EPYC", "vm"); records from before the field have it on no stage and stay comparable.
+    isa = {**quiet, "cpu_capability": "AVX512"}
+    other = timing_contexts({"local 0": isa, "global": {**isa, "cpu_capability": "AVX2"}})
+    assert set(other["differences"]) == {"cpu_capability"} and not other["comparable"]
+    assert timing_contexts({"local 0": isa, "global": isa})["comparable"]
     # A stage copied from another run's training carries that run's clock.
     reused = timing_contexts({"local 0": quiet, "global": quiet}, {"global": {"run_dir": "/runs/earlier"}})
     assert not reused["comparable"]
