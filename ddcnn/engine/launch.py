@@ -476,16 +476,17 @@ def run_spawned(fabric, training, prefit_s: float) -> str | None:
             if failures is None or not failures.other_failed_first():
                 _save_error(err, Path(training.folder) / _SPAWN_ERROR.format(fabric.global_rank), fabric.global_rank)
             raise
-    # Every rank leaves the process group while its interpreter is whole: left to the interpreter's end, gloo's
-    # worker threads may still hold tensors whose release then aborts the process (SIGABRT, "terminate called
-    # without an active exception"), and the parent would take a finished training for a failed one.
+    if fabric.global_rank == 0:
+        # Saved before the ranks part: a rank that dies after the barrier (below) cannot cost a finished training.
+        # Plain values and tensors only, read back with weights_only=True.
+        plain = dataclasses.asdict(dataclasses.replace(result, net=None))
+        atomic_torch_save({"state": cpu_state(result.net), "result": plain}, path)
+    # Every rank leaves the process group while its interpreter is whole. That is not enough: the DDP module keeps
+    # gloo's process group (and its worker threads) alive to the interpreter's end, where its release can abort the
+    # process (SIGABRT, "terminate called without an active exception"), rarely; the parent then finds rank 0's
+    # saved result and keeps it (fit_spawned).
     _leave_process_group(fabric)
-    if fabric.global_rank != 0:
-        return None
-    # Plain values and tensors only, read back with weights_only=True.
-    plain = dataclasses.asdict(dataclasses.replace(result, net=None))
-    atomic_torch_save({"state": cpu_state(result.net), "result": plain}, path)
-    return str(path)
+    return str(path) if fabric.global_rank == 0 else None
 
 
 def _save_error(err: Exception, path: Path, rank: int) -> None:
@@ -511,6 +512,7 @@ def _spawned_failure(folder: Path, launch_error: Exception) -> Exception:
         with contextlib.suppress(Exception):
             found.append(torch.load(path, map_location="cpu", weights_only=False))
         path.unlink(missing_ok=True)
+    (folder / _SPAWN_RESULT).unlink(missing_ok=True)  # rank 0 may have finished when another rank raised: not kept
     # The rank that failed first left its own error; a rank that met the same refusal did too (the lowest wins).
     found.sort(key=lambda out: (isinstance(out["error"], RankFailed), int(out["rank"])))
     if not found:
@@ -527,13 +529,23 @@ def fit_spawned(fabric, training, net: nn.Module, start: float) -> FitResult:
     """:func:`fit_batches` in DDP ranks spawned by this process: rank 0's result, its weights loaded into ``net``."""
     folder = Path(training.folder)
     prefit = time.perf_counter() - start
-    for stale in folder.glob(_SPAWN_ERROR.format("*")):
+    path = folder / _SPAWN_RESULT
+    for stale in (*folder.glob(_SPAWN_ERROR.format("*")), path):  # an earlier attempt's: never taken for this one's
         stale.unlink(missing_ok=True)
     try:
         with isolated_launch():
-            path = Path(fabric.launch(run_spawned, training, prefit))
+            fabric.launch(run_spawned, training, prefit)
     except Exception as err:  # raised in a rank: here as there, its message intact
-        raise _spawned_failure(folder, err) from None
+        if not path.exists() or any(folder.glob(_SPAWN_ERROR.format("*"))):
+            raise _spawned_failure(folder, err) from None
+        # Rank 0 saved its result only after every rank's training had finished (each took part in every collective
+        # up to the last), and no rank reported an error: a rank died on its way out. The training stands.
+        log.warning(
+            "the DDP training in %s finished on every rank, then a rank's process ended abnormally (%s), at its "
+            "exit, as gloo's process group is released there; the result rank 0 saved is kept",
+            folder,
+            err,
+        )
     out = load_run_file(path, map_location="cpu")
     path.unlink(missing_ok=True)
     result = FitResult(**out["result"])
