@@ -571,7 +571,7 @@ def command_differences(recorded: str, planned: str, config: Path | None = None)
     the store's folder left out (:func:`_portable`). With the run's ``config.yaml`` (``config``), an override the
     planned command adds (the recorded one did not set it) is no difference where the run trained with that value
     anyway: the page's command now states a setting whose default changed since (``engine.min_steps=0``: a run
-    recorded before the setting existed trained without it, :data:`ddcnn.settings.run.RECORD_ABSENT_MEANS`)."""
+    recorded before the setting existed trained without it, :data:`ddcnn.rundir.RECORD_ABSENT_MEANS`)."""
 
     def settings(command: str) -> dict[str, str]:
         parts = shlex.split(_portable(command))[1:]
@@ -592,7 +592,7 @@ def _trained_with(config: Path) -> Callable[[str, str], bool]:
     or where the record holds no such key, what an absent key means (``RECORD_ABSENT_MEANS``)."""
     import yaml
 
-    from ddcnn.settings.run import RECORD_ABSENT_MEANS
+    from ddcnn.rundir import RECORD_ABSENT_MEANS
 
     record = yaml.safe_load(config.read_text()) or {}
     absent = object()
