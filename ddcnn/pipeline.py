@@ -19,7 +19,7 @@ from omegaconf import DictConfig, open_dict
 
 from ddcnn import registry
 from ddcnn.context import Context, build_context, write_split_manifest
-from ddcnn.runtime import resolve_device, run_generation, srun_task
+from ddcnn.runtime import keep_freed_host_memory, resolve_device, run_generation, srun_task
 from ddcnn.settings import STAGES, RunSettings
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,9 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     """
     # One run generation for everything this call trains (its worker processes receive it with the configuration):
     # with force=true each stage is cleared once, and only markers of this generation count as its work.
+    # Freed host memory kept for reuse, in this process and every one it starts (workers, DDP ranks): first, so that
+    # all the run's stages are timed under one allocator.
+    keep_freed_host_memory()
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
         cfg.run_generation = run_generation(cfg.get("run_generation"))

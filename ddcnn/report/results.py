@@ -107,8 +107,18 @@ TIMING_RULE = (
 # The fields of a stage's recorded context that must agree for two of its times to be comparable. Device kind (not
 # the index: two workers on cuda:0 and cuda:1 of one model are alike), device count, threads, trainings side by side,
 # the machine (its name and the CPU instructions torch's kernels used: a run resumed on another machine of the same
-# name) and the code that was timed. The load is compared apart (_load_differences): it is a number, not a label.
-CONTEXT_KEYS = ("device_kind", "num_devices", "torch_threads", "concurrent_trainings", "host", "cpu_capability", "code")
+# name), how its host allocator treated freed memory (ddcnn.runtime.host_allocator) and the code that was timed. The
+# load is compared apart (_load_differences): it is a number, not a label.
+CONTEXT_KEYS = (
+    "device_kind",
+    "num_devices",
+    "torch_threads",
+    "concurrent_trainings",
+    "host",
+    "cpu_capability",
+    "host_allocator",
+    "code",
+)
 # Stages whose device count is part of the method (DDP on P devices): each of its devices (a rank, its threads) is
 # compared with the one device of the others; equal device counts are the business of speedup_equal_devices.
 _MULTI_DEVICE_STAGES = ("global_ddp",)

@@ -387,6 +387,10 @@ def test_times_under_another_load_of_another_code_or_reused_from_another_run_are
     other = timing_contexts({"local 0": isa, "global": {**isa, "cpu_capability": "AVX2"}})
     assert set(other["differences"]) == {"cpu_capability"} and not other["comparable"]
     assert timing_contexts({"local 0": isa, "global": isa})["comparable"]
+    # A stage timed in a process whose allocator returned freed memory to the OS (up to 2x the time on the CPU).
+    kept = {**quiet, "host_allocator": "glibc, freed memory kept"}
+    mixed = timing_contexts({"local 0": kept, "global": {**kept, "host_allocator": "glibc"}})
+    assert set(mixed["differences"]) == {"host_allocator"} and not mixed["comparable"]
     # A stage copied from another run's training carries that run's clock.
     reused = timing_contexts({"local 0": quiet, "global": quiet}, {"global": {"run_dir": "/runs/earlier"}})
     assert not reused["comparable"]
