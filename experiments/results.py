@@ -2195,6 +2195,18 @@ def rewrite(out: Path, command: str) -> int:
     today's ``ddcnn-report``: no run is trained, each keeps its record; ``--check`` then compares the page with them."""
     manifest = json.loads((out / MANIFEST).read_text())
     names = list(manifest["runs"])
+    runs = out / ASSETS / "runs"
+    unlisted = sorted(
+        f"{d.parent.name}/{d.name}"
+        for d in runs.glob("*/*")
+        if (d / "experiment_run.json").is_file() and f"{d.parent.name}/{d.name}" not in names
+    )
+    if unlisted:  # the page is written from the manifest's runs, and the snapshots become those: these would go
+        raise SystemExit(
+            f"results.py --rewrite: {runs} holds {len(unlisted)} finished run(s) that {out / MANIFEST} does not list "
+            f"({', '.join(unlisted)}); rewriting would drop them. Write the page with --interim (and the page's "
+            "flags) or the full command first, which takes them in."
+        )
     tiny = _resolve(_parser().parse_args(["--tiny"]))
     full = _resolve(_parser().parse_args([]))
     datasets = {d.key: d for d in (*plan(tiny), *plan(full))}

@@ -863,6 +863,12 @@ def test_rewrite_writes_the_page_again_from_its_snapshots_without_training(resul
     record = json.loads((copy / "results" / "runs" / "digits" / "2x2_o0_s0" / "experiment_run.json").read_text())
     (line,) = [line for line in again.splitlines() if line.startswith("Runs: `ddcnn-train ")]
     assert "trainer.max_epochs=1" in line and "trainer.max_epochs=1" in record["command"] and "seed=" not in line
+    # a finished run snapshotted after the page was written (its manifest does not list it): refused, never dropped
+    extra = copy / "results" / "runs" / "digits" / "2x2_o0_s9"
+    shutil.copytree(copy / "results" / "runs" / "digits" / "2x2_o0_s0", extra)
+    with pytest.raises(SystemExit, match=r"1 finished run\(s\) that .* does not list \(digits/2x2_o0_s9\).*--interim"):
+        results.main(["--rewrite", "--out", str(copy)])
+    assert (extra / "experiment_run.json").is_file() and (extra / "results.json").is_file()
 
 
 @pytest.mark.slow
