@@ -284,10 +284,11 @@ def keep_freed_host_memory() -> bool:
 
     glibc's ``malloc`` gives a block of 32 MiB or more (and above a threshold that starts at 128 KiB) its own mapping
     and returns it to the OS on ``free``; a training step frees its activations and allocates them again at the next
-    step, so each step page-faults them back in, zeroed by the kernel. Measured on the CPU (one thread, AdamW): the
-    kernel's share of a step was 44% of its CPU time for a 3D CNN at 28³ and batch 32, 16% for a 2D CNN at 28 px and
-    batch 128 (``bench/host_memory.py``). Kept, the freed memory is reused; the price is a higher resident size (the
-    peak stays resident, up to 1 GiB more is kept free at the heap's top).
+    step, so each step page-faults them back in, zeroed by the kernel. Measured on the CPU alone
+    (``bench/host_memory.py``, the results page's nets, one thread): the kernel's share of a step was 30% for the 3D
+    global CNN at 28³, 36% at 64³ (kept: 1.48x and 1.68x faster), 6-13% for the 2D and small 3D nets. Kept, the freed
+    memory is reused; the price is a higher resident size (the peak stays resident, up to 1 GiB more is kept free at
+    the heap's top).
 
     Called by :func:`ddcnn.pipeline.train` before anything starts: this process through ``mallopt``, the processes it
     starts (workers, spawned DDP ranks) through ``GLIBC_TUNABLES``, which glibc reads at their start, so that every
