@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -79,7 +80,7 @@ print(json.dumps({{
 def _measure(row: tuple, keep: bool, min_cpu_s: float) -> dict:
     _, dims, side, batch, width = row
     code = _CHILD.format(root=str(ROOT), keep=keep, dims=dims, side=side, batch=batch, width=width, min_cpu_s=min_cpu_s)
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("GLIBC_TUNABLES", "DDCNN_HOST_MEMORY")}
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "DDCNN_HOST_MEMORY")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"host_memory.py: the measuring process failed:\n{out.stderr[-2000:]}")

@@ -261,7 +261,8 @@ def quiet_process(env: bool = True) -> None:
 HOST_MEMORY_ENV = "DDCNN_HOST_MEMORY"
 # glibc's malloc settings that keep freed memory in the process: no block of its own mapping (which ``free`` gives
 # back to the OS at once), and up to 1 GiB free at the heap's top before it is trimmed.
-_KEEP_TUNABLES = {"glibc.malloc.mmap_max": "0", "glibc.malloc.trim_threshold": str(1 << 30)}
+_TRIM_BYTES = 1 << 30
+_KEEP_TUNABLES = {"glibc.malloc.mmap_max": "0", "glibc.malloc.trim_threshold": str(_TRIM_BYTES)}
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt's parameter numbers (malloc.h)
 _kept = False
 
@@ -305,7 +306,7 @@ def keep_freed_host_memory() -> bool:
     if libc is None:
         return False
     if not _kept:
-        _kept = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+        _kept = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES))
     if _kept:
         given = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
         ours = [f"{k}={v}" for k, v in _KEEP_TUNABLES.items()]
@@ -316,7 +317,7 @@ def keep_freed_host_memory() -> bool:
 def host_allocator() -> str:
     """How this process's host allocator treats freed memory: ``glibc, freed memory kept`` (this process called
     :func:`keep_freed_host_memory`, or it was started with its ``GLIBC_TUNABLES``), ``glibc`` (as it comes), or
-    ``other`` (not glibc): the same training differs in time by up to 2x between the first two."""
+    ``other`` (not glibc): the same training differs in CPU time by up to 1.7x between the first two."""
     if _glibc() is None:
         return "other"
     tunables = dict(t.split("=", 1) for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if "=" in t)

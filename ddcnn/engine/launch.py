@@ -481,10 +481,10 @@ def run_spawned(fabric, training, prefit_s: float) -> str | None:
         # Plain values and tensors only, read back with weights_only=True.
         plain = dataclasses.asdict(dataclasses.replace(result, net=None))
         atomic_torch_save({"state": cpu_state(result.net), "result": plain}, path)
-    # Every rank leaves the process group while its interpreter is whole. That is not enough: the DDP module keeps
-    # gloo's process group (and its worker threads) alive to the interpreter's end, where its release can abort the
-    # process (SIGABRT, "terminate called without an active exception"), rarely; the parent then finds rank 0's
-    # saved result and keeps it (fit_spawned).
+    # Every rank leaves the process group while its interpreter is whole. That is not enough: once a DDP module was
+    # built, gloo's process group (and its worker threads) outlives it and destroy_process_group to the interpreter's
+    # end, where its release can abort the process (SIGABRT, "terminate called without an active exception"),
+    # rarely; the parent then finds rank 0's saved result and keeps it (fit_spawned).
     _leave_process_group(fabric)
     return str(path) if fabric.global_rank == 0 else None
 
