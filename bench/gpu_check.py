@@ -1,5 +1,5 @@
-"""One unattended GPU check (issues 23, 34): stacking probe, bare loop, ddcnn's loop, channels_last_3d, SyncBatchNorm
-in DDP, end-to-end runs, parallel.workers; under 6 min.
+"""One unattended GPU check (issues 23, 34, 47): stacking probe, bare loop, ddcnn's loop, channels_last_3d,
+SyncBatchNorm in DDP, end-to-end runs, the cost by image size, parallel.workers; under 6 min.
 
 Sections, in this order (each prints as it goes; a section that raises is recorded and the next one still runs):
 
@@ -69,7 +69,13 @@ Sections, in this order (each prints as it goes; a section that raises is record
    checkpoints are in the fit time), step time (fit time / steps) and peak GPU memory when ``meta.json`` records
    it (any numeric key whose name holds ``peak`` and ``mem``).
 
-7. **workers**: the local stage (``ddcnn-train stage=local``, MNIST ``--workers-subset`` images, ``--workers-grid``
+7. **size_cost**: ``bench/size_cost.py`` on this device (issue #47's cost curve): the global ``vgg_small`` against one
+   local net of each grid, 2D 64² to 512² and 3D 32³ to 128³, overlap 0 and 2, batch 2, fp32: the per-step device
+   time of each and their ratio (median of 3 measurements), what a step of each adds to the allocated memory beside
+   the plan's saved-for-backward figure, and the FLOP ratio; rows that would start past the budget are planned only.
+   With ``--tiny``: its four quick rows, timed once.
+
+8. **workers**: the local stage (``ddcnn-train stage=local``, MNIST ``--workers-subset`` images, ``--workers-grid``
    4x4: 16 local nets, 1 epoch) with ``parallel.workers`` = each of ``--workers-counts`` (1,4), every worker on this
    device: sub-domains/s of training and of the stage's wall (worker start-up included), the device memory all
    processes held at their peak and one net's peak. Last, so that the budget cuts it first: run it on its own with
@@ -138,7 +144,7 @@ from torch import nn  # noqa: E402
 # GRAD_TOL (|g| + max |g| of that net).
 WEIGHT_ATOL, WEIGHT_RTOL, GRAD_TOL = 1e-6, 1e-6, 1e-7
 ROWS = ("digits", "mnist_2x2")
-SECTIONS = ("stacking", "bare", "loop", "cl3d", "syncbn", "e2e", "workers")
+SECTIONS = ("stacking", "bare", "loop", "cl3d", "syncbn", "e2e", "size_cost", "workers")
 # The loop section's trainings: (name, spatial dims, where the data are, precision, compile, augmentation). "pinned"
 # forces the streamed path (engine.data_on_device=false); 3D runs on synthetic volumes.
 LOOP_VARIANTS = {
@@ -1054,7 +1060,20 @@ def run_syncbn(args, device: torch.device, deadline: float) -> dict:
     return result
 
 
-# --- 6. parallel.workers: local nets in worker processes sharing one device ----------------------------------------
+# --- 7. the cost curve by image size (bench/size_cost.py) on this device ---------------------------------------------
+def run_size_cost(args, device: torch.device, deadline: float) -> dict:
+    """``bench/size_cost.py``'s rows timed on ``device``: every row on a GPU (whose global step is cheap there), the
+    quick rows once with ``--tiny``."""
+    import importlib
+
+    size_cost = importlib.import_module("bench.size_cost")
+    budget = max(0.0, deadline - time.perf_counter())
+    argv = ["--quick", "--timed", "--repeats", "1"] if args.tiny else ["--repeats", "3", "--max-gflop", "100000"]
+    rows = size_cost.main([*argv, "--device", str(device), "--budget-s", f"{budget:.0f}"])
+    return {"device": str(device), "rows": rows}
+
+
+# --- 8. parallel.workers: local nets in worker processes sharing one device ----------------------------------------
 def run_workers(args, device: torch.device, deadline: float) -> dict:
     """The local stage (``ddcnn-train stage=local``) of one decomposition with ``parallel.workers`` = each of
     ``--workers-counts``, every worker on this device (``parallel.accelerator`` follows ``--device``): sub-domains
@@ -1191,7 +1210,7 @@ def ddcnn_train(overrides: list[str], run_dir: Path, args, timeout_s: float):
     return proc, time.perf_counter() - start
 
 
-# --- 7. end to end through the package ------------------------------------------------------------------------
+# --- 6. end to end through the package ------------------------------------------------------------------------
 def row_overrides(name: str, args, device: torch.device) -> list[str]:
     """The ``ddcnn-train`` overrides of e2e row ``name`` (without ``hydra.run.dir``)."""
     if name == "digits":
@@ -1501,6 +1520,22 @@ def summary(report: dict) -> list[str]:
             lines.append(
                 f"  {row['row']:10s} {'(process)':10s} {row['wall_s']:7.1f}  channels_last: {row['channels_last']}"
             )
+    size_cost = report["sections"].get("size_cost", {})
+    if size_cost.get("status") == "ok":
+        lines.append(f"\ncost by image size, global vgg_small / one local net on {size_cost['result']['device']}:")
+        lines.append(
+            f"  {'input':>6s} {'grid':>6s} {'ov':>2s} {'FLOP x':>7s} {'time x':>7s} {'global ms':>9s} "
+            f"{'added MiB g/l':>14s} {'planned MiB g/l':>16s}"
+        )
+        for r in size_cost["result"]["rows"]:
+            added = f"{fmt(r.get('step_added_global_mib'), '.0f')}/{fmt(r.get('step_added_local_mib'), '.0f')}"
+            planned = f"{r['saved_global_mib']:.0f}/{r['saved_local_mib']:.0f}"
+            global_ms = None if r["time_global_s"] is None else 1e3 * r["time_global_s"]
+            lines.append(
+                f"  {str(r['size']) + '^' + str(r['spatial_dims']):>6s} {r['grid']:>6s} {r['overlap']:2d} "
+                f"{r['flop_ratio']:7.2f} {fmt(r['time_ratio'], '7.2f')} {fmt(global_ms, '9.2f')} {added:>14s} "
+                f"{planned:>16s}"
+            )
     for name, section in report["sections"].items():
         if section.get("status") not in ("ok", None):
             lines.append(f"\n{name}: {section['status'].upper()} {section.get('reason', '')}".rstrip())
@@ -1699,6 +1734,7 @@ def run_all(args: argparse.Namespace) -> int:
         "cl3d": lambda: run_channels_last_3d(args, device),
         "syncbn": lambda: run_syncbn(args, device, deadline),
         "e2e": lambda: run_e2e(args, device, deadline),
+        "size_cost": lambda: run_size_cost(args, device, deadline),
         "workers": lambda: run_workers(args, device, deadline),
     }
     titles = {
@@ -1708,7 +1744,8 @@ def run_all(args: argparse.Namespace) -> int:
         "cl3d": "4. channels_last_3d against contiguous, 3D convnets in the bare loop",
         "syncbn": "5. batch norm synchronised over 2 DDP ranks (gloo) on this device",
         "e2e": "6. end to end: ddcnn-train",
-        "workers": "7. parallel.workers: the local stage in worker processes sharing this device",
+        "size_cost": "7. the cost by image size: the global CNN against one local net on this device",
+        "workers": "8. parallel.workers: the local stage in worker processes sharing this device",
     }
     for name in args.sections:
         log(f"\n{titles[name]}")

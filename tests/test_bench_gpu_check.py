@@ -1,5 +1,5 @@
 """bench/gpu_check.py: its tiny mode runs the GPU check's whole path on CPU (stacking probe, bare loop, ddcnn's loop,
-channels_last_3d, synchronised batch norm in DDP, ddcnn-train, parallel.workers)."""
+channels_last_3d, synchronised batch norm in DDP, ddcnn-train, the cost by image size, parallel.workers)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,12 @@ def test_tiny_mode_runs_every_section_and_reads_the_stages(gpu_check, tmp_path):
     sgd, unfused = loop["2d-device-16mixed-sgd"], loop["2d-device-16mixed-unfused"]
     assert (sgd["optimizer"], sgd["fused"], unfused["fused"]) == ("SGD", False, False)
     assert sgd["precision"] == "16-mixed" and sgd["steps_per_s"] > 0 and sgd["host_syncs_per_step"] == 0
+
+    # the cost curve on this device: bench/size_cost.py's quick rows, each step timed (CPU time on the CPU)
+    size_cost = {(r["spatial_dims"], r["overlap"]): r for r in report["sections"]["size_cost"]["result"]["rows"]}
+    assert sorted(size_cost) == [(2, 0), (2, 2), (3, 0), (3, 2)]
+    assert all(r["time_global_s"] > 0 and r["time_ratio"] > 0 for r in size_cost.values())
+    assert size_cost[3, 0]["flop_ratio"] == pytest.approx(8.0, rel=0.01)
 
     (row,) = report["sections"]["e2e"]["result"]["rows"]
     assert row["status"] == "ok" and "decomposition=2x2" in row["overrides"]

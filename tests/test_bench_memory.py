@@ -22,6 +22,33 @@ def test_size_cost_flop_ratios_are_the_issues(tmp_path) -> None:
     assert (tmp_path / "s.json").is_file()
 
 
+def test_the_cost_table_in_docs_is_generated_from_the_committed_run() -> None:
+    """docs/cost.md's table is what docs/cost.json (a run of bench/size_cost.py) gives, never typed by hand; that run
+    timed its steps as training runs them (freed host memory kept) and names the second run it was compared with."""
+    import json
+
+    bench = load_script("bench/size_cost.py", "size_cost")
+    assert bench.check_doc() == []
+    record = json.loads(bench.RECORD.read_text())
+    assert record["host_allocator"] == "glibc, freed memory kept" and record["clock"] == "process CPU time"
+    timed = [r for r in record["rows"] if r["time_ratio"] is not None]
+    assert len(timed) >= 16 and all(r["time_ratio"] > 1 for r in timed)
+    assert record["agreement"]["max_differ"] is not None
+
+
+def test_two_runs_of_the_cost_curve_are_compared_row_by_row() -> None:
+    """--compare: per row timed in both runs, the larger step-time ratio over the smaller less one; the worst named."""
+    bench = load_script("bench/size_cost.py", "size_cost")
+
+    def r(size: int, ratio: float | None) -> dict:
+        return {"spatial_dims": 2, "size": size, "grid": "2x2", "overlap": 0, "time_ratio": ratio}
+
+    agreement = bench.compare([r(64, 5.0), r(128, 3.0), r(256, None)], {"rows": [r(64, 4.0), r(128, 3.3), r(256, 2)]})
+    assert [round(d["differ"], 6) for d in agreement["rows"]] == [0.25, 0.1]
+    assert agreement["max_differ"] == pytest.approx(0.25) and agreement["max_row"] == [2, 64, "2x2", 0]
+    assert bench._side([16, 16, 32], 3) == "16²x32" and bench._side([33, 33], 2) == "33²"
+
+
 @pytest.mark.slow
 def test_memory_plan_bench_meets_its_targets_on_small_nets() -> None:
     result = load_script("bench/memory_plan.py", "memory_plan").main(["--quick", "--repeats", "1"])
