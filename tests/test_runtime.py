@@ -184,7 +184,7 @@ net = torch.nn.Sequential(
 opt = torch.optim.SGD(net.parameters(), lr=0.01)
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 counted = 0
-for step in range(10):
+for step in range(7):
     before = faults()
     x, y = torch.randn(20, 1, 32, 32, 32), torch.randint(2, (20,))
     opt.zero_grad()
@@ -206,22 +206,22 @@ def test_freed_host_memory_is_kept_for_the_next_step_in_this_process_and_those_i
     activations in anew. After keep_freed_host_memory (pipeline.train calls it first) the steps reuse the memory:
     after a few steps' warm-up (the heap grows to the steps' peak), at least 4x fewer page faults (measured: 0 to 3%
     of glibc's own), in this process and in a process it starts (a worker, a DDP rank); DDCNN_HOST_MEMORY=return
-    opts out."""
+    opts out, there and in the processes it starts, and so measures glibc as it comes (four processes in all)."""
     import json
     import os
     import subprocess
     import sys
 
-    def steps(mode: str, opt_out: bool = False) -> dict:
+    def steps(opt_out: bool) -> dict:
         env = {**os.environ, "DDCNN_HOST_MEMORY": "return" if opt_out else ""}
         env.pop("GLIBC_TUNABLES", None)
-        args = [sys.executable, "-c", _STEPS, mode, _STEPS]
+        args = [sys.executable, "-c", _STEPS, "keep", _STEPS]
         return json.loads(subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout)
 
-    glibc, kept, opted_out = steps("none"), steps("keep"), steps("keep", opt_out=True)
-    assert glibc["allocator"] == opted_out["allocator"] == "glibc"
+    kept, glibc = steps(opt_out=False), steps(opt_out=True)
+    assert glibc["allocator"] == glibc["child"]["allocator"] == "glibc"
     assert kept["allocator"] == kept["child"]["allocator"] == "glibc, freed memory kept"
-    # as glibc comes: at least the first activation (10,240 pages) faulted in again at each of the 8 counted steps
-    assert glibc["faults"] >= 8 * (40 << 20) // os.sysconf("SC_PAGE_SIZE"), glibc
-    assert opted_out["faults"] >= glibc["faults"] / 2 and opted_out["child"]["faults"] >= glibc["faults"] / 2
+    # as glibc comes: at least the first activation (10,240 pages) faulted in again at each of the 5 counted steps
+    assert glibc["faults"] >= 5 * (40 << 20) // os.sysconf("SC_PAGE_SIZE"), glibc
+    assert glibc["child"]["faults"] >= glibc["faults"] / 2, glibc
     assert kept["faults"] * 4 < glibc["faults"] and kept["child"]["faults"] * 4 < glibc["faults"], (kept, glibc)
