@@ -71,6 +71,11 @@ def _train_main(cfg: DictConfig) -> float | None:
 def train_main() -> None:
     """``ddcnn-train [hydra overrides]``: run the CNN-DNN pipeline (or one stage of it)."""
     _train_main()
+    # Reached only when the run's work is done: an srun task that joined a DDP stage leaves before the interpreter's
+    # teardown, which can abort it (and so end the other tasks under srun --kill-on-bad-exit=1).
+    from ddcnn.engine.launch import exit_past_a_lingering_process_group
+
+    exit_past_a_lingering_process_group()
 
 
 # --- ddcnn-scaling -------------------------------------------------------------------------------

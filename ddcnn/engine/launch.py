@@ -70,6 +70,7 @@ __all__ = [
     "isolated_launch",
     "fit_spawned",
     "fit_here",
+    "exit_past_a_lingering_process_group",
     "seed_everything",
 ]
 
@@ -85,6 +86,9 @@ _SPAWN_ERROR = ".spawned_error.{}.pt"
 LAUNCHERS = ("local", "spawn", "srun")
 # Environment variables that launching (Fabric's spawn launcher, the process-group set-up) writes in this process.
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS")
+# Whether this process took part in a DDP training across srun tasks (fit_here): its gloo process group then lingers
+# to the interpreter's end (see _leave_process_group), where its release can abort the process.
+_joined_srun_group = False
 
 
 def _first_host(nodelist: str) -> str:
@@ -559,8 +563,10 @@ def fit_spawned(fabric, training, net: nn.Module, start: float) -> FitResult:
 
 def fit_here(fabric, training, launcher: str, began: float) -> FitResult:
     """:func:`fit_batches` in this process: on one device, or as this task's rank of DDP across ``srun`` tasks."""
+    global _joined_srun_group
     with isolated_launch():
         fabric.launch()  # DDP across srun tasks: the ranks meet here
+    _joined_srun_group = _joined_srun_group or (launcher == "srun" and fabric.world_size > 1)
     # Fabric's set-up and (srun) the rendezvous of the ranks: start-up, left out of the clock.
     training.startup_s = time.perf_counter() - began
     finished = False
@@ -572,6 +578,25 @@ def fit_here(fabric, training, launcher: str, began: float) -> FitResult:
     finally:
         if launcher == "srun":
             _leave_process_group(fabric, wait=finished)
+
+
+def exit_past_a_lingering_process_group() -> None:
+    """End this process now, with status 0, when it took part in a DDP training across srun tasks; else return.
+
+    For ``ddcnn-train`` once its work is done and written: such a process's gloo process group lingers to the
+    interpreter's end, and its release there can abort the process (SIGABRT, "terminate called without an active
+    exception"; seen with spawned ranks, see :func:`fit_spawned`). Under ``srun --kill-on-bad-exit=1`` a task
+    other than 0 that dies so after its share would end rank 0's evaluation, and rank 0 dying so fails the step of a
+    finished run. The logs and standard streams are flushed first; the interpreter's teardown (``atexit`` handlers,
+    C++ destructors) is skipped, which the library's callers never get: only the command line calls this.
+    """
+    if not _joined_srun_group:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def _leave_process_group(fabric, wait: bool = True) -> None:

@@ -302,15 +302,11 @@ fit_batches(_FailsOnRank1(), TensorDataModule(x, y, 4), sys.argv[1], settings)
 """
 
 
-@pytest.mark.slow
-def test_a_failure_in_one_srun_task_stops_every_task_with_its_message(tmp_path):
-    """The two tasks of an srun step (started here as srun starts them: the SLURM step's variables): rank 1 raises in
-    a training step; rank 0, waiting for it in the all-reduce, exits non-zero too, within seconds, with rank 1's
-    message, and neither waits for the other at the end."""
+def _start_srun_tasks(script: str, *args: str) -> list:
+    """The two tasks of an srun step, started here as srun starts them (the SLURM step's variables)."""
     import os
     import subprocess
     import sys
-    import time
 
     from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
@@ -331,11 +327,53 @@ def test_a_failure_in_one_srun_task_stops_every_task_with_its_message(tmp_path):
             "MASTER_PORT": port,
             "OMP_NUM_THREADS": "1",
         }
-        cmd = [sys.executable, "-c", _SRUN_TASK, str(tmp_path)]
+        cmd = [sys.executable, "-c", script, *args]
         tasks.append(
             subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
+    return tasks
+
+
+_SRUN_ABORTING_TASK = """
+import sys, torch
+from ddcnn.data.datamodule import TensorDataModule
+from ddcnn.engine.launch import exit_past_a_lingering_process_group
+from ddcnn.engine.loop import fit_batches
+from ddcnn.settings import LoopSettings
+from tests.engine.test_ddp import _AbortsAtExit
+
+torch.manual_seed(0)
+x = {s: torch.randn(24, 1, 6, 6) for s in ("train", "val", "test")}
+y = {s: torch.randint(3, (24,)) for s in x}
+sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
+settings = LoopSettings(optimizer=sgd, max_epochs=2, num_devices=2, launcher="srun")
+out = fit_batches(_AbortsAtExit(1), TensorDataModule(x, y, 4), sys.argv[1], settings)
+print(f"trained {len(out.history)} epochs", flush=True)
+exit_past_a_lingering_process_group()  # as ddcnn-train does once its work is done
+"""
+
+
+@pytest.mark.slow
+def test_an_srun_task_that_trained_in_ddp_leaves_before_a_teardown_that_would_abort_it(tmp_path):
+    """An srun task whose process would abort at its interpreter's end (as gloo's lingering process group rarely
+    makes it), after the DDP training finished: ddcnn-train's exit skips that teardown, so the task ends with status
+    0 and srun --kill-on-bad-exit=1 has no reason to end the others (rank 0 still evaluating). Without it rank 1 ends
+    with SIGABRT."""
+    tasks = _start_srun_tasks(_SRUN_ABORTING_TASK, str(tmp_path))
+    outs = [task.communicate(timeout=240) for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outs
+    assert all("trained 2 epochs" in out for out, _ in outs), outs
+
+
+@pytest.mark.slow
+def test_a_failure_in_one_srun_task_stops_every_task_with_its_message(tmp_path):
+    """The two tasks of an srun step (started here as srun starts them: the SLURM step's variables): rank 1 raises in
+    a training step; rank 0, waiting for it in the all-reduce, exits non-zero too, within seconds, with rank 1's
+    message, and neither waits for the other at the end."""
+    import time
+
     began = time.perf_counter()
+    tasks = _start_srun_tasks(_SRUN_TASK, str(tmp_path))
     outs = [task.communicate(timeout=240) for task in tasks]
     elapsed = time.perf_counter() - began
     assert all(task.returncode != 0 for task in tasks), outs
