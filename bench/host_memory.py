@@ -9,6 +9,8 @@ alternating, this prints per training step: CPU seconds (user + system) as glibc
 kernel's share of the first, page faults, and the peak resident size of each.
 
     python bench/host_memory.py [--quick] [--repeats 2] [--min-cpu-s 3] [--out host_memory.json]
+    python bench/host_memory.py --doc host_memory.json   # docs/cost.md's table from that run (docs/host_memory.json)
+    python bench/host_memory.py --check                  # docs/cost.md's table == what docs/host_memory.json gives
 
 CPU time, not wall time: on a loaded machine it moves less (other processes take wall time, not this process's CPU
 time), though caches shared with them still move it. ``--quick``: two small rows, one repeat, short measurements.
@@ -25,6 +27,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import _doc  # noqa: E402
+
+DOC, RECORD = ROOT / "docs" / "cost.md", ROOT / "docs" / "host_memory.json"
+HEAD = [
+    "| net | batch | CPU s/step, glibc | kept | ratio | kernel share, glibc | faults/step, glibc | kept | "
+    "peak RSS MiB, glibc | kept |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+]
 
 # (row, spatial dims, side, batch, width) of the results page's recipes: MNIST (batch 64; 2x2 overlap 0: 14 px),
 # AdrenalMNIST3D 28³ (half width, batch 32; 2x2x2 overlap 8: 18³) and 64³ (batch 8; 2x2x2 overlap 2: 34³).
@@ -87,22 +99,73 @@ def _measure(row: tuple, keep: bool, min_cpu_s: float) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _line(r: dict) -> str:
+    g, k = r["glibc"], r["kept"]
+    return (
+        f"| {r['net']} | {r['batch']} | {g['cpu_s']:.3f} | {k['cpu_s']:.3f} | {r['ratio']:.2f} | "
+        f"{100 * g['sys_share']:.0f}% | {g['faults']:,.0f} | {k['faults']:,.0f} | {g['peak_rss_mib']:,.0f} | "
+        f"{k['peak_rss_mib']:,.0f} |"
+    )
+
+
+def table(rows: list[dict]) -> list[str]:
+    """docs/cost.md's table from one run's rows, and the global CNN's step-time ratio to its local net in each mode."""
+    lines = [*HEAD, *(_line(r) for r in rows)]
+    by_net = {r["net"]: r for r in rows}
+    pairs = [
+        (label, by_net[g], by_net[loc])
+        for label, g, loc in (
+            ("MNIST", ROWS[0][0], ROWS[1][0]),
+            ("AdrenalMNIST3D 28³", ROWS[2][0], ROWS[3][0]),
+            ("64³", ROWS[4][0], ROWS[5][0]),
+        )
+        if g in by_net and loc in by_net
+    ]
+    if pairs:
+        ratios = "; ".join(
+            f"{label} {g['glibc']['cpu_s'] / loc['glibc']['cpu_s']:.1f} as glibc comes, "
+            f"{g['kept']['cpu_s'] / loc['kept']['cpu_s']:.1f} kept"
+            for label, g, loc in pairs
+        )
+        lines += ["", f"The global CNN's step time over its local net's: {ratios}."]
+    return lines
+
+
+def write_doc(rows: list[dict]) -> None:
+    """docs/host_memory.json (the run) and the table of docs/cost.md between its markers."""
+    RECORD.write_text(json.dumps(rows, indent=1) + "\n")
+    _doc.write(DOC, "host_memory.py", table(rows))
+
+
+def check_doc() -> list[str]:
+    """The lines of docs/cost.md's table that differ from what docs/host_memory.json gives (empty: none)."""
+    return _doc.differences(DOC, "host_memory.py", table(json.loads(RECORD.read_text())))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two small rows, one repeat, short measurements")
     parser.add_argument("--repeats", type=int, default=2, help="fresh processes per row and mode (median)")
     parser.add_argument("--min-cpu-s", type=float, default=3.0, help="CPU seconds each measurement runs at least")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--doc", type=Path, help="write docs/cost.md's table (and docs/host_memory.json) from a run")
+    parser.add_argument("--check", action="store_true", help="docs/cost.md's table == docs/host_memory.json's")
     args = parser.parse_args(argv)
+    if args.check:
+        differ = check_doc()
+        print("\n".join(differ) or f"{DOC}: the allocator's table is what {RECORD.name} gives")
+        if differ:
+            raise SystemExit(1)
+        return {}
+    if args.doc is not None:
+        write_doc(json.loads(args.doc.read_text()))
+        print(f"{DOC}: the allocator's table written from {args.doc}")
+        return {}
     rows = [ROWS[i] for i in QUICK] if args.quick else ROWS
     repeats, min_cpu_s = (1, 0.3) if args.quick else (args.repeats, args.min_cpu_s)
     if _measure(rows[0], True, 0.0)["allocator"] != "glibc, freed memory kept":
         raise SystemExit("host_memory.py: this C library is not glibc: ddcnn leaves its allocator as it is")
-    print(
-        "| net | batch | CPU s/step, glibc | kept | ratio | kernel share, glibc | faults/step, glibc | kept | "
-        "peak RSS MiB, glibc | kept |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(HEAD))
     results = []
     for row in rows:
         runs = {"glibc": [], "kept": []}
@@ -114,13 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
             for m, rs in runs.items()
         }
         ratio = med["glibc"]["cpu_s"] / med["kept"]["cpu_s"]
-        g, k = med["glibc"], med["kept"]
-        print(
-            f"| {row[0]} | {row[3]} | {g['cpu_s']:.3f} | {k['cpu_s']:.3f} | {ratio:.2f} | {100 * g['sys_share']:.0f}% "
-            f"| {g['faults']:,.0f} | {k['faults']:,.0f} | {g['peak_rss_mib']:,.0f} | {k['peak_rss_mib']:,.0f} |",
-            flush=True,
-        )
-        results.append({"net": row[0], "batch": row[3], "glibc": g, "kept": k, "ratio": ratio, "runs": runs})
+        result = {"net": row[0], "batch": row[3], "glibc": med["glibc"], "kept": med["kept"], "ratio": ratio}
+        print(_line(result), flush=True)
+        results.append(result | {"runs": runs})
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return {"rows": results}

@@ -36,6 +36,19 @@ def test_the_cost_table_in_docs_is_generated_from_the_committed_run() -> None:
     assert record["agreement"]["max_differ"] is not None
 
 
+def test_the_allocators_table_in_docs_is_generated_from_the_committed_run() -> None:
+    """docs/cost.md's host-allocator table is what docs/host_memory.json (a run of bench/host_memory.py) gives; kept,
+    the 3D global CNN's step costs less than as glibc comes, and so does its ratio to the local net."""
+    import json
+
+    bench = load_script("bench/host_memory.py", "host_memory")
+    assert bench.check_doc() == []
+    rows = {r["net"]: r for r in json.loads(bench.RECORD.read_text())}
+    assert [r[0] for r in bench.ROWS] == list(rows)
+    g, loc = rows[bench.ROWS[4][0]], rows[bench.ROWS[5][0]]
+    assert g["ratio"] > 1 and g["glibc"]["cpu_s"] / loc["glibc"]["cpu_s"] > g["kept"]["cpu_s"] / loc["kept"]["cpu_s"]
+
+
 def test_two_runs_of_the_cost_curve_are_compared_row_by_row() -> None:
     """--compare: per row timed in both runs, the larger step-time ratio over the smaller less one; the worst named."""
     bench = load_script("bench/size_cost.py", "size_cost")
