@@ -286,19 +286,25 @@ def test_a_rank_that_dies_at_its_exit_after_the_training_finished_keeps_the_resu
     assert not list(tmp_path.glob(".spawned_*"))
 
 
+# One srun task of a 2-task DDP training: argv[1] the folder, argv[2] the net (``fails``: rank 1 raises in a training
+# step; ``aborts``: rank 1's process aborts at its interpreter's end); it ends as ddcnn-train ends a finished run.
 _SRUN_TASK = """
 import sys, torch
 from ddcnn.data.datamodule import TensorDataModule
+from ddcnn.engine.launch import exit_past_a_lingering_process_group
 from ddcnn.engine.loop import fit_batches
 from ddcnn.settings import LoopSettings
-from tests.engine.test_ddp import _FailsOnRank1
+from tests.engine.test_ddp import _AbortsAtExit, _FailsOnRank1
 
 torch.manual_seed(0)
 x = {s: torch.randn(24, 1, 6, 6) for s in ("train", "val", "test")}
 y = {s: torch.randint(3, (24,)) for s in x}
 sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
 settings = LoopSettings(optimizer=sgd, max_epochs=3, num_devices=2, launcher="srun")
-fit_batches(_FailsOnRank1(), TensorDataModule(x, y, 4), sys.argv[1], settings)
+net = {"fails": _FailsOnRank1, "aborts": lambda: _AbortsAtExit(1)}[sys.argv[2]]()
+out = fit_batches(net, TensorDataModule(x, y, 4), sys.argv[1], settings)
+print(f"trained {len(out.history)} epochs", flush=True)
+exit_past_a_lingering_process_group()
 """
 
 
@@ -334,35 +340,16 @@ def _start_srun_tasks(script: str, *args: str) -> list:
     return tasks
 
 
-_SRUN_ABORTING_TASK = """
-import sys, torch
-from ddcnn.data.datamodule import TensorDataModule
-from ddcnn.engine.launch import exit_past_a_lingering_process_group
-from ddcnn.engine.loop import fit_batches
-from ddcnn.settings import LoopSettings
-from tests.engine.test_ddp import _AbortsAtExit
-
-torch.manual_seed(0)
-x = {s: torch.randn(24, 1, 6, 6) for s in ("train", "val", "test")}
-y = {s: torch.randint(3, (24,)) for s in x}
-sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}
-settings = LoopSettings(optimizer=sgd, max_epochs=2, num_devices=2, launcher="srun")
-out = fit_batches(_AbortsAtExit(1), TensorDataModule(x, y, 4), sys.argv[1], settings)
-print(f"trained {len(out.history)} epochs", flush=True)
-exit_past_a_lingering_process_group()  # as ddcnn-train does once its work is done
-"""
-
-
 @pytest.mark.slow
 def test_an_srun_task_that_trained_in_ddp_leaves_before_a_teardown_that_would_abort_it(tmp_path):
     """An srun task whose process would abort at its interpreter's end (as gloo's lingering process group rarely
     makes it), after the DDP training finished: ddcnn-train's exit skips that teardown, so the task ends with status
     0 and srun --kill-on-bad-exit=1 has no reason to end the others (rank 0 still evaluating). Without it rank 1 ends
     with SIGABRT."""
-    tasks = _start_srun_tasks(_SRUN_ABORTING_TASK, str(tmp_path))
+    tasks = _start_srun_tasks(_SRUN_TASK, str(tmp_path), "aborts")
     outs = [task.communicate(timeout=240) for task in tasks]
     assert [task.returncode for task in tasks] == [0, 0], outs
-    assert all("trained 2 epochs" in out for out, _ in outs), outs
+    assert all("trained 3 epochs" in out for out, _ in outs), outs
 
 
 @pytest.mark.slow
@@ -373,7 +360,7 @@ def test_a_failure_in_one_srun_task_stops_every_task_with_its_message(tmp_path):
     import time
 
     began = time.perf_counter()
-    tasks = _start_srun_tasks(_SRUN_TASK, str(tmp_path))
+    tasks = _start_srun_tasks(_SRUN_TASK, str(tmp_path), "fails")
     outs = [task.communicate(timeout=240) for task in tasks]
     elapsed = time.perf_counter() - began
     assert all(task.returncode != 0 for task in tasks), outs
