@@ -906,6 +906,9 @@ PRIMARY = (
 )
 # Where balanced accuracy and ROC AUC are primary beside accuracy (docs/protocol.md 5a: AdrenalMNIST3D, whose majority
 # class is 77%; and the 64³ row of issue #47), the same three comparisons of each, in points of the metric (x 100).
+# The trainings the method under test of :data:`PRIMARY` builds on (the CNN-DNN at the default ``coarse.input``: every
+# local net and the coarse DNN on their logits): a run where one of them did not converge is named beside the verdict.
+METHOD_TRAININGS = {"cnn_dnn": ("local", "coarse")}
 PRIMARY_METRICS = {"adrenal3d": ("balanced_accuracy", "auc"), "adrenal3d_64": ("balanced_accuracy", "auc")}
 METRIC_LABELS = {"balanced_accuracy": "balanced accuracy", "auc": "AUC x 100"}
 PRIMARY_HEAD = (
@@ -945,7 +948,8 @@ def primary_rows(root: Path, names: list[str]) -> list[dict]:
     Holm-adjusted over the whole family (every row of every dataset: :func:`ddcnn.report.stats.holm`), and the verdict
     with the equivalence margin. Only seeds that hold every configuration count, and only runs whose snapshot kept its
     test predictions (``predictions_test.pt``) on the same test images; a baseline that did not converge in any of
-    them gives no verdict."""
+    the runs counted gives no verdict, and the runs counted where the method under test holds an unconverged training
+    (:data:`METHOD_TRAININGS`) are named beside its verdict, which they may have moved either way."""
     import numpy as np
 
     from ddcnn.report.compare import load_run
@@ -1001,7 +1005,13 @@ def primary_rows(root: Path, names: list[str]) -> list[dict]:
                 if all(score is not None for score in scores):
                     comparison = f"{what} ({METRIC_LABELS[metric]})"
                     boots.append((comparison, two_level_bootstrap_metric(metric, labels, *scores)))
-            converged = all_converged([run.converged(training) for _, run in held.values()])
+            counted = [held[seed, config][1] for seed in seeds for config in configs]
+            converged = all_converged([run.converged(training) for run in counted])
+            method_unconverged = [
+                f"{run.path.parent.name}/{run.path.name}"
+                for run in counted
+                if all_converged([run.converged(t) for t in METHOD_TRAININGS[method]]) is False
+            ]
             for comparison, boot in boots:
                 rows.append(
                     {
@@ -1016,6 +1026,8 @@ def primary_rows(root: Path, names: list[str]) -> list[dict]:
                         "p": boot["p"],
                         "t_interval": paired_difference([100 * v for v in boot["per_seed"]]),
                         "converged": converged,
+                        "method_unconverged": method_unconverged,
+                        "runs": len(counted),
                     }
                 )
     for row, adjusted in zip(rows, holm([row["p"] for row in rows]), strict=True):
@@ -1027,6 +1039,11 @@ def primary_rows(root: Path, names: list[str]) -> list[dict]:
         )
         if row["seeds"] < HEADLINE_SEEDS and row["verdict"] != BASELINE_NOT_CONVERGED:
             row["verdict"] += f" ({row['seeds']} of the {HEADLINE_SEEDS} seeds a headline needs)"
+        if unconverged := row["method_unconverged"]:  # the method under test is flagged where its verdict is read
+            row["verdict"] += (
+                f"; the CNN-DNN holds an unconverged training in {len(unconverged)} of its {row['runs']} runs "
+                f"({', '.join(unconverged)})"
+            )
     return rows
 
 

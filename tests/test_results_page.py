@@ -588,6 +588,29 @@ def test_adrenal3d_has_primary_verdicts_of_balanced_accuracy_and_auc_beside_accu
         assert row["low"] <= row["difference"] <= row["high"]
 
 
+def test_a_primary_verdict_names_the_runs_where_the_cnn_dnn_itself_did_not_converge(results, tmp_path):
+    """A reviewer reads the primary table: the baseline's convergence withholds a verdict, and the method under test's
+    is named beside its verdict (an unconverged local net can move the CNN-DNN's difference either way); the runs of
+    the page's fixture converged, and one local net marked unconverged is named in every row of its run."""
+    import json
+    import shutil
+
+    run = tmp_path / "adrenal3d" / "2x2x2_s0"
+    shutil.copytree(REPO / "tests" / "fixtures" / "adrenal3d_run" / "adrenal3d" / "2x2x2_s0", run)
+    clean = results.primary_rows(tmp_path, ["adrenal3d/2x2x2_s0"])
+    assert clean and all("unconverged" not in row["verdict"] and not row["method_unconverged"] for row in clean)
+    record = json.loads((run / "results.json").read_text())
+    record["convergence"]["local"][3]["converged"] = False
+    (run / "results.json").write_text(json.dumps(record))
+    flagged = results.primary_rows(tmp_path, ["adrenal3d/2x2x2_s0"])
+    named = "; the CNN-DNN holds an unconverged training in 1 of its 1 runs (adrenal3d/2x2x2_s0)"
+    for before, row in zip(clean, flagged, strict=True):
+        assert row["difference"] == before["difference"] and row["p_holm"] == before["p_holm"]
+        # the mean probability averages the same local nets: its comparison has no verdict, and still names the run
+        against_local = row["comparison"].startswith("CNN-DNN − mean probability")
+        assert row["verdict"] == ("baseline not converged" if against_local else before["verdict"]) + named
+
+
 def test_a_second_invocation_into_a_training_workdir_is_refused_until_the_first_is_gone(results, tmp_path):
     """Two invocations training into one workdir would remove each other's runs (--retrain) and race for the page:
     the second is refused at once, naming the first; once the first is killed, its lock is free."""
