@@ -31,3 +31,14 @@ def differences(doc: Path, script: str, wanted: list[str]) -> list[str]:
     begin, end = markers(script)
     shown = doc.read_text().partition(begin)[2].partition(end)[0].strip().splitlines()
     return [line for line in wanted if line not in shown] + [line for line in shown if line not in wanted]
+
+
+def cpu_name() -> str:
+    """The CPU's model name, for the line that says where a doc's run was measured."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or "unknown"

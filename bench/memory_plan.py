@@ -8,12 +8,16 @@ Three parts, each printed as a table and written to ``--out`` (JSON):
    storage once, plus parameters, gradients and Adam's state after its step; allocator-independent), the host's RSS
    growth over the forward beside it. Target: within 25% where the activations are >= 256 MiB, within 32 MiB below.
 2. **Activation checkpointing** (``engine.activation_checkpointing``): the step time with and without it (median of
-   ``--repeats`` steps, one process, alternating), the planned activations and the host RSS growth over the forward.
+   ``--repeats`` steps, one process, alternating; the process's CPU time, with freed host memory kept as
+   :func:`ddcnn.pipeline.train` keeps it), the planned activations and the host RSS growth over the forward (measured
+   first, under the allocator as it comes: kept memory would hide the growth).
 3. **The pre-flight check at 256³** (3D vgg_small, batch 2, 2x2x2): ``check_networks`` with the plan, CPU seconds and
    RSS growth, imports and the first meta trace of the process (which imports ``torch._dynamo``) excluded. Target:
    under 2 s of CPU and 1 GB of RSS.
 
     python bench/memory_plan.py [--quick] [--threads 1] [--out bench_memory_plan.json]
+    python bench/memory_plan.py --doc RUN.json   # docs/cost.md's tables from that run (kept as docs/memory_plan.json)
+    python bench/memory_plan.py --check          # docs/cost.md's tables == what docs/memory_plan.json gives
 
 ``--quick`` runs small sizes only (seconds; the test runs it). The full run takes a couple of minutes on one thread.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import json
 import resource
 import statistics
@@ -33,13 +38,18 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
+from bench import _doc  # noqa: E402
 from ddcnn.data.memory import peak_rss_bytes, rss_bytes  # noqa: E402
 from ddcnn.models.checkpointing import apply_checkpointing, checkpoint_runs  # noqa: E402
 from ddcnn.models.memory import MIB, measure_step, plan_network  # noqa: E402
 from ddcnn.models.resnet import resnet18  # noqa: E402
 from ddcnn.models.vgg import vgg_small  # noqa: E402
+from ddcnn.runtime import cpu_capability, host_allocator, keep_freed_host_memory, load_average  # noqa: E402
+
+DOC, RECORD = ROOT / "docs" / "cost.md", ROOT / "docs" / "memory_plan.json"
 
 K = 2
 # (label, builder, spatial_dims, side, batch): global and local (2x2x2 / 2x2) nets of the issue's sizes, and 2D nets
@@ -114,41 +124,43 @@ def plan_vs_measured(cases) -> list[dict]:
 
 
 def _step_time(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    began = time.perf_counter()
+    """One forward and backward on the process's CPU clock: another process's share of the cores does not count."""
+    began = time.process_time()
     F.cross_entropy(net(x), y).backward()
     net.zero_grad(set_to_none=True)
-    return time.perf_counter() - began
+    return time.process_time() - began
 
 
 def checkpointing_cost(cases, repeats: int) -> list[dict]:
-    rows = []
+    """Per case the planned activations with and without checkpointing, the host RSS growth over each forward (all
+    cases first, under the allocator as it comes), then the step times with freed memory kept, as training runs."""
+    nets = []
     for label, builder, dims, side, batch in cases:
         plain = _net(builder, dims).train()
         cut = apply_checkpointing(copy.deepcopy(plain)).train()
         x, y = _batch(dims, side, batch)
         shape = (1, *(side,) * dims)
-        planned = plan_network(plain, shape, batch, num_classes=K).activation_bytes
-        planned_cut = plan_network(plain, shape, batch, num_classes=K, runs=checkpoint_runs(plain)).activation_bytes
+        row = {
+            "net": label,
+            "batch": batch,
+            "planned_activation_bytes": plan_network(plain, shape, batch, num_classes=K).activation_bytes,
+            "planned_checkpointed_activation_bytes": plan_network(
+                plain, shape, batch, num_classes=K, runs=checkpoint_runs(plain)
+            ).activation_bytes,
+            "forward_rss_growth_bytes": _forward_rss(plain, x, y),
+            "checkpointed_forward_rss_growth_bytes": _forward_rss(cut, x, y),
+        }
+        nets.append((row, plain, cut, x, y))
+    keep_freed_host_memory()
+    for row, plain, cut, x, y in nets:
         _step_time(plain, x, y), _step_time(cut, x, y)  # first use of each shape's kernels
         times = {"plain": [], "checkpointed": []}
-        for _ in range(repeats):
+        for _ in range(repeats):  # alternating: a drift of the machine falls on both alike
             times["plain"].append(_step_time(plain, x, y))
             times["checkpointed"].append(_step_time(cut, x, y))
         t_plain, t_cut = statistics.median(times["plain"]), statistics.median(times["checkpointed"])
-        rows.append(
-            {
-                "net": label,
-                "batch": batch,
-                "step_s": t_plain,
-                "checkpointed_step_s": t_cut,
-                "time_cost": t_cut / t_plain,
-                "planned_activation_bytes": planned,
-                "planned_checkpointed_activation_bytes": planned_cut,
-                "forward_rss_growth_bytes": _forward_rss(plain, x, y),
-                "checkpointed_forward_rss_growth_bytes": _forward_rss(cut, x, y),
-            }
-        )
-    return rows
+        row.update(step_s=t_plain, checkpointed_step_s=t_cut, time_cost=t_cut / t_plain)
+    return [row for row, *_ in nets]
 
 
 def preflight(side: int) -> dict:
@@ -188,21 +200,122 @@ def preflight(side: int) -> dict:
     }
 
 
+def _mib(v: float) -> str:
+    return f"{v / MIB:,.1f}" if v < 100 * MIB else f"{v / MIB:,.0f}"
+
+
+def table(record: dict) -> list[str]:
+    """docs/cost.md's lines from one run: plan against measured per net, checkpointing's saving and price, the
+    pre-flight check at 256³, and how it was measured."""
+    lines = [
+        "| net | batch | saved for backward, plan / measured (MiB) | the step's memory, plan / measured (MiB) | "
+        "plan error | host RSS growth over the forward (MiB) | GFLOP per step | target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = record["plan_vs_measured"]
+    for r in rows:
+        lines.append(
+            f"| {r['net']} | {r['batch']} | {_mib(r['planned_activation_bytes'])} / "
+            f"{_mib(r['measured_activation_bytes'])} | {_mib(r['planned_bytes'])} / {_mib(r['measured_bytes'])} | "
+            f"{100 * r['relative_error']:+.2f}% | {_mib(r['forward_rss_growth_bytes'])} | {r['planned_gflops']:.2f} | "
+            f"{'met' if r['within_target'] else '**missed**'} |"
+        )
+    worst = max(rows, key=lambda r: abs(r["relative_error"]))
+    low, high = min(r["measured_bytes"] for r in rows), max(r["measured_bytes"] for r in rows)
+    lines += [
+        "",
+        f"The plan meets its target (within 25% where the activations are 256 MiB or more, within 32 MiB below) for "
+        f"{sum(r['within_target'] for r in rows)} of {len(rows)} nets, {_mib(low)} to {_mib(high)} MiB measured; "
+        f"its largest error is {100 * worst['relative_error']:+.2f}% ({worst['net']}).",
+        "",
+        "| net | batch | saved for backward, plain / checkpointed (plan, MiB) | less | step, plain / checkpointed "
+        "(CPU s) | time cost |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in record["checkpointing"]:
+        plain, cut = r["planned_activation_bytes"], r["planned_checkpointed_activation_bytes"]
+        lines.append(
+            f"| {r['net']} | {r['batch']} | {_mib(plain)} / {_mib(cut)} | {100 * (1 - cut / plain):.0f}% | "
+            f"{r['step_s']:.3f} / {r['checkpointed_step_s']:.3f} | {r['time_cost']:.2f}x |"
+        )
+    p = record["preflight"]
+    planned_gib = p["plan"]["global"]["activation_bytes"] / 2**30
+    load = lambda v: "-" if v is None else " ".join(f"{x:.2f}" for x in v)  # noqa: E731
+    lines += [
+        "",
+        f"`check_networks` with the plan at {p['side']}³ (3D vgg_small, batch 2, 2x2x2; imports and the process's "
+        f"first meta trace excluded): {p['cpu_s']:.2f} s of CPU, RSS {p['rss_growth_bytes'] / MIB:+.1f} MiB (target: "
+        f"under 2 s and 1 GB); the global CNN's activations planned at {planned_gib:.2f} GiB.",
+        f"Measured {record['date']} by `{' '.join(['python bench/memory_plan.py', *record['argv']])}`: "
+        f"{record['threads']} thread(s), {record['cpu']} ({record['cpu_capability']}, {record['cpu_count']} cores); "
+        f"step time: {record['clock']}, the median of {record['repeats']} steps, host allocator "
+        f"{record['host_allocator']}; load average {load(record['load_before'])} before, "
+        f"{load(record['load_after'])} after.",
+    ]
+    return lines
+
+
+def write_doc(record: dict) -> None:
+    """docs/memory_plan.json (the run) and docs/cost.md's tables between their markers."""
+    RECORD.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    _doc.write(DOC, "memory_plan.py", table(record))
+
+
+def check_doc() -> list[str]:
+    """The lines of docs/cost.md's block that differ from what docs/memory_plan.json gives (empty: none)."""
+    return _doc.differences(DOC, "memory_plan.py", table(json.loads(RECORD.read_text())))
+
+
 def main(argv: list[str] | None = None) -> dict:
+    import os
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes only (seconds)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per checkpointing case")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--doc", type=Path, help="write docs/cost.md's tables (and docs/memory_plan.json) from a run")
+    parser.add_argument("--check", action="store_true", help="docs/cost.md's tables == docs/memory_plan.json's")
     args = parser.parse_args(argv)
+    if args.check:
+        differ = check_doc()
+        print("\n".join(differ) or f"{DOC}: the memory plan's tables are what {RECORD.name} gives")
+        if differ:
+            raise SystemExit(1)
+        return {}
+    if args.doc is not None:
+        write_doc(json.loads(args.doc.read_text()))
+        print(f"{DOC}: the memory plan's tables written from {args.doc}")
+        return {}
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (2 if args.quick else 5)
+    argv_kept, skip = [], False
+    for a in argv if argv is not None else sys.argv[1:]:  # what was measured: the command less where it went
+        if skip or a.split("=")[0] == "--out":
+            skip = not skip and "=" not in a
+            continue
+        argv_kept.append(a)
     result = {
-        "preflight": preflight(64 if args.quick else 256),
-        "plan_vs_measured": plan_vs_measured(QUICK if args.quick else FULL),
-        "checkpointing": checkpointing_cost(CHECKPOINT_QUICK if args.quick else CHECKPOINT_FULL, repeats),
+        "date": datetime.date.today().isoformat(),
+        "argv": argv_kept,
         "threads": args.threads,
+        "repeats": repeats,
+        "cpu": _doc.cpu_name(),
+        "cpu_capability": cpu_capability(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "clock": "process CPU time",
+        "load_before": load_average(),
     }
+    try:
+        result["preflight"] = preflight(64 if args.quick else 256)
+        result["plan_vs_measured"] = plan_vs_measured(QUICK if args.quick else FULL)
+        result["checkpointing"] = checkpointing_cost(CHECKPOINT_QUICK if args.quick else CHECKPOINT_FULL, repeats)
+    finally:
+        torch.set_num_threads(threads)  # main() also runs inside other processes (the tests)
+    result["host_allocator"] = host_allocator()
+    result["load_after"] = load_average()
     print(f"{'net':28}{'batch':>6}{'saved plan':>12}{'saved real':>12}{'plan':>10}{'real':>10}{'error':>8}"
           f"{'RSS fwd':>10}{'GFLOP':>9}  target")  # fmt: skip
     for r in result["plan_vs_measured"]:

@@ -189,16 +189,6 @@ def row(model: str, dims: int, side: int, grid: tuple[int, ...], overlap: int, b
     return out
 
 
-def _cpu_name() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        return platform.processor() or "unknown"
-
-
 def _settings(argv: list[str]) -> list[str]:
     """The command line less where its output went (``--out``, ``--compare`` and their paths): what was measured."""
     kept, skip = [], False
@@ -392,7 +382,7 @@ def _measure(args: argparse.Namespace, argv: list[str] | None) -> list[dict]:
         "device": args.device,
         "clock": "device time (synchronised wall clock)" if args.device.startswith("cuda") else "process CPU time",
         "host_allocator": host_allocator(),
-        "cpu": _cpu_name(),
+        "cpu": _doc.cpu_name(),
         "cpu_capability": cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
