@@ -6,7 +6,12 @@ the block and commits the run beside the page, ``--check`` (and a test) compares
 
 from __future__ import annotations
 
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def markers(script: str) -> tuple[str, str]:
@@ -42,3 +47,47 @@ def cpu_name() -> str:
         import platform
 
         return platform.processor() or "unknown"
+
+
+@dataclass(frozen=True)
+class Block:
+    """One bench script's generated block: ``script`` writes it into ``doc`` from its committed run ``record``
+    through ``table`` (the run's JSON → the block's lines); ``what`` names it in messages."""
+
+    script: str
+    doc: Path
+    record: Path
+    table: Callable[[Any], list[str]]
+    what: str = "the table"
+
+    def write(self, run: Any) -> None:
+        """Keep ``run`` as the committed record and write the block from it."""
+        self.record.write_text(json.dumps(run, indent=1, default=str) + "\n")
+        write(self.doc, self.script, self.table(run))
+
+    def check(self) -> list[str]:
+        """The block's lines that differ from what the committed record gives (empty: none)."""
+        return differences(self.doc, self.script, self.table(json.loads(self.record.read_text())))
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        where = f"{self.doc.parent.name}/{self.doc.name}"
+        parser.add_argument(
+            "--doc", type=Path, help=f"write {self.what} of {where} from a run's JSON (kept as {self.record.name})"
+        )
+        parser.add_argument(
+            "--check", action="store_true", help=f"compare {self.what} of {where} with what {self.record.name} gives"
+        )
+
+    def handle(self, args: argparse.Namespace) -> bool:
+        """Run ``--check`` (exit status 1 when the block differs) or ``--doc``; True when one of them ran."""
+        if args.check:
+            differ = self.check()
+            print("\n".join(differ) or f"{self.doc}: {self.what}, as {self.record.name} gives")
+            if differ:
+                raise SystemExit(1)
+            return True
+        if args.doc is not None:
+            self.write(json.loads(args.doc.read_text()))
+            print(f"{self.doc}: {self.what}, written from {args.doc}")
+            return True
+        return False

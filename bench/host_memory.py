@@ -131,15 +131,7 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def write_doc(rows: list[dict]) -> None:
-    """docs/host_memory.json (the run) and the table of docs/cost.md between its markers."""
-    RECORD.write_text(json.dumps(rows, indent=1) + "\n")
-    _doc.write(DOC, "host_memory.py", table(rows))
-
-
-def check_doc() -> list[str]:
-    """The lines of docs/cost.md's table that differ from what docs/host_memory.json gives (empty: none)."""
-    return _doc.differences(DOC, "host_memory.py", table(json.loads(RECORD.read_text())))
+BLOCK = _doc.Block("host_memory.py", DOC, RECORD, table, "the allocator's table")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -148,18 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=2, help="fresh processes per row and mode (median)")
     parser.add_argument("--min-cpu-s", type=float, default=3.0, help="CPU seconds each measurement runs at least")
     parser.add_argument("--out", help="write the rows as JSON here")
-    parser.add_argument("--doc", type=Path, help="write docs/cost.md's table (and docs/host_memory.json) from a run")
-    parser.add_argument("--check", action="store_true", help="docs/cost.md's table == docs/host_memory.json's")
+    BLOCK.add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.check:
-        differ = check_doc()
-        print("\n".join(differ) or f"{DOC}: the allocator's table is what {RECORD.name} gives")
-        if differ:
-            raise SystemExit(1)
-        return {}
-    if args.doc is not None:
-        write_doc(json.loads(args.doc.read_text()))
-        print(f"{DOC}: the allocator's table written from {args.doc}")
+    if BLOCK.handle(args):
         return {}
     rows = [ROWS[i] for i in QUICK] if args.quick else ROWS
     repeats, min_cpu_s = (1, 0.3) if args.quick else (args.repeats, args.min_cpu_s)

@@ -255,15 +255,7 @@ def table(record: dict) -> list[str]:
     return lines
 
 
-def write_doc(record: dict) -> None:
-    """docs/memory_plan.json (the run) and docs/cost.md's tables between their markers."""
-    RECORD.write_text(json.dumps(record, indent=1, default=str) + "\n")
-    _doc.write(DOC, "memory_plan.py", table(record))
-
-
-def check_doc() -> list[str]:
-    """The lines of docs/cost.md's block that differ from what docs/memory_plan.json gives (empty: none)."""
-    return _doc.differences(DOC, "memory_plan.py", table(json.loads(RECORD.read_text())))
+BLOCK = _doc.Block("memory_plan.py", DOC, RECORD, table, "the memory plan's tables")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -274,18 +266,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per checkpointing case")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    parser.add_argument("--doc", type=Path, help="write docs/cost.md's tables (and docs/memory_plan.json) from a run")
-    parser.add_argument("--check", action="store_true", help="docs/cost.md's tables == docs/memory_plan.json's")
+    BLOCK.add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.check:
-        differ = check_doc()
-        print("\n".join(differ) or f"{DOC}: the memory plan's tables are what {RECORD.name} gives")
-        if differ:
-            raise SystemExit(1)
-        return {}
-    if args.doc is not None:
-        write_doc(json.loads(args.doc.read_text()))
-        print(f"{DOC}: the memory plan's tables written from {args.doc}")
+    if BLOCK.handle(args):
         return {}
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)

@@ -306,15 +306,7 @@ def table(record: dict) -> list[str]:
     return lines
 
 
-def write_doc(record: dict) -> None:
-    """docs/cost.json (the run) and the table of docs/cost.md between its markers."""
-    RECORD.write_text(json.dumps(record, indent=1) + "\n")
-    _doc.write(DOC, "size_cost.py", table(record))
-
-
-def check_doc() -> list[str]:
-    """The lines of docs/cost.md's table that differ from what docs/cost.json gives (empty: none)."""
-    return _doc.differences(DOC, "size_cost.py", table(json.loads(RECORD.read_text())))
+BLOCK = _doc.Block("size_cost.py", DOC, RECORD, table, "the table")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -336,18 +328,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--host-memory", choices=("kept", "glibc"), default="kept",
         help="keep freed host memory as training does (default), or measure glibc's allocator as it comes",
     )  # fmt: skip
-    parser.add_argument("--doc", type=Path, help="write docs/cost.md's table (and docs/cost.json) from this run's JSON")
-    parser.add_argument("--check", action="store_true", help="docs/cost.md's table == what docs/cost.json gives")
+    BLOCK.add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.check:
-        differ = check_doc()
-        print("\n".join(differ) or f"{DOC}: the table is what {RECORD.name} gives")
-        if differ:
-            raise SystemExit(1)
-        return []
-    if args.doc is not None:
-        write_doc(json.loads(args.doc.read_text()))
-        print(f"{DOC}: table written from {args.doc}")
+    if BLOCK.handle(args):
         return []
     args.deadline = time.perf_counter() + args.budget_s
     if args.host_memory == "kept":
