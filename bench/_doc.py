@@ -49,6 +49,17 @@ def cpu_name() -> str:
         return platform.processor() or "unknown"
 
 
+def measured_argv(argv: list[str], dropped: tuple[str, ...] = ("--out", "--compare")) -> list[str]:
+    """The command line less where its output went (``dropped`` and their paths): what a run measured."""
+    kept, skip = [], False
+    for a in argv:
+        if skip or a.split("=")[0] in dropped:
+            skip = not skip and "=" not in a
+            continue
+        kept.append(a)
+    return kept
+
+
 @dataclass(frozen=True)
 class Block:
     """One bench script's generated block: ``script`` writes it into ``doc`` from its committed run ``record``

@@ -273,15 +273,9 @@ def main(argv: list[str] | None = None) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (2 if args.quick else 5)
-    argv_kept, skip = [], False
-    for a in argv if argv is not None else sys.argv[1:]:  # what was measured: the command less where it went
-        if skip or a.split("=")[0] == "--out":
-            skip = not skip and "=" not in a
-            continue
-        argv_kept.append(a)
     result = {
         "date": datetime.date.today().isoformat(),
-        "argv": argv_kept,
+        "argv": _doc.measured_argv(argv if argv is not None else sys.argv[1:]),
         "threads": args.threads,
         "repeats": repeats,
         "cpu": _doc.cpu_name(),

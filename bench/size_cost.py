@@ -189,17 +189,6 @@ def row(model: str, dims: int, side: int, grid: tuple[int, ...], overlap: int, b
     return out
 
 
-def _settings(argv: list[str]) -> list[str]:
-    """The command line less where its output went (``--out``, ``--compare`` and their paths): what was measured."""
-    kept, skip = [], False
-    for a in argv:
-        if skip or a.split("=")[0] in ("--out", "--compare"):
-            skip = not skip and "=" not in a
-            continue
-        kept.append(a)
-    return kept
-
-
 def _key(r: dict) -> tuple:
     return (r["spatial_dims"], r["size"], r["grid"], r["overlap"])
 
@@ -356,7 +345,7 @@ def _measure(args: argparse.Namespace, argv: list[str] | None) -> list[dict]:
         ]
     record = {
         "date": datetime.date.today().isoformat(),
-        "argv": _settings(argv if argv is not None else sys.argv[1:]),
+        "argv": _doc.measured_argv(argv if argv is not None else sys.argv[1:]),
         "model": args.model,
         "batch": args.batch,
         "threads": args.threads,
