@@ -64,9 +64,9 @@ ROWS = {
     ],
 }
 FOLDER_ROWS = {"mnist_fashion20"}
-# The paper's probabilities stay the bench's main coarse input (ddcnn's default is logits since the results page decided
-# it, docs/protocol.md section 6): its columns and the convex stacker (which takes coarse.input) stay those of the
-# table in docs/coarse.md, and the logits column is the coarse_alt stage.
+# The paper's probabilities are the bench's main coarse input, stated (ddcnn's default, decided by the results page,
+# docs/protocol.md section 6, was logits from 2026-12-04 to 2026-12-07): its columns and the convex stacker (which takes
+# coarse.input) stay those measured before, and the logits column is the coarse_alt stage.
 COMMON = ["trainer.enable_progress_bar=false", "report.plots=false", "report.export=false", "coarse.input=probs"]
 # Columns: results.json method key -> label.
 METHOD_LABELS = {

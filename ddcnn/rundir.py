@@ -176,9 +176,11 @@ CHANGED_DEFAULTS: dict[str, tuple[Any, Any]] = {
     # The image-folder source reads data.in_channels channels (auto: those of the images); a run recorded with
     # grayscale=true recorded data.in_channels=1 too, which the resolved count must match.
     "data.source.grayscale": (True, None),
-    # Decided by the results page (docs/protocol.md section 6). A finished coarse stage keeps its input (its meta.json
+    # Decided by the results page (docs/protocol.md section 6): probs until 2026-12-04, logits until 2026-12-07 (the
+    # regenerated page's re-check failed criterion 1), probs since. A run recorded with probs matches today's default
+    # as it is; one recorded with logits resumes under today's. A finished coarse stage keeps its input (its meta.json
     # records it, and the evaluation reads it from there); coarse_alt then trains the other one.
-    "coarse.input": ("probs", "logits"),
+    "coarse.input": ("logits", "probs"),
     # The data draw follows the seed (null: the run's seed; config.yaml records the number). A run directory recorded
     # with the old default resumes with it (ddcnn.settings.RunSettings.in_run_dir), on the data its stages trained on;
     # at seed 0 the two are the same draw.

@@ -15,7 +15,7 @@ What it does, in order:
    unless ``--threads``; each run records its CPU time, the commit it ran at, the machine, the invocation and how many
    runs shared the cores with it): MNIST and Fashion-MNIST with ``vgg_small`` local nets and global CNN, grids 2x2
    and 4x4, overlap 0 and 2, the methods that bear on the primary comparisons of ``docs/protocol.md`` section 5a
-   (:data:`PAGE_ARMS` beside ``methods=default``: the CNN-DNN at the default ``coarse.input``, logits, and on
+   (:data:`PAGE_ARMS` beside ``methods=default``: the CNN-DNN on the local logits, :data:`PAGE_INPUT`, and on
    probabilities as the paper's row; the averaging combiners, the stacker, the validation-fit coarse DNN, global DDP
    on 2 CPU processes, the equal-time ensemble of global CNNs by mean probability and by the coarse fit, and at 2x2
    the global CNN widened to the CNN-DNN's parameter count; since issue 44 not ``local_oof``, ``e2e``, ``transfer``,
@@ -286,6 +286,10 @@ def recipe(args: argparse.Namespace) -> list[str]:
 
 # The optional methods every dataset of the page runs besides methods=default's (coarse_alt, stacker, coarse_val).
 PAGE_ARMS = ("global_ddp", "global_ensemble", "global_ensemble_coarse")
+# The page's CNN-DNN: the coarse DNN on the local logits, the default when its runs trained (issue #44). Its re-check
+# under docs/protocol.md section 6 returned the default to probs; the page states logits so that its runs stay the
+# planned ones (each run trains the other input too, coarse_alt: the paper's probabilities are the row beside it).
+PAGE_INPUT = "coarse.input=logits"
 LARGE_TRAIN, LARGE_SEEDS = 10000, (0, 1, 2)  # the larger-data point (MNIST 2x2/0)
 CT64_SEEDS = (0, 1, 2)  # the 64³ row (--datasets adrenal3d_64)
 
@@ -293,7 +297,7 @@ CT64_SEEDS = (0, 1, 2)  # the 64³ row (--datasets adrenal3d_64)
 def plan(args: argparse.Namespace) -> list[Dataset]:
     """The datasets of the page (``--tiny``: one small dataset, one epoch, the default methods)."""
     if args.tiny:
-        tiny = ["data=digits", "model=vgg_tiny", *recipe(args), "methods=default", "report.plots=false"]
+        tiny = ["data=digits", "model=vgg_tiny", *recipe(args), "methods=default", PAGE_INPUT, "report.plots=false"]
         tiny += ["methods.enabled.global_ensemble=true"]  # the k of the page's ensemble, fixed by a timing run
         tiny += ["methods.enabled.coarse_alt=false", "methods.enabled.coarse_val=false", "report.curves.enabled=false"]
         tiny += [f"data.val_target_fraction={args.val_target_fraction}"] if args.val_target_fraction else []
@@ -301,12 +305,12 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
             tiny.append(f"data.train_subset={args.train_subset}")
         return [Dataset("digits", "Digits (tiny mode)", tuple(tiny), ("2x2",), (0, 2), auc_table=True, ensemble=True)]
     subset = [f"data.test_subset={args.test_subset}"] if args.test_subset else []
-    # The methods that bear on the primary comparisons (docs/protocol.md section 5a): the CNN-DNN at the default
-    # coarse.input (logits) and, as the paper's row beside it, on probabilities (coarse_alt), the averaging combiners,
+    # The methods that bear on the primary comparisons (docs/protocol.md section 5a): the CNN-DNN on the local logits
+    # (PAGE_INPUT) and, as the paper's row beside it, on probabilities (coarse_alt), the averaging combiners,
     # the stacker, the validation-fit coarse DNN, DDP, the equal-time ensemble of global CNNs (by mean probability and
     # by the coarse fit) and, at 2x2 (2x2x2), the global CNN of the CNN-DNN's parameter count. Left out on 2D since
     # issue 44: local_oof, e2e, transfer and global_transfer (a third of a run's CPU; none is a primary comparison).
-    arms = ["methods=default", *(f"methods.enabled.{m}=true" for m in PAGE_ARMS)]
+    arms = ["methods=default", PAGE_INPUT, *(f"methods.enabled.{m}=true" for m in PAGE_ARMS)]
     two_d = ["model=vgg_small", *arms, *recipe(args), *subset]
     two_d += [f"data.val_fraction={args.val_fraction}", f"data.batch_size={args.batch_size}"]
     two_d += [f"data.val_target_fraction={args.val_target_fraction}"] if args.val_target_fraction else []
@@ -385,6 +389,7 @@ def plan(args: argparse.Namespace) -> list[Dataset]:
                 "experiment=adrenal3d",
                 "data=adrenal3d_64",
                 "methods=default",
+                PAGE_INPUT,
                 "engine.patience=null",
                 "engine.precise_bn=50",
                 f"report.curves.points={args.curve_points}",
@@ -788,13 +793,14 @@ def _cnn_dnn_key(run) -> str:
     return f"cnn_dnn_{(run.results.get('coarse_input') or {}).get('coarse', 'probs')}"
 
 
-def paired_table(root: Path, names: list[str]) -> list[dict]:
+def paired_table(root: Path, names: list[str], pairs: tuple | None = None) -> list[dict]:
     """The paired differences of the runs ``names`` (one dataset) as ``ddcnn-report`` computes them
-    (:func:`ddcnn.report.compare.paired_rows`: per configuration and comparison of
+    (:func:`ddcnn.report.compare.paired_rows`: per configuration and comparison of ``pairs``, by default
     :data:`ddcnn.report.stats.PAIRS`, test accuracy in points paired by seed, mean, 95% t-interval, verdict)."""
     from ddcnn.report.compare import paired_rows
+    from ddcnn.report.stats import PAIRS
 
-    tables = paired_rows(_load_runs(root, names))
+    tables = paired_rows(_load_runs(root, names), pairs=PAIRS if pairs is None else pairs)
     return [row for rows in tables.values() for row in rows]
 
 
@@ -813,19 +819,19 @@ POOLED_HEAD = (
 )
 
 
-def pooled_rows(root: Path, names: list[str]) -> list[dict]:
-    """Per comparison of :data:`ddcnn.report.stats.PAIRS`, the dataset's difference averaged over its configurations
-    (backbone, grid, overlap) within each seed, then paired by seed as the paired table is: one interval for the
-    dataset where the paired table has one per configuration (section 5 of the protocol). Only seeds that hold every
-    configuration count; a seed's first run counts where it has several. Empty where the runs hold fewer than two
-    configurations (the paired table is already the dataset's). Rows keyed as :func:`paired_table`'s, with
-    ``configurations``."""
+def pooled_rows(root: Path, names: list[str], pairs: tuple | None = None) -> list[dict]:
+    """Per comparison of ``pairs`` (by default :data:`ddcnn.report.stats.PAIRS`), the dataset's difference averaged
+    over its configurations (backbone, grid, overlap) within each seed, then paired by seed as the paired table is:
+    one interval for the dataset where the paired table has one per configuration (section 5 of the protocol). Only
+    seeds that hold every configuration count; a seed's first run counts where it has several. Empty where the runs
+    hold fewer than two configurations (the paired table is already the dataset's). Rows keyed as
+    :func:`paired_table`'s, with ``configurations``."""
     from ddcnn.report.compare import CONFIGURATION_FREE, holm_adjust, paired_columns
     from ddcnn.report.stats import PAIRS, all_converged, paired_difference
 
     runs = sorted(_load_runs(root, names), key=lambda r: str(r.path))
     rows = []
-    for what, method, baseline, training in PAIRS:
+    for what, method, baseline, training in PAIRS if pairs is None else pairs:
         if (method, baseline) in CONFIGURATION_FREE:  # one comparison whatever the grid: the paired table's one row
             continue
         per_seed: dict[int, dict[tuple, float]] = {}
@@ -940,7 +946,34 @@ def _stacked(grid: list[list[dict]], key: str, field: str):
     return None if any(g is None for row in got for g in row) else np.stack([np.stack(row) for row in got])
 
 
+# primary_rows of one set of run directories, by what they hold (:func:`_run_stamps`): the bootstrap is the slow part
+# of a check, which needs the rows for the page's table and for README's summary alike
+_PRIMARY_ROWS: dict[tuple, list[dict]] = {}
+
+
+def _run_stamps(root: Path, names: list[str]) -> tuple:
+    """Every file of the run directories ``names`` under ``root``, with its size and modification time: a key that
+    changes when anything a run's figures are read from changes."""
+    stamps = []
+    for name in sorted(names):
+        for path in sorted((root / name).rglob("*")):
+            if path.is_file():
+                stat = path.stat()
+                stamps.append((path.relative_to(root).as_posix(), stat.st_size, stat.st_mtime_ns))
+    return tuple(stamps)
+
+
 def primary_rows(root: Path, names: list[str]) -> list[dict]:
+    """:func:`compute_primary_rows`, computed once per state of the run directories in this process."""
+    import copy
+
+    key = (str(Path(root).resolve()), _run_stamps(root, names))
+    if key not in _PRIMARY_ROWS:
+        _PRIMARY_ROWS[key] = compute_primary_rows(root, names)
+    return copy.deepcopy(_PRIMARY_ROWS[key])
+
+
+def compute_primary_rows(root: Path, names: list[str]) -> list[dict]:
     """The page's primary verdicts (docs/protocol.md section 5a): per dataset and comparison of :data:`PRIMARY`, the
     per-seed difference of test accuracy averaged over the dataset's configurations (and of balanced accuracy and AUC
     where :data:`PRIMARY_METRICS` names them), with a two-level paired bootstrap over seeds and test images
@@ -1607,14 +1640,45 @@ def write_page(
     return text, manifest
 
 
-def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
+def recompute_tables(manifest: dict, root: Path) -> list[list[str] | None]:
+    """Each table of the manifest recomputed from the run directories under ``root`` with the report's code, in the
+    manifest's order (``None`` where a run of it is missing): what :func:`check_manifest` compares, computed once for
+    several pages of one manifest (the slow part: the bootstrap of the primary verdicts, the report's tables)."""
+    primary = next((t["lines"] for t in manifest["tables"] if t["kind"] == "primary"), [])
+    secondary: dict[tuple, dict] = {}  # the page's secondary family, recomputed once
+    out: list[list[str] | None] = []
+    for table in manifest["tables"]:
+        if any(not (root / n / "results.json").is_file() for n in table["runs"]):
+            out.append(None)
+        elif table["kind"] == "report":
+            out.append(report_lines(root, table["runs"]).get(table["dataset"]))
+        elif table["kind"] == "glance":
+            out.append(glance_lines(root, table["runs"]))
+        elif table["kind"] in ("paired", "pooled"):
+            family = tuple(table.get("family") or table["runs"])
+            if family not in secondary:
+                secondary[family] = secondary_tables(root, list(family), primary)
+            paired, pooled = secondary[family].get(_dataset_of(table["runs"][0]), ([], []))
+            out.append(paired if table["kind"] == "paired" else pooled)
+        elif table["kind"] == "primary":
+            out.append(primary_lines(root, table["runs"]))
+        elif table["kind"] == "devices":
+            out.append(devices_lines(root, table["runs"]))
+        else:
+            published = tuple((str(n), float(a)) for n, a in table.get("published", ()))
+            out.append(auc_lines(root, table["runs"], published))
+    return out
+
+
+def check_manifest(page: str, manifest: dict, root: Path, tables: list[list[str] | None] | None = None) -> list[str]:
     """What is wrong between the page, its manifest and the run directories under ``root`` (empty: nothing).
 
     ``root`` holds the run directories under their manifest names: the original ``--workdir`` or the snapshot
     ``OUT/results/runs``. Checked: each run's fingerprint and ``results.json`` hash are the manifest's; the figures the
     manifest took from each run are those of its ``results.json``; every table recomputed from the runs with the
-    report's code is the manifest's, line for line; and every table line of the page is one of the manifest's (its
-    header table or a recomputed one), so a figure on the page that no run wrote fails.
+    report's code (``tables``: :func:`recompute_tables` of the same manifest and ``root``, computed here if not given)
+    is the manifest's, line for line; and every table line of the page is one of the manifest's (its header table or a
+    recomputed one), so a figure on the page that no run wrote fails.
     """
     problems: list[str] = []
     if manifest.get("format") != MANIFEST_FORMAT:
@@ -1634,30 +1698,13 @@ def check_manifest(page: str, manifest: dict, root: Path) -> list[str]:
             if figures[key] != entry.get(key):
                 problems.append(f"{name}: the manifest's {key} figures differ from its results.json")
     allowed = set(manifest["header_lines"])
-    primary = next((t["lines"] for t in manifest["tables"] if t["kind"] == "primary"), [])
-    secondary: dict[tuple, dict] = {}  # the page's secondary family, recomputed once
-    for table in manifest["tables"]:
-        missing = [n for n in table["runs"] if not (root / n / "results.json").is_file()]
-        if missing:
+    for table, recomputed in zip(
+        manifest["tables"], recompute_tables(manifest, root) if tables is None else tables, strict=True
+    ):
+        if recomputed is None:
+            missing = [n for n in table["runs"] if not (root / n / "results.json").is_file()]
             problems.append(f"table {table['kind']} of {table['dataset']}: runs {missing} missing under {root}")
             continue
-        if table["kind"] == "report":
-            recomputed = report_lines(root, table["runs"]).get(table["dataset"])
-        elif table["kind"] == "glance":
-            recomputed = glance_lines(root, table["runs"])
-        elif table["kind"] in ("paired", "pooled"):
-            family = tuple(table.get("family") or table["runs"])
-            if family not in secondary:
-                secondary[family] = secondary_tables(root, list(family), primary)
-            paired, pooled = secondary[family].get(_dataset_of(table["runs"][0]), ([], []))
-            recomputed = paired if table["kind"] == "paired" else pooled
-        elif table["kind"] == "primary":
-            recomputed = primary_lines(root, table["runs"])
-        elif table["kind"] == "devices":
-            recomputed = devices_lines(root, table["runs"])
-        else:
-            published = tuple((str(n), float(a)) for n, a in table.get("published", ()))
-            recomputed = auc_lines(root, table["runs"], published)
         if recomputed != table["lines"]:
             diff = [line for line in table["lines"] if line not in (recomputed or [])][:3]
             problems.append(f"table {table['kind']} of {table['dataset']}: not what the runs give, e.g. {diff}")
@@ -1713,6 +1760,25 @@ def _by_dataset(manifest: dict) -> dict[str, list[str]]:
 INPUTS_PAIR = ("cnn_dnn_logits", "cnn_dnn_probs")  # the comparison that decides coarse.input (protocol section 6)
 
 
+def _page_input(root: Path, names: list[str]) -> str:
+    """What the CNN-DNN of the runs ``names`` is, by the coarse input each run's coarse DNN trained on
+    (``results.json`` ``coarse_input``), beside today's default (``conf/coarse/mlp.yaml``) where it is the other."""
+    from ddcnn.settings.read import yaml_default
+
+    records = [json.loads((root / n / "results.json").read_text()) for n in names]
+    used = sorted({(r.get("coarse_input") or {}).get("coarse", "probs") for r in records})
+    label = {"probs": "probabilities", "logits": "logits"}
+    text = (
+        "the coarse DNN on the local " + " or ".join(label.get(u, u) for u in used) + ", as the page's runs trained it"
+    )
+    default = yaml_default("coarse.input")
+    if used != [default]:
+        text += f"; `coarse.input`'s default is `{default}`, and why, with the CNN-DNN on either input: docs/coarse.md"
+    else:
+        text += "; `coarse.input`'s evidence: docs/coarse.md"
+    return text
+
+
 def summary_block(manifest: dict, root: Path) -> list[str]:
     """README's lines on the committed page: what it ran, what it cost, and its primary verdicts (docs/protocol.md
     5a, :func:`primary_rows`); for a page from before them (no kept test predictions), a table of the CNN-DNN's paired
@@ -1733,11 +1799,13 @@ def summary_block(manifest: dict, root: Path) -> list[str]:
     primary = primary_rows(root, family) if family else []
     if primary:
         return [
-            head + "Its primary verdicts (fixed in advance: docs/protocol.md section 5a): the CNN-DNN minus each "
-            "baseline, per seed averaged over the dataset's configurations, in points of test accuracy (AdrenalMNIST3D "
-            "also of balanced accuracy and AUC x 100); the 95% interval over seeds and test images (a two-level paired "
-            "bootstrap); p Holm-adjusted over the family; equivalent only within ±0.5 points. Per-configuration rows, "
-            "the cost and the time to target are on the page; `coarse.input`'s evidence is in docs/coarse.md.",
+            head
+            + "Its primary verdicts (fixed in advance: docs/protocol.md section 5a): the CNN-DNN ("
+            + _page_input(root, family)
+            + ") minus each baseline, per seed averaged over the dataset's configurations, in points of test accuracy "
+            "(AdrenalMNIST3D also of balanced accuracy and AUC x 100); the 95% interval over seeds and test images (a "
+            "two-level paired bootstrap); p Holm-adjusted over the family; equivalent only within ±0.5 points. "
+            "Per-configuration rows, the cost and the time to target are on the page.",
             "",
             "| dataset | comparison | seeds | difference (points) | 95% interval | Holm-adjusted p | verdict |",
             "|---|---|---|---|---|---|---|",
@@ -1812,6 +1880,36 @@ def coarse_input_block(manifest: dict, root: Path) -> list[str]:
         + ". Criterion (3), a few hundred images with tens of classes, is the row `mnist_fashion20` of the table "
         "below.",
     ]
+    return lines + default_standing_lines(manifest, root)
+
+
+# The CNN-DNN at either coarse input against the global CNN (docs/coarse.md: what the default gives a user)
+STANDING_PAIRS = (
+    ("coarse DNN on probabilities − global CNN", "cnn_dnn_probs", "global", "global"),
+    ("coarse DNN on logits − global CNN", "cnn_dnn_logits", "global", "global"),
+)
+
+
+def default_standing_lines(manifest: dict, root: Path) -> list[str]:
+    """The CNN-DNN on each coarse input minus the global CNN, per dataset of the committed page over its
+    configurations (:func:`pooled_rows` of :data:`STANDING_PAIRS`; a dataset of one configuration: its paired row): the
+    cost of the coarse input that section 6 leaves as the default, where the page's primary rows are the other's."""
+    lines = [
+        "",
+        "The CNN-DNN on either input minus the global CNN on the same runs, in test-accuracy points paired by seed "
+        "over each dataset's configurations (one configuration: its row), with the t-interval of the page's tables "
+        "over configurations (the page's primary verdict on logits uses the bootstrap over seeds and test images):",
+        "",
+        "| dataset | seeds | on probabilities − global CNN | on logits − global CNN |",
+        "|---|---|---|---|",
+    ]
+    for name, group in _by_dataset(manifest).items():
+        rows = pooled_rows(root, group, STANDING_PAIRS) or paired_table(root, group, STANDING_PAIRS)
+        cells = {r["method_key"]: r for r in rows}
+        if len(cells) < len(STANDING_PAIRS):  # a run without coarse_alt: no row of the other input
+            continue
+        row = [cells[method] for _, method, *_ in STANDING_PAIRS]
+        lines.append(f"| {name} | {max(r['n'] for r in row)} | " + " | ".join(lead_cell(r) for r in row) + " |")
     return lines
 
 
@@ -2019,7 +2117,7 @@ def prose_files() -> list[Path]:
 
 def check_blocks(manifest: dict, root: Path) -> list[str]:
     """The generated blocks (:data:`BLOCKS`) that are missing or differ from what the page's runs give, and the
-    docstring's flag defaults that differ from the parser's."""
+    docstring's flag defaults that differ from the parser's (:func:`docstring_problems`)."""
     problems = []
     for file, name in BLOCKS:
         text = (ROOT / file).read_text()
@@ -2028,6 +2126,12 @@ def check_blocks(manifest: dict, root: Path) -> list[str]:
             problems.append(f"{file}: no generated block {name!r} (its markers {_markers(name)[0]} ... are gone)")
         elif filled != text:
             problems.append(f"{file}: the block {name!r} is not what the page's runs give: run results.py --write")
+    return problems + docstring_problems()
+
+
+def docstring_problems() -> list[str]:
+    """The flag defaults that the script's docstring states (``--flag`` = value) and the parser does not have."""
+    problems = []
     defaults = vars(_resolve(_parser().parse_args([])))
     for flag, value in re.findall(r"``--([a-z-]+)`` = ([0-9][0-9.]*)", __doc__ or ""):
         default = defaults.get(flag.replace("-", "_"))

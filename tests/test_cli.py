@@ -51,7 +51,7 @@ def test_the_value_for_sweepers_is_the_validation_figure_never_a_test_one(make_c
     saved = json.loads((Path(cfg.paths.run_dir) / "results.json").read_text())
     value = optimized_value(cfg, results)
     assert value == saved["val"]["accuracy"]["cnn_dnn"]
-    assert saved["val"]["accuracy"]["cnn_dnn"] == saved["val"]["accuracy"]["cnn_dnn_logits"]
+    assert saved["val"]["accuracy"]["cnn_dnn"] == saved["val"]["accuracy"]["cnn_dnn_probs"]
     cfg.optimized_metric = "val/balanced_accuracy/global"
     assert optimized_value(cfg, results) == saved["val"]["balanced_accuracy"]["global"]
     for bad in ("accuracy/cnn_dnn", "test/accuracy/cnn_dnn"):

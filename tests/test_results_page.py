@@ -36,6 +36,18 @@ def tiny(results, tmp_path_factory):
     return out, workdir
 
 
+@pytest.fixture(scope="module")
+def committed(results):
+    """The committed page (docs/results.md), its manifest, its snapshots and its tables recomputed from them once
+    (the slow part of a check: the tests of the committed page share it)."""
+    docs = REPO / "docs"
+    if not (docs / "results.md").is_file():
+        pytest.skip("docs/results.md has not been generated yet (python experiments/results.py)")
+    page, manifest = _page_and_manifest(docs)
+    root = docs / "results" / "runs"
+    return page, manifest, root, results.recompute_tables(manifest, root)
+
+
 def _one_seed_verdict(converged: bool | None) -> str:
     """What the page says of a difference over one seed against a baseline of this convergence."""
     return "baseline not converged" if converged is False else "n<2: no interval"
@@ -337,6 +349,25 @@ def test_the_coarse_input_block_states_protocol_section_6_as_the_runs_give_it(re
     assert row.startswith(f"| mnist | {len(names)} | {results.lead_cell(pooled)} |")
     better = pooled["verdict"] == "better"
     assert ("(1) better over the configurations of every 2D dataset: " + ("met" if better else "not met")) in text
+    # what the default gives: the CNN-DNN on probabilities (and on logits) minus the global CNN, each seed's mean over
+    # the configurations paired by seed, from the runs' own accuracies
+    standing = next(
+        line for line in text.splitlines()[text.splitlines().index(row) + 1 :] if line.startswith("| mnist")
+    )
+    per_seed = {}
+    for name in [*names, *other]:
+        acc = json.loads((root / name / "results.json").read_text())["accuracy"]
+        per_seed.setdefault(int(name.rsplit("_s", 1)[1]), []).append(100 * (acc["cnn_dnn_probs"] - acc["global"]))
+    means = [sum(d) / len(d) for d in per_seed.values() if len(d) == 2]
+    cells = standing.strip("| ").split(" | ")
+    assert cells[2].startswith(f"{sum(means) / len(means):+.2f} [")
+    assert cells[2] == results.lead_cell(results.pooled_rows(root, [*names, *other], results.STANDING_PAIRS)[0])
+    assert (
+        cells[3].split(" [")[0]
+        == results.lead_cell(
+            next(r for r in results.pooled_rows(root, [*names, *other]) if r["comparison"] == "CNN-DNN − global CNN")
+        ).split(" [")[0]
+    )
     # logits 3 points below probabilities in every seed of 2x2/0: that row is worse, and criterion (2) fails
     for name in names:
         path = root / name / "results.json"
@@ -470,9 +501,8 @@ def test_the_secondary_rows_are_holm_adjusted_over_the_pages_secondary_family(re
     assert any("| CNN-DNN − mean probability |" in line for line in mnist_pooled)
 
 
-def test_check_fails_when_a_paired_line_of_the_committed_page_is_edited(results):
-    docs = REPO / "docs"
-    page, manifest = _page_and_manifest(docs)
+def test_check_fails_when_a_paired_line_of_the_committed_page_is_edited(results, committed):
+    page, manifest, root, recomputed = committed
     tables = [t for t in manifest["tables"] if t["kind"] == "paired"]
     if not tables:
         pytest.skip("the committed page has no paired differences yet (python experiments/results.py --rewrite)")
@@ -480,7 +510,7 @@ def test_check_fails_when_a_paired_line_of_the_committed_page_is_edited(results)
     verdict = line.rstrip(" |").split(" | ")[-1]
     edited = line.replace(f"| {verdict} |", "| better |" if not verdict.startswith("better") else "| worse |")
     assert edited != line
-    problems = results.check_manifest(page.replace(line, edited), manifest, docs / "results" / "runs")
+    problems = results.check_manifest(page.replace(line, edited), manifest, root, recomputed)
     assert any("in no table the runs give" in p for p in problems)
 
 
@@ -518,13 +548,11 @@ def test_an_interrupted_invocation_reuses_finished_runs(results, tiny, capsys):
     assert {p: p.stat().st_mtime_ns for p in workdir.rglob("results.json")} == before
 
 
-def test_the_committed_results_page_is_what_its_runs_wrote(results):
+def test_the_committed_results_page_is_what_its_runs_wrote(results, committed):
     """docs/results.md against its manifest and the committed snapshots of its runs (once the page exists)."""
     docs = REPO / "docs"
-    if not (docs / "results.md").is_file():
-        pytest.skip("docs/results.md has not been generated yet (python experiments/results.py)")
-    page, manifest = _page_and_manifest(docs)
-    assert results.check_manifest(page, manifest, docs / "results" / "runs") == []
+    page, manifest, root, recomputed = committed
+    assert results.check_manifest(page, manifest, root, recomputed) == []
     # and the README's, docs/methods.md's and the docstring's generated figures are what its runs give
     assert results.check_blocks(manifest, docs / "results" / "runs") == []
     readme = (REPO / "README.md").read_text()
@@ -555,6 +583,9 @@ def test_readmes_summary_states_the_primary_verdicts_of_a_page_that_has_them(res
     _, manifest = _page_and_manifest(out)
     lines = results.summary_block(manifest, out / "results" / "runs")
     assert "Its primary verdicts (fixed in advance: docs/protocol.md section 5a)" in lines[0]
+    # its CNN-DNN is the one the page's runs trained (PAGE_INPUT), which today's default is not: it says so
+    said = "the CNN-DNN (the coarse DNN on the local logits, as the page's runs trained it; `coarse.input`'s default "
+    assert said + "is `probs`" in lines[0]
     rows = [line.split(" | ") for line in lines if line.startswith("| digits |")]
     assert [r[1] for r in rows] == [what for what, *_ in results.PRIMARY]
     primary = results.primary_rows(out / "results" / "runs", next(t["runs"] for t in manifest["tables"]))
@@ -823,13 +854,41 @@ def test_the_64_cubed_row_is_opt_in_with_ddp_on_its_first_seed_only(results, tmp
     assert not any("global_ensemble" in o for o in first)  # no room in its budget (said in the plan)
 
 
+def test_the_page_states_the_coarse_input_its_runs_trained_with_and_they_stay_its_plan(results, tmp_path):
+    """coarse.input's default returned to probs after the page's runs trained at logits (docs/protocol.md section 6):
+    every dataset of the plan states logits, so the committed runs are still the planned ones (none stale), and a
+    page written again means by "CNN-DNN" what its runs trained."""
+    from ddcnn.settings.read import yaml_default
+
+    assert yaml_default("coarse.input") == "probs" and results.PAGE_INPUT == "coarse.input=logits"
+    keys = ["mnist", "fashion_mnist", "mnist_10k", "adrenal3d", "adrenal3d_64"]
+    args = results._resolve(results._parser().parse_args(["--datasets", *keys]))
+    datasets = results.plan(args)
+    assert all(results.PAGE_INPUT in d.overrides for d in datasets)
+    tiny = results.plan(results._resolve(results._parser().parse_args(["--tiny"])))
+    assert results.PAGE_INPUT in tiny[0].overrides
+    snapshots = REPO / "docs" / "results" / "runs"
+    manifest = json.loads((REPO / "docs" / "results_manifest.json").read_text())
+    specs = [s for s in results.run_specs(datasets, args.seeds) if s.name in manifest["runs"]]
+    assert len(specs) == len(manifest["runs"])
+    assert results.stale_runs(specs, snapshots) == {}
+    # a run trained at probs is another command's: the plan never passes it off as the page's
+    config = snapshots / specs[0].name / "config.yaml"
+    recorded = json.loads((snapshots / specs[0].name / "experiment_run.json").read_text())["command"]
+    planned = results.planned_command(specs[0], snapshots)
+    with_probs = config.read_text().replace("input: logits", "input: probs")
+    assert with_probs != config.read_text()
+    (tmp_path / "config.yaml").write_text(with_probs)
+    assert results.command_differences(recorded, planned, tmp_path / "config.yaml") == [
+        "coarse.input: (not set) -> logits"
+    ]
+
+
 def test_check_names_a_docstring_default_that_is_not_the_scripts(results, monkeypatch):
-    docs = REPO / "docs"
-    manifest = json.loads((docs / "results_manifest.json").read_text())
-    root = docs / "results" / "runs"
-    assert results.check_blocks(manifest, root) == []
+    """check_blocks (which the committed page's test runs) adds these problems to those of the generated blocks."""
+    assert results.docstring_problems() == []
     monkeypatch.setattr(results, "__doc__", results.__doc__.replace("``--epochs`` = 15", "``--epochs`` = 20"))
-    assert results.check_blocks(manifest, root) == ["the script's docstring says --epochs = 20, its default is 15"]
+    assert results.docstring_problems() == ["the script's docstring says --epochs = 20, its default is 15"]
 
 
 @pytest.mark.slow

@@ -265,7 +265,7 @@ def test_the_only_defaults_in_code_are_those_the_yaml_cannot_hold():
 def test_a_run_directory_written_before_the_settings_existed_stays_valid(name, tmp_path):
     """``fingerprint.json`` as ddcnn wrote it at 8de1352 (before RunSettings; tests/fixtures/fingerprints_8de1352.json):
     today's entry computes the same fingerprint from the same command line with that time's ``coarse.input`` default
-    (probs), and claims the directory to resume it from the same command line under today's default (logits)."""
+    (probs, which is today's again: logits from 2026-12-04 to 2026-12-07), and claims the directory to resume it."""
     import json
 
     from ddcnn.rundir import CHANGED_DEFAULTS, RunDir, flatten
@@ -288,9 +288,9 @@ def test_a_run_directory_written_before_the_settings_existed_stays_valid(name, t
     assert RunDir(tmp_path).claim(identity) == recorded["fingerprint"]
     cfg = compose(recorded["overrides"], run_dir=str(tmp_path))
     today = RunSettings.from_config(cfg).in_run_dir(tmp_path).identity()
-    assert today.settings["coarse"]["input"] == CHANGED_DEFAULTS["coarse.input"][1]
-    assert {**today.settings, "coarse": {**today.settings["coarse"], "input": "probs"}} == recorded["settings"]
-    assert RunDir(tmp_path).claim(today) == today.fingerprint != recorded["fingerprint"]
+    assert today.settings["coarse"]["input"] == CHANGED_DEFAULTS["coarse.input"][1] == "probs"
+    assert today.settings == recorded["settings"]
+    assert RunDir(tmp_path).claim(today) == today.fingerprint == recorded["fingerprint"]
     assert json.loads((tmp_path / "fingerprint.json").read_text())["fingerprint"] == recorded["fingerprint"]
 
 

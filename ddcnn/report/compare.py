@@ -581,16 +581,19 @@ def paired_columns(what: str, method: str, baseline: str, stats: Mapping) -> dic
     }
 
 
-def paired_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, list[dict]]:
-    """Per dataset, the paired differences of :data:`PAIRS` in each configuration (backbone, grid, overlap, the
-    settings that split groups): test accuracy of the method minus the baseline's, in points, paired by seed, with
-    mean, sample std, n, 95% t-interval and verdict (:func:`ddcnn.report.stats.paired_difference`). A seed with several
-    runs (timed in different contexts) counts once, with its first run. The verdict is ``baseline not converged`` when
-    the baseline of any seed did not converge, and names the seeds whose baseline row is at chance or decides like a
-    constant guess (no lead against those). Each comparison is one row: the rows of :data:`CONFIGURATION_FREE` whose
-    per-seed differences are the same in every configuration (one global CNN and DDP per seed, reused across grids)
-    are one row of grid and overlap ``all``. ``p`` is the paired t-test's; ``p_holm`` is Holm-adjusted over every row
-    of the report that has a ``p`` (:func:`holm_adjust`; the verdict stays the t-interval's)."""
+def paired_rows(
+    runs: Sequence[Run], ignore: Sequence[str] = (), pairs: Sequence[tuple] = PAIRS
+) -> dict[str, list[dict]]:
+    """Per dataset, the paired differences of ``pairs`` (:data:`PAIRS`, or others of its form) in each configuration
+    (backbone, grid, overlap, the settings that split groups): test accuracy of the method minus the baseline's, in
+    points, paired by seed, with mean, sample std, n, 95% t-interval and verdict
+    (:func:`ddcnn.report.stats.paired_difference`). A seed with several runs (timed in different contexts) counts once,
+    with its first run. The verdict is ``baseline not converged`` when the baseline of any seed did not converge, and
+    names the seeds whose baseline row is at chance or decides like a constant guess (no lead against those). Each
+    comparison is one row: the rows of :data:`CONFIGURATION_FREE` whose per-seed differences are the same in every
+    configuration (one global CNN and DDP per seed, reused across grids) are one row of grid and overlap ``all``. ``p``
+    is the paired t-test's; ``p_holm`` is Holm-adjusted over every row of the report that has a ``p``
+    (:func:`holm_adjust`; the verdict stays the t-interval's)."""
     tables: dict[str, list[dict]] = {}
     for dataset, group, keys in _by_dataset(runs, ignore):
         configs: dict[tuple, dict[int, Run]] = {}
@@ -599,21 +602,21 @@ def paired_rows(runs: Sequence[Run], ignore: Sequence[str] = ()) -> dict[str, li
         rows, differences = [], {}
         for key in sorted(configs):
             by_seed = configs[key]
-            for what, method, baseline, training in PAIRS:
-                pairs = [
+            for what, method, baseline, training in pairs:
+                held = [
                     (seed, run)
                     for seed, run in sorted(by_seed.items())
                     if (run.results.get("accuracy") or {}).get(method) is not None
                     and (run.results.get("accuracy") or {}).get(baseline) is not None
                 ]
-                if not pairs:
+                if not held:
                     continue
-                diffs = [100 * (r.results["accuracy"][method] - r.results["accuracy"][baseline]) for _, r in pairs]
-                converged = all_converged([r.converged(training) for _, r in pairs])
-                stats = paired_difference(diffs, converged, [seed for seed, _ in pairs])
-                flagged = [seed for seed, r in pairs if baseline_flag(r.results, baseline)]
+                diffs = [100 * (r.results["accuracy"][method] - r.results["accuracy"][baseline]) for _, r in held]
+                converged = all_converged([r.converged(training) for _, r in held])
+                stats = paired_difference(diffs, converged, [seed for seed, _ in held])
+                flagged = [seed for seed, r in held if baseline_flag(r.results, baseline)]
                 if flagged and converged is not False:
-                    states = sorted({baseline_flag(r.results, baseline) for _, r in pairs} - {None})
+                    states = sorted({baseline_flag(r.results, baseline) for _, r in held} - {None})
                     stats["verdict"] = f"{' / '.join(states)} (seed{'s' if len(flagged) > 1 else ''} " + (
                         ", ".join(str(seed) for seed in flagged) + ")"
                     )

@@ -111,7 +111,7 @@ def test_face_folder_experiment_runs_through_the_pipeline(tmp_path):
         "global",
         "mean_prob",
         "majority_vote",
-        "cnn_dnn_logits",
+        "cnn_dnn_probs",
         "cnn_dnn_val",
         "stacker",
     }

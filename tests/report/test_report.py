@@ -99,7 +99,7 @@ def test_table_has_every_row_and_column(report):
     # The methods=all run trained DDP on 2 devices: its CNN-DNN is compared with it on 2 devices.
     run = load_run(report.parent / "0_1x2_s0")
     t, by_devices = run.results["time_s"], run.results["projected_time_s_by_devices"]
-    cnn_dnn = next(r for r in rows if r["grid"] == "1x2" and r["method_key"] == "cnn_dnn_logits")
+    cnn_dnn = next(r for r in rows if r["grid"] == "1x2" and r["method_key"] == "cnn_dnn_probs")
     assert cnn_dnn["ddp_devices"] == "2"
     assert float(cnn_dnn["speedup_vs_ddp"]) == pytest.approx(t["global_ddp"] / by_devices["2"], rel=1e-6)
     for name in METHODS.values():
@@ -110,7 +110,7 @@ def test_table_has_every_row_and_column(report):
 
 def test_two_seeds_are_averaged_with_their_standard_deviation(sweep, report):
     runs = [load_run(sweep / name) for name in ("0_1x2_s0", "1_1x2_s1")]
-    row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_logits")
+    row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_probs")
     acc = [r.results["accuracy"]["cnn_dnn"] for r in runs]
     assert row["seeds"] == 2
     assert row["accuracy_mean"] == pytest.approx(np.mean(acc))
@@ -184,11 +184,11 @@ def test_runs_with_other_settings_are_not_averaged_together(sweep, tmp_path):
     cfg.trainer.max_epochs = 5
     OmegaConf.save(cfg, other / "config.yaml")
     runs = [load_run(sweep / "0_1x2_s0"), load_run(other)]
-    split = [r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_logits"]
+    split = [r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_probs"]
     assert sorted(r["settings"] for r in split) == ["trainer.max_epochs=1", "trainer.max_epochs=5"]
     assert "| settings |" in table_markdown(split)
     merged = comparison_rows(runs, ignore=["trainer.max_epochs"])["digits"]
-    merged = [r for r in merged if r["method_key"] == "cnn_dnn_logits"]
+    merged = [r for r in merged if r["method_key"] == "cnn_dnn_probs"]
     assert len(merged) == 1 and merged[0]["seeds"] == 2 and merged[0]["settings"] == ""
 
 
@@ -306,9 +306,9 @@ def test_an_unconverged_baseline_gets_no_verdict_and_other_timing_is_marked(swee
     assert all(r["baseline_converged"] == "no" for r in versus_global)
     assert "better" not in paired_markdown(versus_global)
     rows = {r["method_key"]: r for r in comparison_rows(runs)["digits"]}
-    assert rows["global"]["unconverged_runs"] == "1/2" and rows["cnn_dnn_logits"]["unconverged_runs"] is None
+    assert rows["global"]["unconverged_runs"] == "1/2" and rows["cnn_dnn_probs"]["unconverged_runs"] is None
     # The load differed in one run: the rows stay one group (the seeds still pair) but are marked.
-    cnn_dnn = rows["cnn_dnn_logits"]
+    cnn_dnn = rows["cnn_dnn_probs"]
     assert cnn_dnn["seeds"] == 2 and cnn_dnn["timing_comparable"] == "no in 1/2 runs (load)"
     table = table_markdown(list(rows.values()))
     line = next(line for line in table.splitlines() if "| global CNN |" in line)
@@ -347,7 +347,7 @@ def test_the_speedup_to_the_fixed_target_compares_one_device_with_one_device(swe
         _edited(sweep, tmp_path, "0_1x2_s0", comparable(reached(30.0, 15.0, 8.0))),
         _edited(sweep, tmp_path, "1_1x2_s1", comparable(reached(30.0, None, None))),
     ]
-    row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_logits")
+    row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_probs")
     assert row["speedup_to_target_mean"] == pytest.approx(2.0) and row["target_reached"] == "1/2"
     assert "| 2.00x (1/2) |" in table_markdown([row])
 
@@ -357,7 +357,7 @@ def test_the_speedup_to_the_fixed_target_compares_one_device_with_one_device(swe
         _edited(sweep, tmp_path / "geometric", "0_1x2_s0", comparable(reached(30.0, 15.0, 8.0))),
         _edited(sweep, tmp_path / "geometric", "1_1x2_s1", comparable(reached(30.0, 60.0, 30.0))),
     ]
-    row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_logits")
+    row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_probs")
     half = 12.7062047 * np.std([np.log(2), np.log(0.5)], ddof=1) / np.sqrt(2)  # t(0.975, 1)
     assert row["speedup_to_target_mean"] == pytest.approx(1.0) and row["target_reached"] == "2/2"
     assert (row["speedup_to_target_low"], row["speedup_to_target_high"]) == pytest.approx((np.exp(-half), np.exp(half)))
@@ -371,7 +371,7 @@ def test_the_speedup_to_the_fixed_target_compares_one_device_with_one_device(swe
         return both
 
     runs[1] = _edited(sweep, tmp_path / "reused", "1_1x2_s1", loaded(reached(30.0, 60.0, 30.0)))
-    row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_logits")
+    row = next(r for r in comparison_rows(runs)["digits"] if r["method_key"] == "cnn_dnn_probs")
     assert row["speedup_to_target_mean"] == pytest.approx(2.0) and row["target_not_comparable"] == 1
     assert "| 2.00x (2/2; 1 not comparable, left out) |" in table_markdown([row])
 

@@ -483,7 +483,7 @@ def test_one_runs_results_give_equal_device_figures_and_no_verdict(make_cfg):
     assert set(results["speedup_equal_devices"]) == {"1"}
     assert results["speedup_equal_devices"]["1"]["speedup"] == pytest.approx(t["global"] / by_devices["1"])
     rows = {r["key"]: r for r in results["methods"]}
-    assert rows["cnn_dnn_logits"]["speedup_1_device"] == pytest.approx(t["global"] / (t["local_total"] + t["coarse"]))
+    assert rows["cnn_dnn_probs"]["speedup_1_device"] == pytest.approx(t["global"] / (t["local_total"] + t["coarse"]))
     md = results_markdown(results)
     assert "4 devices: no baseline ran on 4 devices" in md and "One seed gives no interval over seeds" in md
 

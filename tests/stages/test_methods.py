@@ -138,13 +138,13 @@ def test_every_optional_stage_writes_its_artifacts_and_results_rows(finished):
         for name in names:
             assert (folder / name).is_file(), f"{folder / name} missing"
         assert run.meta(stage)["time_s"] > 0
-    assert run.meta("coarse_alt")["input"] == "probs"
+    assert run.meta("coarse_alt")["input"] == "logits"
     saved = json.loads((run.root / "results.json").read_text())
     assert saved["accuracy"] == results["accuracy"]
     for key in ("global", "cnn_dnn", "mean_prob", "majority_vote", *METHODS):
         assert 0.0 <= saved["accuracy"][key] <= 1.0, key
     assert [row["key"] for row in saved["methods"]] == list(METHODS)
-    assert saved["accuracy"]["cnn_dnn_logits"] == saved["accuracy"]["cnn_dnn"]  # coarse.input=logits: the main one
+    assert saved["accuracy"]["cnn_dnn_probs"] == saved["accuracy"]["cnn_dnn"]  # coarse.input=probs: the main one
     rows = {row["key"]: row for row in saved["methods"]}
     t = saved["time_s"]
     assert rows["transfer"]["sequential_time_s"] == pytest.approx(t["local_total"] + t["coarse"] + t["transfer"])
@@ -173,20 +173,28 @@ def test_finished_optional_stage_is_skipped(finished):
     assert meta == run.meta("transfer")
 
 
-def test_a_run_of_the_old_coarse_input_default_resumes_with_its_coarse_dnn_on_probabilities(tmp_path):
-    """A run directory written when probabilities were the default (its coarse DNN finished on them) resumed with the
-    same command line under today's default: nothing finished is retrained, the CNN-DNN stays the coarse DNN on
-    probabilities, and coarse_alt trains the other input, logits (not probabilities a second time)."""
+def test_a_run_of_the_old_coarse_input_default_resumes_with_its_coarse_dnn_on_logits(tmp_path):
+    """A run directory written when logits were the default (2026-12-04 to 2026-12-07: its coarse DNN finished on
+    them) resumed with the same command line under today's default, the paper's probabilities: nothing finished is
+    retrained, the CNN-DNN stays the coarse DNN on logits, and coarse_alt trains the other input, probabilities (not
+    logits a second time)."""
+    from ddcnn.rundir import CHANGED_DEFAULTS
+    from ddcnn.settings.read import yaml_default
+
+    assert yaml_default("coarse.input") == "probs" == CHANGED_DEFAULTS["coarse.input"][1]
     grid = ["decomposition.grid=[1,2]", "methods.enabled.coarse_alt=false", "methods.enabled.stacker=false"]
     grid += ["methods.enabled.coarse_val=false", "++report.plots=false", "++report.export=false"]
-    train(compose_config([*grid, "coarse.input=probs"], tmp_path))
+    train(compose_config([*grid, "coarse.input=logits"], tmp_path))
     run = RunDir(tmp_path)
     stamp = (run.stage_dir("coarse") / "done").stat().st_mtime_ns
     results = train(compose_config(grid[:1], tmp_path))
     assert (run.stage_dir("coarse") / "done").stat().st_mtime_ns == stamp
-    assert run.meta("coarse")["input"] == "probs" and run.meta("coarse_alt")["input"] == "logits"
-    assert results["coarse_input"] == {"coarse": "probs", "coarse_alt": "logits"}
-    assert results["accuracy"]["cnn_dnn"] == results["accuracy"]["cnn_dnn_probs"]
+    assert run.meta("coarse")["input"] == "logits" and run.meta("coarse_alt")["input"] == "probs"
+    assert results["coarse_input"] == {"coarse": "logits", "coarse_alt": "probs"}
+    assert results["accuracy"]["cnn_dnn"] == results["accuracy"]["cnn_dnn_logits"]
+    # a new run directory takes today's default
+    fresh = train(compose_config(grid[:1], tmp_path / "new"))
+    assert fresh["coarse_input"] == {"coarse": "probs", "coarse_alt": "logits"}
 
 
 def test_default_run_enables_only_the_cheap_combiners():
