@@ -2,7 +2,8 @@
 
 Logits when the main coarse DNN uses probabilities (the paper's, the default), and vice versa, by the same procedure
 and seed, into ``coarse_alt/``; "the main" is the input a finished ``coarse/`` records, which a run directory of an
-older default (``logits`` from 2026-12-04 to 2026-12-07) keeps. The evaluate stage reports both as ``cnn_dnn_probs`` and ``cnn_dnn_logits``.
+older default (``logits`` from 2026-12-04 to 2026-12-07) keeps. The evaluate stage reports both as ``cnn_dnn_probs``
+and ``cnn_dnn_logits``.
 """
 
 from __future__ import annotations
