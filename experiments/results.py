@@ -31,7 +31,8 @@ What it does, in order:
    training time over the global CNN's, rounded, at least 2), and every other run of the dataset gets the ``k`` it
    chose (:func:`ensemble_k`). The global CNN, the global DDP and the ensemble's members do not depend on the
    decomposition: the store (``store.reuse``, under ``WORKDIR/store``) trains each
-   once per dataset and seed and copies it into the other runs. Per seed, the **timing runs** come first: the first
+   once per dataset and seed and copies it into the other runs (the wide global CNN once per width: 2x2 at overlap 0
+   and 2). Per seed, the **timing runs** come first: the first
    run of each dataset, which trains the global CNN, the DDP and its own local nets, runs with ``--timing-jobs`` = 1
    run at a time, alone on the machine; then the **accuracy runs** (the other grids and overlaps) with ``--jobs`` at
    once (``--jobs 2``: one per core). A run directory that holds ``results.json`` of the planned command is reused,

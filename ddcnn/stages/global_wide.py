@@ -9,7 +9,9 @@ CNN is (recipe, epochs, curve) from its own seed. ``meta.json`` records the fact
 (``param_match``); the count lands within :data:`TOLERANCE` of the target or the stage refuses to train, with the
 numbers.
 
-Its network depends on the decomposition (``N``): it is trained in every run, not shared through the store.
+Its network depends on the decomposition only through the width factor (``N`` and the nets' parameter counts): with
+``store.reuse`` it is trained once per settings, seed and width and copied into every run of that width (2x2 at
+overlap 0 and 2), as the global CNN is (:mod:`ddcnn.stages.reuse`, its key holding the width and the counts matched).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 
 from ddcnn.context import Context, build_coarse_net, build_global_net, build_local_net, count_parameters
 from ddcnn.settings import RunSettings
+from ddcnn.stages import reuse
 from ddcnn.stages.common import skip
 from ddcnn.stages.global_cnn import train_stage
 
@@ -151,4 +154,14 @@ def run(ctx: Context, device=None) -> dict:
         return build_global_net(settings, ctx.data, weights=False)
 
     extra = {"param_match": match, "network": _network_key(ctx.settings)}
-    return train_stage(ctx, device, STAGE, 1, extra, build=build)
+    # Runs whose widened net is the same (the same width for the same parameter count: 2x2 at overlap 0 and 2) share
+    # one training through the store, as they share the global CNN (store.reuse).
+    derived = {key: match[key] for key in ("width_mult", "params", "target")}
+    return reuse.run(
+        ctx,
+        STAGE,
+        device,
+        lambda more: train_stage(ctx, device, STAGE, 1, {**extra, **more}, build=build),
+        None,
+        derived,
+    )

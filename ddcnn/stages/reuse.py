@@ -57,12 +57,14 @@ def device_kind(device) -> str:
     return dev.type
 
 
-def stage_depends(ctx: Context, stage: str, device, member: int | None = None) -> dict:
+def stage_depends(ctx: Context, stage: str, device, member: int | None = None, derived: dict | None = None) -> dict:
     """Everything a reusable stage's result depends on: every setting that changes results
     (:func:`ddcnn.rundir.result_settings`) but the decomposition's (:data:`DECOMPOSITION_KEYS`), with the network it
     trains in place of ``model`` / ``global_model``, the accuracy-versus-time curve settings (the curve travels with
     the copy), the identity of the data's files, the device kind and the package's source hash; for ``member`` ``i`` of
-    an ensemble (``global_ensemble``), its index (its seed follows from the run's seed and ``i``)."""
+    an ensemble (``global_ensemble``), its index (its seed follows from the run's seed and ``i``); ``derived``: what
+    the stage takes from the decomposition, as plain data (``global_wide``: its width factor and the parameter count
+    it matched), so that runs of one such value share it and runs of two do not."""
     if ctx.identity is None:
         raise RuntimeError("stage_depends needs the run's identity (ddcnn.context.build_context), a worker has none")
     settings = copy.deepcopy(ctx.identity.settings)
@@ -84,6 +86,8 @@ def stage_depends(ctx: Context, stage: str, device, member: int | None = None) -
         depends["num_devices"] = ctx.settings.methods.global_ddp.num_devices
     if member is not None:
         depends["member"] = int(member)
+    if derived is not None:
+        depends["derived"] = derived
     return depends
 
 
@@ -119,7 +123,14 @@ def _copy_in(ctx: Context, stage: str, entry: Entry, member: int | None = None) 
     return meta
 
 
-def run(ctx: Context, stage: str, device, train: Callable[[dict], dict], member: int | None = None) -> dict:
+def run(
+    ctx: Context,
+    stage: str,
+    device,
+    train: Callable[[dict], dict],
+    member: int | None = None,
+    derived: dict | None = None,
+) -> dict:
     """Reuse stage ``stage`` from the store, or ``train`` it in the run directory and publish it.
 
     Args:
@@ -130,11 +141,12 @@ def run(ctx: Context, stage: str, device, train: Callable[[dict], dict], member:
         train: ``train(extra)`` trains the stage in the run directory, with ``extra`` in its ``meta.json``, and
             returns its metadata.
         member: The index of an ensemble's member, whose result depends on nothing of the decomposition either.
+        derived: What a stage takes from the decomposition, part of its key (:func:`stage_depends`).
     """
     if not ctx.settings.store.reuse:
         return train({})
     store = open_store(ctx.settings.store)
-    depends = stage_depends(ctx, stage, device, member)
+    depends = stage_depends(ctx, stage, device, member, derived)
     key = store.key(stage, depends)
     generation = run_generation(ctx.settings.run_generation)
     found = store.open(stage, key)

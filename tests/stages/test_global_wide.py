@@ -69,3 +69,25 @@ def test_it_trains_and_writes_its_row(tmp_path):
     # the network it trained is the one the search chose
     ctx = build_context(cfg, tmp_path, claim=False)
     assert wide_settings(ctx.settings, match["width_mult"]).global_model["width_mult"] == match["width_mult"]
+
+
+def test_runs_of_one_width_share_one_training_through_the_store(tmp_path):
+    """2x2 at overlap 0 and 2 widen the global CNN by the same factor (the nets end in global pooling): with
+    store.reuse the second run copies the first one's training; a grid of another N needs another width and trains
+    its own."""
+    store = tmp_path / "store"
+    common = ["stage=global_wide", "methods.enabled.global_wide=true", "store.reuse=true", f"store.root={store}"]
+
+    def widened(name: str, *overrides: str) -> dict:
+        train(compose_config([*common, *overrides], tmp_path / name))
+        return RunDir(tmp_path / name).meta("global_wide")
+
+    first = widened("o0", "decomposition.grid=[1,2]", "decomposition.overlap=0")
+    second = widened("o2", "decomposition.grid=[1,2]", "decomposition.overlap=2")
+    assert "reused_from" not in first and second["reused_from"]["run_dir"] == str((tmp_path / "o0").resolve())
+    assert second["param_match"] == first["param_match"] and second["time_s"] == first["time_s"]
+    for split in ("val", "test"):
+        a, b = (RunDir(tmp_path / n).load_probs("global_wide", split) for n in ("o0", "o2"))
+        assert a["logits"].equal(b["logits"])
+    other = widened("four", "decomposition.grid=[2,2]", "decomposition.overlap=0")
+    assert "reused_from" not in other and other["param_match"]["width_mult"] != first["param_match"]["width_mult"]
