@@ -1142,3 +1142,13 @@ def test_a_run_trained_where_only_docs_differ_from_the_commit_records_the_commit
     assert results._git_commit(tmp_path) == head
     (tmp_path / "code.py").write_text("x = 2\n")
     assert results._git_commit(tmp_path) == f"{head} (with uncommitted changes)"
+
+
+def test_a_page_of_the_64_cubed_row_alone_counts_against_its_own_budget(results):
+    """Issue #47 gives the 64³ row 10 CPU-hours of its own; a page that holds any other dataset has the page's."""
+    budget, why = results.page_budget(["adrenal3d_64/2x2x2_o2_s0", "adrenal3d_64/2x2x2_o2_s1"])
+    assert budget == 10 * 3600 and "docs/cost.md" in why
+    assert results.page_budget(["mnist/2x2_o0_s0", "adrenal3d_64/2x2x2_o2_s0"]) == (
+        results.CPU_BUDGET_S,
+        "the script's docstring",
+    )
