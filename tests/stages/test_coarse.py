@@ -151,7 +151,7 @@ def test_the_coarse_stage_records_its_fit_and_the_run_its_curves_and_the_stacker
     fit = meta["fit"]
     assert fit["kept"] in ("trained", "linear", "averaging") and fit["plan"]["max_epochs"] == 2
     assert {"averaging", "linear"} <= set(fit["validation"]) and len(fit["linear"]["path"]) == 6
-    assert meta["coarse_net"]["skip"] == "mean_prob" and meta["coarse_net"]["inputs"] == "logits"
+    assert meta["coarse_net"]["skip"] == "mean_prob" and meta["coarse_net"]["inputs"] == "probs"
     # The kept network is at least as good as averaging the local nets on the validation split: it was a candidate.
     scores = fit["validation"]
     assert scores[fit["kept"]]["acc"] >= scores["averaging"]["acc"]
