@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ddcnn.context import build_coarse_net, coarse_net_spec  # noqa: E402
+from ddcnn import registry  # noqa: E402
+from ddcnn.context import build_coarse_net, coarse_net_spec, subdomain_seed  # noqa: E402
 from ddcnn.engine.optim import torch_threads  # noqa: E402
 from ddcnn.rundir import RunDir  # noqa: E402
 from ddcnn.settings.run import RunSettings  # noqa: E402
@@ -62,9 +63,11 @@ def _local_times(run: RunDir) -> list[float]:
 
 
 def measure(run_dir: Path, sizes: list[int], repeats: int, seed: int = 0) -> dict:
-    """The coarse fit's time, kept candidate and validation accuracy per training size of one run directory."""
+    """The coarse fit's time, kept candidate and validation accuracy per training size of one run directory: each fit
+    from the coarse stage's own seed (so at the run's size it is the stage's fit); ``seed`` draws the subsets."""
     run = RunDir(run_dir)
     settings = _settings(run_dir)
+    fit_seed = subdomain_seed(settings.seed, registry.get("coarse").seed_offset)  # ddcnn.stages.common.stage_seed
     coarse = settings.coarse
     local = _local_times(run)
     n_nets = len(local)
@@ -76,15 +79,15 @@ def measure(run_dir: Path, sizes: list[int], repeats: int, seed: int = 0) -> dic
     order = torch.randperm(n_run, generator=torch.Generator().manual_seed(seed))
     rows = []
     for n in sorted({s for s in sizes if s < n_run} | {n_run}):
-        pick = order[:n]
+        pick = order[:n] if n < n_run else torch.arange(n_run)  # the whole split in its own order: the stage's fit
         fit_x, fit_y = {"train": x["train"][pick], "val": x["val"]}, {"train": y["train"][pick], "val": y["val"]}
         times, walls = [], []
         for _ in range(repeats):
-            torch.manual_seed(seed)
+            torch.manual_seed(fit_seed)
             net = build_coarse_net(coarse, n_nets, x["train"].shape[-1], spec=coarse_net_spec(coarse, kind))
             with tempfile.TemporaryDirectory() as folder, torch_threads(coarse.num_threads):
                 start = time.perf_counter()
-                fitted = fit_coarse(net, fit_x, fit_y, folder, coarse, seed=seed, loop=settings.loop)
+                fitted = fit_coarse(net, fit_x, fit_y, folder, coarse, seed=fit_seed, loop=settings.loop)
                 walls.append(time.perf_counter() - start)
             times.append(float(fitted.result.fit_time_s))
         fit_s = statistics.median(times)
