@@ -789,9 +789,14 @@ def auc_lines(root: Path, names: list[str], published: tuple[tuple[str, float], 
     return lines
 
 
+def _coarse_input(results: dict) -> str:
+    """The input a run's coarse DNN trained on (``results.json`` ``coarse_input``; a run from before it: probs)."""
+    return (results.get("coarse_input") or {}).get("coarse", "probs")
+
+
 def _cnn_dnn_key(run) -> str:
-    """The results key of the run's CNN-DNN row (its coarse DNN's input: probabilities by default)."""
-    return f"cnn_dnn_{(run.results.get('coarse_input') or {}).get('coarse', 'probs')}"
+    """The results key of the run's CNN-DNN row (its coarse DNN's input)."""
+    return f"cnn_dnn_{_coarse_input(run.results)}"
 
 
 def paired_table(root: Path, names: list[str], pairs: tuple | None = None) -> list[dict]:
@@ -1779,8 +1784,7 @@ def _page_input(root: Path, names: list[str]) -> str:
     (``results.json`` ``coarse_input``), beside today's default (``conf/coarse/mlp.yaml``) where it is the other."""
     from ddcnn.settings.read import yaml_default
 
-    records = [json.loads((root / n / "results.json").read_text()) for n in names]
-    used = sorted({(r.get("coarse_input") or {}).get("coarse", "probs") for r in records})
+    used = sorted({_coarse_input(json.loads((root / n / "results.json").read_text())) for n in names})
     label = {"probs": "probabilities", "logits": "logits"}
     text = (
         "the coarse DNN on the local " + " or ".join(label.get(u, u) for u in used) + ", as the page's runs trained it"

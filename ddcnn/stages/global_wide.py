@@ -157,11 +157,8 @@ def run(ctx: Context, device=None) -> dict:
     # Runs whose widened net is the same (the same width for the same parameter count: 2x2 at overlap 0 and 2) share
     # one training through the store, as they share the global CNN (store.reuse).
     derived = {key: match[key] for key in ("width_mult", "params", "target")}
-    return reuse.run(
-        ctx,
-        STAGE,
-        device,
-        lambda more: train_stage(ctx, device, STAGE, 1, {**extra, **more}, build=build),
-        None,
-        derived,
-    )
+
+    def train(more: dict) -> dict:
+        return train_stage(ctx, device, STAGE, 1, {**extra, **more}, build=build)
+
+    return reuse.run(ctx, STAGE, device, train, derived=derived)
